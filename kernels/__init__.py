@@ -1,0 +1,1 @@
+"""Triton kernels, each beside the torch implementation it must equal."""

@@ -1,0 +1,1 @@
+"""Subcommands of ``nanoverify``; see optimized/cli.py."""

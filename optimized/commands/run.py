@@ -1,0 +1,17 @@
+"""``nanoverify run``: not built yet (placeholder until its issue lands)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "run (not implemented yet)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+
+
+def main(args: argparse.Namespace) -> int:
+    print("nanoverify run: not implemented yet", file=sys.stderr)
+    return 2

@@ -1,0 +1,154 @@
+"""Conformance workloads and the normative replay loop (shared/conformance/README.md).
+
+A workload is validated whole before any scheduler exists, so a malformed one
+changes nothing and is reported by field. ``replay`` drives any implementation
+that exposes the reference's API (``SchedulerConfig``, ``SamplingParams``,
+``Sequence``, ``Scheduler``) and returns the trace records; an empty decode ends
+the trace exactly where the lesson's ``assert scheduled_seqs`` fires.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from optimized.errors import EmptyDecodeError, WorkloadError
+
+CONFIG_FIELDS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "eos")
+
+
+@dataclass(frozen=True)
+class Request:
+    id: int
+    prompt: list[int]
+    max_tokens: int
+    ignore_eos: bool
+    arrive: int
+    output: list[int]
+
+
+@dataclass(frozen=True)
+class Workload:
+    config: dict[str, int]
+    requests: list[Request]
+
+
+def _int(value: Any, where: str, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WorkloadError(f"{where} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise WorkloadError(f"{where} must be >= {minimum}, got {value}")
+    return value
+
+
+def _key(obj: dict[str, Any], key: str, where: str) -> Any:
+    if key not in obj:
+        raise WorkloadError(f"missing key {where + '.' if where else ''}{key}")
+    return obj[key]
+
+
+def _token_list(value: Any, where: str) -> list[int]:
+    if not isinstance(value, list):
+        raise WorkloadError(f"{where} must be a list of token ids")
+    return [_int(t, f"{where}[{i}]", 0) for i, t in enumerate(value)]
+
+
+def parse_workload(obj: Any) -> Workload:
+    """Validate a workload object; raises WorkloadError naming the first bad field."""
+    if not isinstance(obj, dict):
+        raise WorkloadError("workload must be an object")
+    cfg = _key(obj, "config", "workload")
+    if not isinstance(cfg, dict):
+        raise WorkloadError("workload.config must be an object")
+    minimums = {"block_size": 2, "num_blocks": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "eos": None}
+    config = {f: _int(_key(cfg, f, "config"), f"config.{f}", minimums[f]) for f in CONFIG_FIELDS}
+    raw = _key(obj, "requests", "workload")
+    if not isinstance(raw, list):
+        raise WorkloadError("workload.requests must be a list")
+    requests: list[Request] = []
+    seen: set[int] = set()
+    for i, r in enumerate(raw):
+        where = f"requests[{i}]"
+        if not isinstance(r, dict):
+            raise WorkloadError(f"{where} must be an object")
+        rid = _int(_key(r, "id", where), f"{where}.id", 0)
+        if rid in seen:
+            raise WorkloadError(f"{where}.id {rid} is not unique")
+        seen.add(rid)
+        prompt = _token_list(_key(r, "prompt", where), f"{where}.prompt")
+        if not prompt:
+            raise WorkloadError(f"{where}.prompt must not be empty")
+        max_tokens = _int(_key(r, "max_tokens", where), f"{where}.max_tokens", 1)
+        ignore_eos = _key(r, "ignore_eos", where)
+        if not isinstance(ignore_eos, bool):
+            raise WorkloadError(f"{where}.ignore_eos must be true or false")
+        arrive = _int(_key(r, "arrive", where), f"{where}.arrive", 0)
+        output = _token_list(_key(r, "output", where), f"{where}.output")
+        if len(output) < max_tokens:
+            raise WorkloadError(f"{where}.output has {len(output)} tokens, shorter than max_tokens {max_tokens}")
+        requests.append(Request(rid, prompt, max_tokens, ignore_eos, arrive, output))
+    return Workload(config, requests)
+
+
+def implementation(name: str) -> ModuleType:
+    """The package whose scheduler API a replay drives: 'reference' or 'optimized'."""
+    if name not in ("reference", "optimized"):
+        raise ValueError(f"impl must be 'reference' or 'optimized', got {name!r}")
+    module = importlib.import_module(name)
+    if not hasattr(module, "Scheduler"):
+        raise NotImplementedError(f"the {name} scheduler is not implemented yet")
+    return module
+
+
+StepHook = Callable[[Any, list[Any], bool], None]
+
+
+def replay(workload: Workload, impl: ModuleType, on_schedule: StepHook | None = None,
+           on_postprocess: StepHook | None = None) -> list[dict[str, Any]]:
+    """Run the normative replay loop and return its trace records.
+
+    ``on_schedule`` sees (scheduler, batch, is_prefill) right after schedule();
+    ``on_postprocess`` the same right after postprocess(). Tests hang invariant
+    checks there.
+    """
+    scheduler = impl.Scheduler(impl.SchedulerConfig(**workload.config))
+    pending = sorted(workload.requests, key=lambda r: (r.arrive, r.id))
+    request_of: dict[int, Request] = {}
+    trace: list[dict[str, Any]] = []
+    step = 0
+    while pending or not scheduler.is_finished():
+        while pending and pending[0].arrive <= step:
+            r = pending.pop(0)
+            params = impl.SamplingParams(max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
+            seq = impl.Sequence(r.prompt, params, workload.config["block_size"])
+            request_of[seq.seq_id] = r
+            scheduler.add(seq)
+        if scheduler.is_finished():
+            step = pending[0].arrive
+            continue
+        running_before = {s.seq_id for s in scheduler.running}
+        try:
+            seqs, is_prefill = scheduler.schedule()
+        except (AssertionError, EmptyDecodeError):
+            trace.append({"step": step, "error": "empty decode"})
+            break
+        waiting_after = {s.seq_id for s in scheduler.waiting}
+        if on_schedule is not None:
+            on_schedule(scheduler, seqs, is_prefill)
+        record: dict[str, Any] = {
+            "step": step,
+            "prefill": is_prefill,
+            "batch": [[request_of[s.seq_id].id, s.num_scheduled_tokens, list(s.block_table)] for s in seqs],
+            "preempted": sorted(request_of[i].id for i in running_before & waiting_after),
+        }
+        tokens = [request_of[s.seq_id].output[s.num_completion_tokens] for s in seqs]
+        scheduler.postprocess(seqs, tokens, is_prefill)
+        if on_postprocess is not None:
+            on_postprocess(scheduler, seqs, is_prefill)
+        record["finished"] = [request_of[s.seq_id].id for s in seqs if s.status.name == "FINISHED"]
+        trace.append(record)
+        step += 1
+    return trace

@@ -1,0 +1,52 @@
+"""How a request wants its tokens drawn, validated when it is made.
+
+A superset of the reference's ``SamplingParams`` (temperature, max_tokens,
+ignore_eos), with the vLLM-style fields the engine honours. Every bad value
+raises ValueError naming the field, so a request that reaches the scheduler is
+well-formed. ``temperature == 0`` means greedy. ``seed`` makes the draw a pure
+function of (seed, position): the same tokens alone or batched, chunked or
+preempted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    max_tokens: int = 64
+    ignore_eos: bool = False
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
+            raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        stops = tuple(self.stop_token_ids)
+        for t in stops:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
+        object.__setattr__(self, "stop_token_ids", stops)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
