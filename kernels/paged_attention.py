@@ -1,0 +1,111 @@
+"""Paged KV-cache store and attention, torch implementations (the oracle for the Triton kernels).
+
+Invariants: the cache is ``[num_blocks, block_size, kvh, d]`` and contiguous, so slot ``s`` is row ``s`` of its
+``[num_blocks * block_size, kvh, d]`` view, i.e. block ``s // block_size``, offset ``s % block_size``; slot -1 writes
+nothing. Sequence b's context is the first ``context_lens[b]`` slots named by its block-table row (entries past the
+context are -1 and never read). Its queries are the LAST ``qlen_b`` positions of that context, and query i may see key
+j iff ``j <= context_lens[b] - qlen_b + i`` (causal). Attention arithmetic follows transformers' eager path: scores
+``(q @ k^T) * scale`` in the input dtype, softmax in float32 cast back to the input dtype, then ``weights @ v`` —
+GQA by repeating each KV head ``h // kvh`` times. A decode row with context length 0 yields zeros, not NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _flat(cache: torch.Tensor) -> torch.Tensor:
+    assert cache.is_contiguous(), "KV cache must be contiguous so a slot is one row of its flat view"
+    return cache.view(-1, cache.shape[2], cache.shape[3])
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write row i of k/v to slot ``slot_mapping[i]``; slot -1 writes nothing (KERN-1)."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    _flat(k_cache)[slots] = k[valid].to(k_cache.dtype)
+    _flat(v_cache)[slots] = v[valid].to(v_cache.dtype)
+
+
+def _gather(cache: torch.Tensor, table_row: torch.Tensor, n: int) -> torch.Tensor:
+    block_size = cache.shape[1]
+    num_blocks = (n + block_size - 1) // block_size
+    blocks = table_row[:num_blocks].long()
+    return cache[blocks].reshape(num_blocks * block_size, cache.shape[2], cache.shape[3])[:n]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q[qlen,h,d] (the last qlen positions) over k, v [n,kvh,d]."""
+    qlen, heads, _ = q.shape
+    n, kv_heads, _ = k.shape
+    rep = heads // kv_heads
+    qh = q.transpose(0, 1)
+    kh = k.transpose(0, 1).repeat_interleave(rep, dim=0)
+    vh = v.transpose(0, 1).repeat_interleave(rep, dim=0)
+    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
+    q_pos = torch.arange(n - qlen, n, device=q.device)
+    k_pos = torch.arange(n, device=q.device)
+    future = k_pos[None, :] > q_pos[:, None]
+    scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, vh).transpose(0, 1)
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed queries ``q[N,h,d]`` over each sequence's paged context (KERN-2, KERN-3)."""
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for b in range(len(lens)):
+        start, end = cu[b], cu[b + 1]
+        if end == start:
+            continue
+        n = lens[b]
+        assert n >= end - start, "a sequence cannot have more queries than context tokens"
+        k = _gather(k_cache, block_tables[b], n).to(q.dtype)
+        v = _gather(v_cache, block_tables[b], n).to(q.dtype)
+        out[start:end] = _attend(q[start:end], k, v, scale)
+    return out
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence over its whole paged context, without host syncs (KERN-4).
+
+    The whole table width is gathered (clamping -1 entries to block 0) and positions at or past the context length
+    are masked and their values zeroed, so garbage in unused blocks never reaches the output, and a row with
+    context length 0 gets uniform weights over zeros: an output of zeros.
+    """
+    batch, heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    width = block_tables.shape[1] * block_size
+    blocks = block_tables.long().clamp(min=0)
+    positions = torch.arange(width, device=q.device)
+    valid = positions[None, :] < context_lens.long()[:, None]
+    keep = valid[:, :, None, None]
+    k = torch.where(keep, k_cache[blocks].reshape(batch, width, kv_heads, dim).to(q.dtype), 0)
+    v = torch.where(keep, v_cache[blocks].reshape(batch, width, kv_heads, dim).to(q.dtype), 0)
+    rep = heads // kv_heads
+    kh = k.permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
+    vh = v.permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q[:, :, None, :], kh.transpose(-1, -2)) * scale
+    # Masking in float32 (not the input dtype) keeps the fill finite, so an all-masked row is uniform, not NaN.
+    scores32 = scores.to(torch.float32).masked_fill(~valid[:, None, None, :], torch.finfo(torch.float32).min)
+    weights = torch.softmax(scores32, dim=-1).to(q.dtype)
+    return torch.matmul(weights, vh)[:, :, 0, :]
