@@ -83,13 +83,23 @@ def slot_of(position: int, block_table: Sequence[int], block_size: int) -> int:
     return block_table[position // block_size] * block_size + position % block_size
 
 
+def per_token_slots(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """The definition: ``slot_of`` of each position in [start, end)."""
+    return [slot_of(p, block_table, block_size) for p in range(start, end)]
+
+
+def expand_runs(runs: Sequence[tuple[int, int]]) -> list[int]:
+    """Runs (first slot, length) written out slot by slot."""
+    return [first + k for first, length in runs for k in range(length)]
+
+
 def chunk_slot_runs(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[tuple[int, int]]:
     """Slots of positions [start, end) as runs (first slot, length), one run per block touched.
 
     pre: block_size >= 1
     pre: 0 <= start <= end <= len(block_table) * block_size
     pre: all(b >= 0 for b in block_table)
-    post: [s + k for s, n in __return__ for k in range(n)] == [slot_of(p, block_table, block_size) for p in range(start, end)]
+    post: expand_runs(__return__) == per_token_slots(block_table, start, end, block_size)
     """
     runs: list[tuple[int, int]] = []
     position = start
@@ -113,5 +123,6 @@ def batch_slot_mapping(
     rows = np.repeat(np.arange(len(starts), dtype=np.int64), lengths)
     offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     positions = np.repeat(starts, lengths) + offsets
-    blocks = block_tables[rows, positions // block_size]
-    return blocks * block_size + positions % block_size
+    blocks = np.asarray(block_tables[rows, positions // block_size], dtype=np.int64)
+    slots: npt.NDArray[np.int64] = blocks * block_size + positions % block_size
+    return slots

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from optimized.block_math import blocks_for, slot_of
+from optimized.block_math import expand_runs, per_token_slots  # noqa: F401 (the contracts name them)
 
 
 def blocks_for_floor(num_tokens: int, block_size: int) -> int:
@@ -63,12 +64,14 @@ def slot_of_swapped(position: int, block_table: Sequence[int], block_size: int) 
     return block_table[position % len(block_table)] * block_size + position % block_size
 
 
-def chunk_slot_runs_drops_tail(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[tuple[int, int]]:
+def chunk_slot_runs_drops_tail(
+    block_table: Sequence[int], start: int, end: int, block_size: int
+) -> list[tuple[int, int]]:
     """
     pre: block_size >= 1
     pre: 0 <= start <= end <= len(block_table) * block_size
     pre: all(b >= 0 for b in block_table)
-    post: [s + k for s, n in __return__ for k in range(n)] == [slot_of(p, block_table, block_size) for p in range(start, end)]
+    post: expand_runs(__return__) == per_token_slots(block_table, start, end, block_size)
     """
     runs: list[tuple[int, int]] = []
     position = start
