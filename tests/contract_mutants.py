@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from optimized.block_math import blocks_for, slot_of
-from optimized.block_math import expand_runs, per_token_slots  # noqa: F401 (the contracts name them)
+from optimized.block_math import blocks_for, expand_runs, per_token_slots, slot_of  # noqa: F401 (the contracts name them)
 
 
 def blocks_for_floor(num_tokens: int, block_size: int) -> int:
