@@ -1,0 +1,174 @@
+"""The step loop: schedule, run the model on the batch, hand the tokens back to the scheduler.
+
+Invariants: a request is validated whole before the scheduler sees it, so a
+refused one leaves the scheduler untouched (ENG-9); every sequence the
+scheduler holds belongs to exactly one live ``Request``; a step runs the model
+on exactly the tokens the scheduler granted and postprocesses exactly that
+batch. Stop tokens are honoured without touching the scheduler's decisions
+(ENG-12): when a drawn token is in the request's stop set, the engine lowers
+that sequence's ``max_tokens`` to end at this token just before postprocess,
+and the scheduler finishes it by its own length rule; check mode applies the
+same cut to the shadow. The scheduler implementation is imported in exactly
+one place, ``_SCHEDULER`` below.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from optimized.block_math import admits
+from optimized.model_runner import PLACEHOLDER, DrawParams, ModelRunner
+from optimized.sampling_params import SamplingParams
+from optimized.shadow import Shadow
+
+# The one import point of the scheduler the engine drives.
+from reference import Scheduler, SchedulerConfig, Sequence, SequenceStatus
+
+__all__ = ["Engine", "EngineLimits", "EngineStats", "Request", "SchedulerConfig", "validate_request"]
+
+
+@dataclass
+class Request:
+    """One generate() request as the engine tracks it; ``arrival`` is its 0-based add order."""
+
+    arrival: int
+    seq: Sequence
+    params: SamplingParams
+    draw: DrawParams
+    stop_ids: frozenset[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_tokens: int = 0  # tokens computed in prefill steps (prefix-cache hits excluded)
+    decode_tokens: int = 0
+    preemptions: int = 0
+    prefix_cache_hit_tokens: int = 0
+    compared_steps: int = 0  # steps whose decisions check mode compared with the reference
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+def validate_request(token_ids: Seq[int], params: SamplingParams, limits: EngineLimits) -> None:
+    """ValueError naming the limit when the engine must refuse the request (ENG-9); changes nothing."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params must be optimized.SamplingParams, got {type(params).__name__}")
+    # Re-running the dataclass validation catches a params object mutated after it was made.
+    SamplingParams(**{f: getattr(params, f) for f in params.__dataclass_fields__})
+    n = len(token_ids)
+    if n == 0:
+        raise ValueError("prompt must hold at least one token")
+    bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limits.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be in [0, vocab_size={limits.vocab_size}), got {bad[0]!r}")
+    if n + params.max_tokens > limits.max_model_len:
+        raise ValueError(
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len={limits.max_model_len}"
+        )
+    if not admits(n, params.max_tokens, limits.block_size, limits.num_blocks):
+        raise ValueError(
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) can never fit the KV cache "
+            f"(num_kvcache_blocks={limits.num_blocks} of kvcache_block_size={limits.block_size})"
+        )
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig, limits: EngineLimits, check: bool) -> None:
+        self.runner = runner
+        self.limits = limits
+        self.scheduler = Scheduler(config)
+        self.shadow = Shadow(config) if check else None
+        self.live: dict[int, Request] = {}  # by seq_id
+        self.stats = EngineStats()
+        self._arrivals = 0
+
+    def add(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
+        validate_request(token_ids, params, self.limits)
+        seq = Sequence(list(token_ids), params, self.limits.block_size)  # type: ignore[arg-type]
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(self.limits.eos_token_ids[1:])  # the first is the scheduler's own eos
+        draw = DrawParams(params.temperature, params.top_k, params.top_p, seed % (1 << 63))
+        request = Request(self._arrivals, seq, params, draw, frozenset(stops))
+        self._arrivals += 1
+        self.scheduler.add(seq)
+        if self.shadow is not None:
+            self.shadow.add(request.arrival, seq.token_ids, params)
+        self.live[seq.seq_id] = request
+        return request
+
+    def has_unfinished(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    def step(self) -> list[Request]:
+        """One scheduler step; the requests that finished in it."""
+        holding = [r for r in self.live.values() if r.seq.block_table]
+        held = {r.seq.seq_id for r in holding}
+        seqs, is_prefill = self.scheduler.schedule()
+        requests = [self.live[s.seq_id] for s in seqs]
+        preempted = [r for r in holding if not r.seq.block_table]
+        if self.shadow is not None:
+            self.shadow.after_schedule(self.scheduler, requests, is_prefill, [r.arrival for r in preempted])
+        start = time.perf_counter()
+        tokens = self.runner.run(seqs, is_prefill, [r.draw for r in requests])
+        self._count(seqs, is_prefill, held, len(preempted), time.perf_counter() - start)
+        cuts = self._stop_cuts(requests, tokens)
+        self.scheduler.postprocess(seqs, tokens, is_prefill)
+        finished = [r for r in requests if r.seq.status == SequenceStatus.FINISHED]
+        for r in finished:
+            r.finish_reason = self._finish_reason(r)
+            del self.live[r.seq.seq_id]
+        if self.shadow is not None:
+            self.shadow.after_postprocess(self.scheduler, tokens, cuts, [r.arrival for r in finished])
+            self.stats.compared_steps += 1
+        return finished
+
+    def _stop_cuts(self, requests: list[Request], tokens: list[int]) -> list[int]:
+        """ENG-12: cut max_tokens to end at a drawn stop token; the arrivals cut."""
+        cuts = []
+        for r, t in zip(requests, tokens, strict=True):
+            if t != PLACEHOLDER and t in r.stop_ids:
+                r.seq.max_tokens = r.seq.num_completion_tokens + 1
+                cuts.append(r.arrival)
+        return cuts
+
+    def _finish_reason(self, r: Request) -> str:
+        last = r.seq.token_ids[-1]
+        if last in r.stop_ids or (not r.params.ignore_eos and last == self._eos):
+            return "stop"
+        return "length"
+
+    @property
+    def _eos(self) -> int:
+        return self.limits.eos_token_ids[0] if self.limits.eos_token_ids else -1
+
+    def _count(self, seqs: list[Sequence], is_prefill: bool, held: set[int], preempted: int, seconds: float) -> None:
+        st = self.stats
+        st.steps += 1
+        st.preemptions += preempted
+        computed = sum(s.num_scheduled_tokens for s in seqs)
+        if is_prefill:
+            st.prefill_steps += 1
+            st.prefill_tokens += computed
+            st.prefill_seconds += seconds
+            # A sequence allocated this step starts at its prefix-cache hit.
+            st.prefix_cache_hit_tokens += sum(s.num_cached_tokens for s in seqs if s.seq_id not in held)
+        else:
+            st.decode_steps += 1
+            st.decode_tokens += computed
+            st.decode_seconds += seconds

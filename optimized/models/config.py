@@ -1,0 +1,128 @@
+"""What the engine reads from a checkpoint's config.json, validated once.
+
+One decoder serves three families; they differ only in flags: Qwen3 normalises
+q and k per head (``qk_norm``), Qwen2 adds biases to q/k/v, Llama may add
+biases everywhere (``attention_bias``, ``mlp_bias``). Every field the model code
+uses is resolved here, so a config that parses builds a model with no further
+surprises; anything the decoder cannot honour (other activations, scaled RoPE,
+sliding windows) is refused with a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("qwen3", "qwen2", "llama")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def eos(self) -> int:
+        """The scheduler's single eos id (-1: none); further eos ids are engine stop tokens (ENG-12)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else -1
+
+
+def _int(d: dict[str, Any], key: str, minimum: int = 1) -> int:
+    value = d.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"config.json: {key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _float(d: dict[str, Any], key: str, default: float) -> float:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"config.json: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _rope_theta(d: dict[str, Any]) -> float:
+    """RoPE base from ``rope_parameters`` (transformers 5) or the older top-level ``rope_theta``."""
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config.json: rope_parameters must be an object, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in (None, "default"):
+        raise ValueError(f"config.json: rope_type {rope_type!r} is not supported (only 'default')")
+    merged = {"rope_theta": d.get("rope_theta", 10000.0), **params}
+    return _float(merged, "rope_theta", 10000.0)
+
+
+def _eos_ids(d: dict[str, Any]) -> tuple[int, ...]:
+    value = d.get("eos_token_id")
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"config.json: eos_token_id must be token ids, got {value!r}")
+    return tuple(ids)
+
+
+def _family(d: dict[str, Any]) -> str:
+    family = d.get("model_type")
+    if family not in FAMILIES:
+        raise ValueError(f"config.json: model_type must be one of {FAMILIES}, got {family!r}")
+    return str(family)
+
+
+def parse_config(d: dict[str, Any]) -> ModelConfig:
+    family = _family(d)
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act must be 'silu', got {d.get('hidden_act')!r}")
+    if d.get("use_sliding_window"):
+        raise ValueError("config.json: use_sliding_window is not supported")
+    hidden = _int(d, "hidden_size")
+    heads = _int(d, "num_attention_heads")
+    kv_heads = _int({"num_key_value_heads": d.get("num_key_value_heads", heads)}, "num_key_value_heads")
+    if heads % kv_heads:
+        raise ValueError(f"config.json: num_attention_heads ({heads}) must be a multiple of num_key_value_heads")
+    head_dim = d.get("head_dim") or hidden // heads
+    attention_bias = bool(d.get("attention_bias", False))
+    return ModelConfig(
+        family=family,
+        vocab_size=_int(d, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_int(d, "intermediate_size"),
+        num_layers=_int(d, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=_int({"head_dim": head_dim}, "head_dim", 2),
+        rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(d),
+        max_position_embeddings=_int(d, "max_position_embeddings"),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qkv_bias=True if family == "qwen2" else attention_bias,
+        o_bias=False if family == "qwen2" else attention_bias,
+        mlp_bias=family == "llama" and bool(d.get("mlp_bias", False)),
+        qk_norm=family == "qwen3",
+        eos_token_ids=_eos_ids(d),
+    )
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model: {model_dir} has no config.json")
+    with path.open() as f:
+        return parse_config(json.load(f))

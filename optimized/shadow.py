@@ -1,0 +1,135 @@
+"""Check mode: the reference scheduler runs in lockstep with the engine's and must decide the same.
+
+The shadow mirrors every add (same tokens, same max_tokens/ignore_eos, same
+scheduler config) and is fed the engine's tokens, so both schedulers see the
+same history. After each schedule() it compares the batch (arrival ids in
+order), each sequence's granted tokens and block table, prefill-or-decode, and
+the preempted arrivals; after postprocess() the finished arrivals. Every
+invariant of ``invariants`` is checked on both schedulers at both points. The
+first difference or violation raises ``ShadowDivergence`` with both states
+dumped. Sequences are matched by arrival order, never by seq_id: the two
+implementations number their sequences independently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import reference
+from invariants import SchedulerState, check_batch, check_state, seq_view, snapshot
+from optimized.sampling_params import SamplingParams
+
+
+class ShadowDivergence(RuntimeError):
+    """The engine's scheduler and the reference decided differently, or one broke an invariant."""
+
+
+class SchedulerKnobs(Protocol):
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def eos(self) -> int: ...
+
+
+class Arrived(Protocol):
+    """What the shadow reads of an engine request."""
+
+    arrival: int
+    seq: Any
+
+
+def _dump(state: SchedulerState) -> str:
+    def seqs(views: list[Any]) -> str:
+        return "\n".join(
+            f"    id={v.seq_id} {v.status} len={v.num_tokens} prompt={v.num_prompt_tokens} "
+            f"cached={v.num_cached_tokens} sched={v.num_scheduled_tokens} blocks={v.block_table}"
+            for v in views
+        )
+
+    free = state.free_block_ids
+    return (
+        f"  free blocks ({len(free)}): {free[:16]}{' ...' if len(free) > 16 else ''}\n"
+        f"  waiting:\n{seqs(state.waiting)}\n  running:\n{seqs(state.running)}"
+    )
+
+
+class Shadow:
+    def __init__(self, config: SchedulerKnobs) -> None:
+        self.ref = reference.Scheduler(
+            reference.SchedulerConfig(
+                num_blocks=config.num_blocks,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                eos=config.eos,
+            )
+        )
+        self.block_size = config.block_size
+        self.by_arrival: dict[int, reference.Sequence] = {}
+        self.arrival_of: dict[int, int] = {}  # reference seq_id -> arrival
+        self.batch: list[reference.Sequence] = []
+        self.is_prefill = True
+        self.step = 0
+
+    def add(self, arrival: int, token_ids: Sequence[int], params: SamplingParams) -> None:
+        rp = reference.SamplingParams(params.temperature, params.max_tokens, params.ignore_eos)
+        seq = reference.Sequence(list(token_ids), rp, self.block_size)
+        self.by_arrival[arrival] = seq
+        self.arrival_of[seq.seq_id] = arrival
+        self.ref.add(seq)
+
+    def _fail(self, engine_scheduler: Any, what: str) -> None:
+        raise ShadowDivergence(
+            f"check mode, step {self.step}: {what}\n"
+            f"--- engine scheduler ---\n{_dump(snapshot(engine_scheduler))}\n"
+            f"--- reference scheduler ---\n{_dump(snapshot(self.ref))}"
+        )
+
+    def _check(self, engine_scheduler: Any, batch: list[Any] | None = None) -> None:
+        """Invariants on both schedulers: with ``batch`` right after schedule(), without it between steps."""
+        between_steps = batch is None
+        ref_batch = None if batch is None else self.batch
+        for name, sched, seqs in (("engine", engine_scheduler, batch), ("reference", self.ref, ref_batch)):
+            state = snapshot(sched)
+            violations = check_state(state, between_steps=between_steps)
+            if seqs is not None:
+                violations += check_batch(state, [seq_view(s) for s in seqs], self.is_prefill)
+            if violations:
+                self._fail(engine_scheduler, f"{name} scheduler breaks " + "; ".join(map(str, violations)))
+
+    def after_schedule(
+        self, engine_scheduler: Any, batch: Sequence[Arrived], is_prefill: bool, preempted: list[int]
+    ) -> None:
+        holding = [a for a, s in self.by_arrival.items() if s.block_table]
+        self.batch, self.is_prefill = self.ref.schedule()
+        ref_preempted = [a for a in holding if not self.by_arrival[a].block_table]
+        mine = [(r.arrival, r.seq.num_scheduled_tokens, list(r.seq.block_table)) for r in batch]
+        ref = [(self.arrival_of[s.seq_id], s.num_scheduled_tokens, list(s.block_table)) for s in self.batch]
+        if is_prefill != self.is_prefill:
+            self._fail(engine_scheduler, f"is_prefill engine={is_prefill} reference={self.is_prefill}")
+        if mine != ref:
+            self._fail(engine_scheduler, f"batch (arrival, tokens, blocks) engine={mine} reference={ref}")
+        if sorted(preempted) != sorted(ref_preempted):
+            self._fail(engine_scheduler, f"preempted arrivals engine={preempted} reference={ref_preempted}")
+        self._check(engine_scheduler, [r.seq for r in batch])
+
+    def after_postprocess(self, engine_scheduler: Any, tokens: list[int], cuts: list[int], finished: list[int]) -> None:
+        for a in cuts:  # ENG-12's stop-token cut, applied to the shadow too
+            s = self.by_arrival[a]
+            s.max_tokens = s.num_completion_tokens + 1
+        self.ref.postprocess(self.batch, tokens, self.is_prefill)
+        ref_finished = [self.arrival_of[s.seq_id] for s in self.batch if s.status == reference.SequenceStatus.FINISHED]
+        if sorted(finished) != sorted(ref_finished):
+            self._fail(engine_scheduler, f"finished arrivals engine={finished} reference={ref_finished}")
+        for a in ref_finished:
+            del self.arrival_of[self.by_arrival.pop(a).seq_id]
+        self.batch = []
+        self._check(engine_scheduler)
+        self.step += 1
