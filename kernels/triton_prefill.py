@@ -5,8 +5,11 @@ Invariants: program (b, head, tile) handles queries ``tile * BLOCK_M ..`` of seq
 are ``ctx_b - qlen_b + i`` (queries are the last qlen_b of the context, which serves chunked prefill and prefix-cache
 hits alike). It walks keys 0 .. the tile's last visible position in BLOCK_N steps, reading each key through the
 block table, masking keys past the context and in the future, with an online softmax in float32. Tiles past qlen_b
-store nothing. Matmuls use ``input_precision="ieee"`` so float32 inputs are not silently rounded to tf32.
-Supported dtypes: float16, bfloat16, float32.
+store nothing. Operands are widened to float32 before each ``tl.dot``: float32 inputs use ``input_precision="ieee"``
+(never silently tf32); fp16/bf16 inputs use tf32 tensor cores, which hold fp16/bf16 values exactly, so q.k^T is
+exact and only the softmax weights are rounded (to tf32, finer than the bf16 rounding usual in flash attention).
+Widening also keeps the Triton interpreter honest, which mis-multiplies bf16 dot operands. Supported dtypes:
+float16, bfloat16, float32.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -56,7 +60,7 @@ def _prefill_kernel(
     q_mask = rmask[:, None] & dmask[None, :]
     q = tl.load(
         q_ptr + (q_start + rows)[:, None] * q_stride_n + head * q_stride_h + dims[None, :], mask=q_mask, other=0.0
-    )
+    ).to(tl.float32)
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -70,16 +74,16 @@ def _prefill_kernel(
         slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
         offs = slot[:, None] * (KV_HEADS * DIM) + kv_head * DIM + dims[None, :]
         kv_mask = pmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         visible = pmask[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, NEG)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_offs = (q_start + rows)[:, None] * o_stride_n + head * o_stride_h + dims[None, :]
@@ -133,5 +137,6 @@ def paged_prefill(
         BLOCK_N=bn,
         # tl.dot needs every dimension >= 16.
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
