@@ -1,0 +1,270 @@
+"""The optimized scheduler: the reference's decisions, with decode costing O(events) Python per step.
+
+Invariants: ``waiting`` then ``running`` hold every unfinished sequence once,
+in the reference's order; the decode group's members are a prefix of
+``running`` (decode_group.py); every decision - which sequences run, how many
+tokens each, which block ids, who is preempted, who finishes, what enters the
+prefix cache - is the one lesson 03's scheduler makes (spec/optimized-scheduler.md
+argues each clause, OPT-1..). The prefill loop is the reference's loop on
+cached hashes. A decode step does per-sequence work only for sequences with an
+event this step (a fresh block, a full block to hash, a finish, a preemption);
+the rest of the batch is advanced by the group's clock and one numpy scatter.
+Where the reference's ``assert scheduled_seqs`` fires, ``EmptyDecodeError``
+is raised with the state the reference leaves: every preempted sequence back
+at the front of ``waiting``, ``running`` empty (OPT-9).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from invariants.state import BlockView, SchedulerState, seq_view
+from optimized.decode_group import DecodeGroup
+from optimized.errors import EmptyDecodeError
+from optimized.kv_cache_manager import KVCacheManager
+from optimized.sequence import Sequence
+from optimized.token_arena import TokenArena
+from reference.config import SchedulerConfig
+from reference.sequence import SequenceStatus
+
+__all__ = ["Scheduler", "SchedulerConfig", "Sequence", "SequenceStatus"]
+
+RUNNING = SequenceStatus.RUNNING
+WAITING = SequenceStatus.WAITING
+FINISHED = SequenceStatus.FINISHED
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.eos = config.eos
+        self.block_size = config.block_size
+        self.block_manager = KVCacheManager(config.num_blocks, config.block_size)
+        self._group = DecodeGroup(config.block_size)
+        self._arena = TokenArena(on_move=self._group.refresh_positions)
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._last_batch: list[Sequence] | None = None
+
+    # --- the reference's API ------------------------------------------------------------------
+    @property
+    def waiting(self) -> deque[Sequence]:
+        """The waiting queue, front first (read it; do not modify it)."""
+        return self._waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The running queue, front first (read it; do not modify it)."""
+        return self._running
+
+    def is_finished(self) -> bool:
+        return not self._waiting and not self._running
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; ValueError (and no change) when it cannot be one of ours."""
+        if not isinstance(seq, Sequence):
+            raise ValueError(f"seq must be an optimized Sequence, got {type(seq).__name__}")
+        if seq.block_size != self.block_size:
+            raise ValueError(f"seq.block_size {seq.block_size} differs from the scheduler's {self.block_size}")
+        if seq._arena is not None or seq._own is None or seq._status is not WAITING or seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} was already added to a scheduler")
+        max_tokens = seq._max_tokens
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        self._arena.place(seq, seq._own, seq.num_prompt_tokens + max_tokens)
+        seq._arena = self._arena
+        seq._own = None
+        self._waiting.append(seq)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        if self._group.inflight:  # schedule twice without postprocess: back to per-sequence fields
+            self._group.dissolve()
+        self._last_batch = None
+        if self._waiting:
+            scheduled = self._prefill()
+            if scheduled:
+                return scheduled, True
+        return self._decode(), False
+
+    def postprocess(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> None:
+        group = self._group
+        if seqs is self._last_batch and group.inflight and len(seqs) == len(group.members) <= len(token_ids):
+            self._postprocess_group(token_ids, len(seqs))
+        else:
+            if group.inflight or any(s._group is not None for s in seqs):
+                group.dissolve()
+            self._postprocess_each(seqs, token_ids, is_prefill)
+        self._last_batch = None
+
+    # --- lesson §2: the prefill loop, on cached hashes ------------------------------------------
+    def _prefill(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        num_batched_tokens = 0
+        waiting, bm, block_size = self._waiting, self.block_manager, self.block_size
+        while waiting and len(scheduled) < self.max_num_seqs:
+            seq = waiting[0]
+            remaining = self.max_num_batched_tokens - num_batched_tokens
+            if remaining == 0:
+                break
+            num_cached_blocks = 0
+            if not seq.block_table:
+                num_cached_blocks = bm.can_allocate(seq)
+                if num_cached_blocks == -1:
+                    break
+                num_tokens = seq._ntok - num_cached_blocks * block_size
+            else:
+                num_tokens = seq._ntok - seq._ncached
+            if remaining < num_tokens and scheduled:
+                break
+            if not seq.block_table:
+                bm.allocate(seq, num_cached_blocks)
+            seq._nsched = min(num_tokens, remaining)
+            num_batched_tokens += seq._nsched
+            if seq._ncached + seq._nsched == seq._ntok:
+                seq._status = RUNNING
+                waiting.popleft()
+                self._running.append(seq)
+            scheduled.append(seq)
+        return scheduled
+
+    # --- lesson §4: the decode loop, as one group ----------------------------------------------
+    def _decode(self) -> list[Sequence]:
+        group, running = self._group, self._running
+        members = group.members
+        k = min(len(running), self.max_num_seqs)
+        if len(members) < k:
+            group.join(running[len(members) : k])
+        due = group.allocs.pop(group.now, None)
+        if due:
+            if len(due) <= self.block_manager.free.count:  # OPT-6: nobody has to be preempted
+                take = self.block_manager.take_fresh
+                for seq in due:
+                    seq.block_table.append(take())
+                group.rebook(group.allocs, group.now, due)
+            else:
+                self._decode_with_preemption(due)
+        if not members:
+            raise EmptyDecodeError("schedule(): nothing fits and nothing is running (the reference's assert)")
+        group.inflight = True
+        batch = members[:]
+        self._last_batch = batch
+        return batch
+
+    def _decode_with_preemption(self, due: list[Sequence]) -> None:
+        """The reference's popleft / can_append / preempt-the-tail loop, visiting only members that need a block.
+
+        Members before a needy one pass can_append without taking anything; the
+        queue's tail (index t-1) is what ``running.pop()`` would take (OPT-7).
+        """
+        group, running, bm = self._group, self._running, self.block_manager
+        members, free = group.members, bm.free
+        t = len(running)
+        served: list[Sequence] = []
+        for seq in due:
+            j = members.index(seq)
+            if j >= t:
+                break
+            while free.count == 0:
+                if t - 1 > j:
+                    t -= 1
+                    self._preempt(running[t])
+                else:  # only this one is left: it preempts itself
+                    t = j
+                    self._preempt(seq)
+                    break
+            else:
+                seq.block_table.append(bm.take_fresh())
+                served.append(seq)
+                continue
+            break
+        group.rebook(group.allocs, group.now, served)
+        del running[t:]
+        group.truncate(min(t, len(members)))
+
+    def _preempt(self, seq: Sequence) -> None:
+        if seq._group is not None:
+            self._group.settle(seq)
+        seq._status = WAITING
+        seq._is_prefill = True
+        self.block_manager.deallocate(seq)
+        self._waiting.appendleft(seq)
+
+    # --- lesson §5: postprocess ----------------------------------------------------------------
+    def _postprocess_group(self, token_ids: Any, count: int) -> None:
+        group, bm = self._group, self.block_manager
+        clock, tokens = group.advance(token_ids, count, self._arena.data)
+        filled = group.fills.pop(clock, None)
+        if filled:
+            block_size = self.block_size
+            for seq in filled:
+                bm.register(seq, (seq._ntok + clock - seq._since) // block_size - 1)
+            group.rebook(group.fills, clock, filled)
+        finishing = group.finishes.pop(clock, None)
+        if group.eos_watchers:
+            finishing = self._eos_hits(tokens, finishing)
+        if finishing:
+            self._finish_members(finishing)
+
+    def _eos_hits(self, tokens: Any, finishing: list[Sequence] | None) -> list[Sequence] | None:
+        hits = np.flatnonzero(tokens == self.eos)
+        if not hits.size:
+            return finishing
+        members = self._group.members
+        stopped = [members[j] for j in hits.tolist() if not members[j].ignore_eos]
+        if not stopped:
+            return finishing
+        merged = {id(s): s for s in (*(finishing or ()), *stopped)}
+        return sorted(merged.values(), key=lambda s: s._gord)
+
+    def _finish_members(self, finishing: list[Sequence]) -> None:
+        """Finish members in batch order: the free queue receives their blocks in the reference's order."""
+        group, running = self._group, self._running
+        members = group.members
+        indices = [members.index(seq) for seq in finishing]
+        for seq in finishing:
+            group.settle(seq)
+            self._finish(seq)
+        group.remove_at(indices)
+        for j in reversed(indices):
+            del running[j]
+
+    def _finish(self, seq: Sequence) -> None:
+        seq._status = FINISHED
+        self.block_manager.deallocate(seq)
+        seq._own = self._arena.release(seq)
+        seq._arena = None
+
+    def _postprocess_each(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> None:
+        bm, eos, data = self.block_manager, self.eos, self._arena.data
+        for seq, token_id in zip(seqs, token_ids):  # noqa: B905 (the reference zips: the shorter ends it)
+            bm.hash_blocks(seq)
+            seq._ncached += seq._nsched
+            seq._nsched = 0
+            if is_prefill and seq._ncached < seq._ntok:
+                continue  # an unfinished chunk: its sample is discarded
+            data[seq.region_offset + seq._ntok] = token_id
+            seq._ntok += 1
+            if (not seq.ignore_eos and token_id == eos) or seq._ntok - seq.num_prompt_tokens == seq._max_tokens:
+                self._running.remove(seq)
+                self._finish(seq)
+
+    # --- one view for the invariants ------------------------------------------------------------
+    def snapshot(self) -> SchedulerState:
+        bm = self.block_manager
+        return SchedulerState(
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            blocks=[BlockView(b, bm.ref_counts[b], bm.hashes[b], bm.token_ids_of(b)) for b in range(bm.num_blocks)],
+            free_block_ids=bm.free_block_ids,
+            used_block_ids=bm.used_block_ids,
+            hash_to_block_id=dict(bm.hash_to_block_id),
+            waiting=[seq_view(s) for s in self._waiting],
+            running=[seq_view(s) for s in self._running],
+            extra={"decode_clock": self._group.now, "decode_group": len(self._group.members)},
+        )
