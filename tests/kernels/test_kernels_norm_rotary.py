@@ -1,0 +1,80 @@
+"""RMSNorm and rotary embedding: torch against transformers' own modules (bit for bit), Triton against torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+from kernels import norm, rotary, triton_norm, triton_rotary
+
+CPU = torch.device("cpu")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _weight(hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.rand(hidden) + 0.5).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES])
+def test_rms_norm_is_transformers_rms_norm(dtype: torch.dtype) -> None:
+    """KERN-6, KERN-7: torch rms_norm and add_rms_norm are bit-identical to Qwen3RMSNorm (residual added first)."""
+    module = Qwen3RMSNorm(24, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        module.weight.copy_(_weight(24, dtype))
+    x = torch.randn(5, 3, 24).to(dtype)
+    residual = torch.randn(5, 3, 24).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(norm.rms_norm(x, module.weight, 1e-6), module(x))
+        out, new_residual = norm.add_rms_norm(x, residual, module.weight, 1e-6)
+        assert torch.equal(new_residual, residual + x)
+        assert torch.equal(out, module(residual + x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [24, 64, 100])
+def test_triton_norms_equal_torch(dtype: torch.dtype, hidden: int) -> None:
+    """KERN-6, KERN-7: the residual sum is bit-identical; the norm agrees within 2 ulp of the output dtype."""
+    x = torch.randn(7, hidden).to(dtype)
+    residual = torch.randn(7, hidden).to(dtype)
+    weight = _weight(hidden, dtype)
+    out, new_residual = triton_norm.add_rms_norm(x, residual, weight, 1e-6)
+    ref_out, ref_residual = norm.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(new_residual, ref_residual)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out, ref_out, rtol=2 * eps, atol=2 * eps)
+    # A float32 weight with a 16-bit input promotes the output to float32, as in transformers.
+    plain = triton_norm.rms_norm(x, weight.float(), 1e-6)
+    assert plain.dtype == torch.float32
+    torch.testing.assert_close(plain, norm.rms_norm(x, weight.float(), 1e-6), rtol=2 * eps, atol=2 * eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES])
+def test_rotary_is_transformers_rotary(dtype: torch.dtype) -> None:
+    """KERN-8, KERN-9: the cos|sin table and the rotation are bit-identical to Qwen3RotaryEmbedding + apply."""
+    head_dim, heads, kv_heads = 16, 4, 2
+    config = Qwen3Config(head_dim=head_dim, max_position_embeddings=64, rope_theta=1_000_000.0)
+    positions = torch.tensor([0, 5, 63, 17, 2])
+    q = torch.randn(5, heads, head_dim).to(dtype)
+    k = torch.randn(5, kv_heads, head_dim).to(dtype)
+    cos, sin = Qwen3RotaryEmbedding(config)(q, positions[None, :])
+    table = rotary.rotary_cos_sin(head_dim, 64, 1_000_000.0, dtype, CPU)
+    assert torch.equal(table[positions], torch.cat((cos[0, :, : head_dim // 2], sin[0, :, : head_dim // 2]), -1))
+    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    q_out, k_out = rotary.apply_rotary(q, k, positions, table)
+    assert torch.equal(q_out, q_ref[0].transpose(0, 1))
+    assert torch.equal(k_out, k_ref[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (3, 1, 12)])
+def test_triton_rotary_is_bit_identical(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    """KERN-9: the Triton rotation rounds where torch rounds, so it is bit-identical in every dtype."""
+    table = rotary.rotary_cos_sin(head_dim, 100, 10_000.0, dtype, CPU)
+    positions = torch.randint(0, 100, (9,))
+    q = torch.randn(9, heads, head_dim).to(dtype)
+    k = torch.randn(9, kv_heads, head_dim).to(dtype)
+    q_out, k_out = triton_rotary.apply_rotary(q, k, positions, table)
+    q_ref, k_ref = rotary.apply_rotary(q, k, positions, table)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
