@@ -50,6 +50,7 @@ class EngineStats:
     decode_tokens: int = 0
     preemptions: int = 0
     prefix_cache_hit_tokens: int = 0
+    chunked_prefills: int = 0  # prefill grants that left their sequence's prompt unfinished
     compared_steps: int = 0  # steps whose decisions check mode compared with the reference
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -168,6 +169,7 @@ class Engine:
             st.prefill_seconds += seconds
             # A sequence allocated this step starts at its prefix-cache hit.
             st.prefix_cache_hit_tokens += sum(s.num_cached_tokens for s in seqs if s.seq_id not in held)
+            st.chunked_prefills += sum(s.num_cached_tokens + s.num_scheduled_tokens < s.num_tokens for s in seqs)
         else:
             st.decode_steps += 1
             st.decode_tokens += computed

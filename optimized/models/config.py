@@ -11,7 +11,7 @@ sliding windows) is refused with a ValueError naming the field.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,8 +121,16 @@ def parse_config(d: dict[str, Any]) -> ModelConfig:
 
 
 def load_config(model_dir: Path) -> ModelConfig:
+    """config.json, with generation_config.json's eos ids appended (transformers' generate stops at those)."""
     path = model_dir / "config.json"
     if not path.is_file():
         raise ValueError(f"model: {model_dir} has no config.json")
     with path.open() as f:
-        return parse_config(json.load(f))
+        config = parse_config(json.load(f))
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        with gen_path.open() as f:
+            extra = _eos_ids(json.load(f))
+        eos = config.eos_token_ids + tuple(t for t in extra if t not in config.eos_token_ids)
+        config = replace(config, eos_token_ids=tuple(dict.fromkeys(eos)))
+    return config
