@@ -1,17 +1,166 @@
-"""``nanoverify fuzz``: not built yet (placeholder until its issue lands)."""
+"""``nanoverify fuzz``: run the registered state machines under the ``fuzz`` profile until time runs out.
+
+The run is a sequence of chunks, round-robin over the machines; chunk ``c``
+runs ``CHUNK_EXAMPLES`` examples seeded with ``seed + c``, so the same
+``--seed`` replays the same chunks. A failure stops the run (exit 1) and prints
+the falsifying program, its ``@reproduce_failure`` blob, and the commands that
+reproduce it; a run that finds nothing exits 0. Machines whose module is not
+written yet are reported and skipped.
+"""
 
 from __future__ import annotations
 
 import argparse
+import re
+import secrets
 import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-HELP = "fuzz (not implemented yet)"
+if TYPE_CHECKING:
+    from optimized.machines import Stats
+
+HELP = "fuzz the scheduler with the hypothesis state machines (fuzz profile) for N minutes"
+CHUNK_EXAMPLES = 5
+PROGRESS_EVERY_S = 10.0
+BLOB = re.compile(r"@reproduce_failure\('([^']+)', b'([^']+)'\)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("--minutes", type=float, default=None, help="how long to fuzz (fractions allowed; required)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the run (default: random, printed)")
+    p.add_argument("--machine", default=None, help="run only this registered machine")
+    p.add_argument("--reproduce", metavar="BLOB", default=None,
+                   help="rerun one failure from its @reproduce_failure blob (needs --machine)")
 
 
 def main(args: argparse.Namespace) -> int:
-    print("nanoverify fuzz: not implemented yet", file=sys.stderr)
-    return 2
+    try:
+        from optimized import machines
+    except ImportError as e:
+        print(f"nanoverify fuzz: needs the test extras (pip install 'nanoverify[test]'): {e}", file=sys.stderr)
+        return 2
+    if args.reproduce is None and (args.minutes is None or args.minutes < 0):
+        print(f"nanoverify fuzz: --minutes must be given and >= 0, got {args.minutes}", file=sys.stderr)
+        return 2
+    names = [args.machine] if args.machine is not None else list(machines.MACHINES)
+    if args.reproduce is not None and args.machine is None:
+        print("nanoverify fuzz: --reproduce needs --machine", file=sys.stderr)
+        return 2
+    factories: dict[str, Callable[[Stats], object]] = {}
+    for name in names:
+        try:
+            module = machines.load(name)
+        except ValueError as e:
+            print(f"nanoverify fuzz: {e}", file=sys.stderr)
+            return 2
+        except machines.MachineNotAvailable as e:
+            print(f"{name}: not available yet ({e})")
+            continue
+        factories[name] = module.Machine
+    if not factories:
+        print("nanoverify fuzz: no machine to run", file=sys.stderr)
+        return 2
+    if args.reproduce is not None:
+        return reproduce(args.machine, factories[args.machine], args.reproduce)
+    seed = args.seed if args.seed is not None else secrets.randbits(32)
+    print(f"nanoverify fuzz: seed {seed}, {args.minutes:g} minutes, machines {', '.join(factories)}", flush=True)
+    return fuzz(factories, seed, args.minutes * 60.0, args.minutes)
+
+
+def fuzz(factories: dict[str, Callable[[Stats], object]], seed: int, seconds: float, minutes: float) -> int:
+    from optimized.machines import Stats
+
+    stats = {name: Stats() for name in factories}
+    start = time.monotonic()
+    last_report = start
+    chunk = 0
+    order = list(factories)
+    # At least one chunk per machine, however short the run.
+    while chunk < len(order) or time.monotonic() - start < seconds:
+        name = order[chunk % len(order)]
+        error = run_chunk(factories[name], stats[name], seed + chunk)
+        if error is not None:
+            report_progress(start, stats)
+            report_failure(name, error, seed, minutes)
+            return 1
+        chunk += 1
+        if time.monotonic() - last_report >= PROGRESS_EVERY_S:
+            report_progress(start, stats)
+            last_report = time.monotonic()
+    report_progress(start, stats)
+    print(f"nanoverify fuzz: nothing found in {time.monotonic() - start:.1f}s ({chunk} chunks)")
+    return 0
+
+
+def run_chunk(factory: Callable[[Stats], object], stats: Stats, chunk_seed: int) -> BaseException | None:
+    """One chunk of examples under the fuzz profile; the exception hypothesis raised, if any."""
+    import hypothesis
+
+    from optimized.machines import FUZZ_SETTINGS
+
+    settings = hypothesis.settings(**{**FUZZ_SETTINGS, "max_examples": CHUNK_EXAMPLES})
+    test = machine_test(factory, stats, settings)
+    test = hypothesis.seed(chunk_seed)(test)
+    return call(test)
+
+
+def machine_test(factory: Callable[[Stats], object], stats: Stats,
+                 settings: object) -> Callable[[], None]:
+    from hypothesis.stateful import get_state_machine_test
+
+    test: Callable[[], None] = get_state_machine_test(  # type: ignore[no-untyped-call]
+        lambda: factory(stats), settings=settings)
+    return test
+
+
+def call(test: Callable[[], None]) -> BaseException | None:
+    try:
+        test()
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # any failure of the machine is a finding to report, not a crash
+        return e
+    return None
+
+
+def reproduce(name: str, factory: Callable[[Stats], object], blob: str) -> int:
+    import hypothesis
+
+    from optimized.machines import FUZZ_SETTINGS, Stats
+
+    test = machine_test(factory, Stats(), hypothesis.settings(**FUZZ_SETTINGS))
+    test = hypothesis.reproduce_failure(hypothesis.__version__, blob.encode())(test)
+    error = call(test)
+    if error is None:
+        print(f"{name}: the blob no longer fails")
+        return 0
+    report_failure(name, error, None, None)
+    return 1
+
+
+def report_progress(start: float, stats: dict[str, Stats]) -> None:
+    elapsed = time.monotonic() - start
+    for name, s in stats.items():
+        rate = s.rule_applications / elapsed if elapsed > 0 else 0.0
+        print(f"[{elapsed:7.1f}s] {name}: {s.examples} examples, {rate:.0f} rule applications/s, {s.steps} steps, "
+              f"{s.requests} requests, {s.preemptions} preemptions, {s.prefix_hit_tokens} prefix-hit tokens, "
+              f"{s.violations} violations", flush=True)
+
+
+def report_failure(name: str, error: BaseException, seed: int | None, minutes: float | None) -> None:
+    notes = [str(n) for n in getattr(error, "__notes__", [])]
+    print(f"FAILURE in machine {name}: {type(error).__name__}: {error}")
+    for note in notes:
+        if "@reproduce_failure" not in note:
+            print(note)
+    blob = next((m for m in map(BLOB.search, notes) if m is not None), None)
+    print("To reproduce:")
+    if blob is not None:
+        print(f"  nanoverify fuzz --machine {name} --reproduce {blob.group(2)}")
+        print(f"  or decorate {name}'s Machine.TestCase with @reproduce_failure({blob.group(1)!r}, "
+              f"b{blob.group(2)!r}) (hypothesis {blob.group(1)})")
+    if seed is not None:
+        print(f"  rerun the whole run: nanoverify fuzz --minutes {minutes:g} --seed {seed}")
+    sys.stdout.flush()

@@ -1,0 +1,69 @@
+"""Hypothesis state machines over the schedulers, the settings they run under, and their registry.
+
+A machine module (one per entry of ``MACHINES``) exposes ``Machine``, a
+``RuleBasedStateMachine`` whose ``__init__`` takes an optional ``Stats``; the
+machine adds to the ``Stats`` it was given and to nothing else, so a runner
+that wants counters passes a fresh one (``lambda: Machine(stats)``) and pytest,
+which builds ``Machine()`` with no argument, simply gets a private one. The two
+hypothesis profiles live here, not in tests/conftest.py, because the installed
+``nanoverify fuzz`` command cannot import the test suite: ``ci`` keeps the whole
+suite fast on two cores, ``fuzz`` runs long programs for as long as it is given.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, fields
+from types import ModuleType
+from typing import Any
+
+MACHINES: dict[str, str] = {
+    "reference": "optimized.machines.reference_machine",
+    "differential": "optimized.machines.differential_machine",
+}
+
+# Settings as keyword arguments, so that conftest and the fuzz command build the
+# same hypothesis.settings objects from one place.
+CI_SETTINGS: dict[str, Any] = {"max_examples": 25, "stateful_step_count": 30, "deadline": None, "print_blob": True}
+FUZZ_SETTINGS: dict[str, Any] = {
+    "max_examples": 100_000,
+    "stateful_step_count": 200,
+    "deadline": None,
+    "print_blob": True,
+    # A fuzz run is reproduced from its seed or its blob, never from a saved database.
+    "database": None,
+}
+
+
+@dataclass
+class Stats:
+    """What one or more machine runs did; the fuzz command prints these as its progress."""
+
+    examples: int = 0
+    rule_applications: int = 0
+    steps: int = 0
+    requests: int = 0
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    violations: int = 0
+
+    def add(self, other: Stats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+class MachineNotAvailable(LookupError):
+    """A registered machine whose module has not been written yet."""
+
+
+def load(name: str) -> ModuleType:
+    """The module of machine ``name``; MachineNotAvailable if it does not exist (yet)."""
+    if name not in MACHINES:
+        raise ValueError(f"machine must be one of {sorted(MACHINES)}, got {name!r}")
+    module_name = MACHINES[name]
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        raise MachineNotAvailable(f"machine {name!r} ({module_name}) is not available yet") from None
