@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from optimized.block_math import admits
 from optimized.model_runner import PLACEHOLDER, DrawParams, ModelRunner
 from optimized.sampling_params import SamplingParams
-from optimized.shadow import Shadow
 
-# The one import point of the scheduler the engine drives.
-from reference import Scheduler, SchedulerConfig, Sequence, SequenceStatus
+# The one import point of the scheduler the engine drives (reference.* has the same API).
+from optimized.scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
+from optimized.shadow import Shadow
 
 __all__ = ["Engine", "EngineLimits", "EngineStats", "Request", "SchedulerConfig", "validate_request"]
 
@@ -100,7 +100,7 @@ class Engine:
 
     def add(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
         validate_request(token_ids, params, self.limits)
-        seq = Sequence(list(token_ids), params, self.limits.block_size)  # type: ignore[arg-type]
+        seq = Sequence(list(token_ids), params, self.limits.block_size)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.limits.eos_token_ids[1:])  # the first is the scheduler's own eos

@@ -34,12 +34,18 @@ PLACEHOLDER = -1  # the token handed to postprocess for an unfinished prefill ch
 class ScheduledSeq(Protocol):
     """What the runner reads from a scheduler's sequence (reference and optimized alike)."""
 
-    token_ids: list[int]
-    num_tokens: int
-    num_cached_tokens: int
-    num_scheduled_tokens: int
-    block_table: list[int]
-    last_token: int
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_cached_tokens(self) -> int: ...
+    @property
+    def num_scheduled_tokens(self) -> int: ...
+    @property
+    def block_table(self) -> list[int]: ...
+    @property
+    def last_token(self) -> int: ...
 
 
 @dataclass(frozen=True)
