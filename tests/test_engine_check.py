@@ -1,0 +1,76 @@
+"""Check mode: the reference scheduler shadows the engine's; any divergence or broken invariant raises."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from engine_fixtures import checkpoint, one_thread, set_root, with_config
+
+from optimized import LLM, SamplingParams
+from optimized.shadow import ShadowDivergence
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    set_root(tmp_path_factory.mktemp("engine"))
+    with one_thread():
+        yield
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+def make(folder: Any = None, check: bool = True) -> LLM:
+    folder = folder or checkpoint("qwen3")
+    return LLM(str(folder), dtype="float64", check=check, kvcache_block_size=2, num_kvcache_blocks=32)
+
+
+def test_check_mode_is_off_by_default_and_counts_steps() -> None:
+    """ENG-15: check mode is off unless asked; when on, every step is compared."""
+    assert LLM(str(checkpoint("qwen3")), num_kvcache_blocks=8).engine.shadow is None
+    llm = make()
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.engine.stats.compared_steps == llm.engine.stats.steps > 0
+
+
+def test_reordered_batch_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENG-15: a batch in another order than the reference's raises, with both states dumped."""
+    llm = make()
+    real = llm.engine.scheduler.schedule
+
+    def reordered() -> Any:
+        seqs, is_prefill = real()
+        return list(reversed(seqs)), is_prefill
+
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", reordered)
+    with pytest.raises(ShadowDivergence, match="batch") as err:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert "--- engine scheduler ---" in str(err.value) and "--- reference scheduler ---" in str(err.value)
+
+
+def test_different_finish_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENG-15: a scheduler that finishes other requests than the reference raises."""
+    llm = make(with_config("qwen3", "eos7", eos_token_id=7))
+    real = llm.engine.scheduler.postprocess
+
+    def all_eos(seqs: Any, tokens: list[int], is_prefill: bool) -> None:
+        real(seqs, [7 if t >= 0 else t for t in tokens], is_prefill)
+
+    monkeypatch.setattr(llm.engine.scheduler, "postprocess", all_eos)
+    with pytest.raises(ShadowDivergence, match="finished"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+def test_corrupted_block_table_is_caught() -> None:
+    """ENG-15: a block table corrupted between steps is caught at the next comparison."""
+    llm = make()
+    requests = [llm.engine.add(p, GREEDY, seed=0) for p in PROMPTS]
+    llm.engine.step()
+    victim = next(r.seq for r in requests if r.seq.block_table)
+    victim.block_table.append(victim.block_table[0])
+    with pytest.raises(ShadowDivergence, match="check mode"):
+        while llm.engine.has_unfinished():
+            llm.engine.step()

@@ -1,0 +1,138 @@
+"""Bad input is refused at the boundary with a ValueError naming the field or limit, and changes nothing."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from engine_fixtures import VOCAB, checkpoint, hf_greedy, one_thread, set_root
+
+from invariants import snapshot
+from optimized import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    set_root(tmp_path_factory.mktemp("engine"))
+    with one_thread():
+        yield
+
+
+GOOD = [5, 6, 7, 8, 9]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+def make(**kwargs: Any) -> LLM:
+    args: dict[str, Any] = {"dtype": "float64", "check": True, "kvcache_block_size": 4, "num_kvcache_blocks": 10}
+    return LLM(str(checkpoint("qwen3")), **{**args, "max_model_len": 48, **kwargs})
+
+
+def _nan_temperature() -> SamplingParams:
+    """A params object corrupted after validation: add time must still refuse it."""
+    sp = SamplingParams(temperature=0.5)
+    object.__setattr__(sp, "temperature", math.nan)
+    return sp
+
+
+# (prompt, params, what the message must name)
+REFUSED: dict[str, tuple[list[int], SamplingParams, str]] = {
+    "empty prompt": ([], GREEDY, "prompt"),
+    "token above vocab": ([1, VOCAB], GREEDY, "vocab_size"),
+    "negative token": ([-1, 2], GREEDY, "vocab_size"),
+    "over max_model_len": ([1] * 41, GREEDY, "max_model_len"),
+    "never fits the KV cache": ([1] * 35, SamplingParams(temperature=0.0, max_tokens=7), "num_kvcache_blocks"),
+    "non-finite temperature": (GOOD, _nan_temperature(), "temperature"),
+}
+
+
+def state(llm: LLM) -> tuple[Any, ...]:
+    engine = llm.engine
+    assert engine.shadow is not None
+    return snapshot(engine.scheduler), snapshot(engine.shadow.ref), sorted(engine.live)
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_refused_request_changes_nothing(case: str) -> None:
+    """ENG-9, ENG-10: the whole call is refused before any request is added; a request already pending and later
+    ones complete exactly as they would have."""
+    prompt, params, field = REFUSED[case]
+    llm = make()
+    pending = llm.engine.add([9, 8, 7], GREEDY, seed=0)
+    llm.engine.step()  # the pending request holds blocks now
+    before = state(llm)
+    with pytest.raises(ValueError, match=field):
+        llm.generate([GOOD, prompt], [GREEDY, params], use_tqdm=False)
+    assert state(llm) == before
+    out = llm.generate([GOOD], GREEDY, use_tqdm=False)[0]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    folder = checkpoint("qwen3")
+    assert out.token_ids == hf_greedy(folder, [GOOD], [8])[0]
+    assert pending.seq.completion_token_ids == hf_greedy(folder, [[9, 8, 7]], [8])[0]
+    assert llm.engine.stats.compared_steps == llm.engine.stats.steps
+
+
+def test_admission_rule_is_exact() -> None:
+    """ENG-10: a request fits when ceil((len(prompt) + max_tokens - 1) / block_size) <= num_blocks."""
+    llm = make(num_kvcache_blocks=4)  # 16 slots
+    ok = llm.generate([[1] * 9], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    assert len(ok.token_ids) == 8
+    with pytest.raises(ValueError, match="num_kvcache_blocks"):
+        llm.generate([[1] * 10], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_bad_sampling_params_are_refused_where_made(kwargs: dict[str, Any], field: str) -> None:
+    """ENG-9: SamplingParams refuses bad values when made, so no bad request reaches add()."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_text_prompt_without_tokenizer_and_bad_params_type() -> None:
+    """ENG-11: a checkpoint without tokenizer files serves token-id prompts; a text prompt is refused clearly."""
+    llm = make()
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["hello"], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([GOOD, GOOD], [GREEDY], use_tqdm=False)
+    assert llm.generate([GOOD], GREEDY, use_tqdm=False)[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"dtype": "int8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"kvcache_block_size": 1}, "kvcache_block_size"),
+        ({"num_kvcache_blocks": 0}, "num_kvcache_blocks"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"max_model_len": 10_000}, "max_model_len"),
+        ({"attention_backend": "nope"}, "attention_backend"),
+        ({"check": "yes"}, "check"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ],
+)
+def test_bad_engine_config_names_the_field(kwargs: dict[str, Any], field: str) -> None:
+    """ENG-14: a bad LLM argument is a ValueError naming it."""
+    with pytest.raises(ValueError, match=field):
+        make(**kwargs)
+
+
+def test_bad_model_folder() -> None:
+    """ENG-14: a model that is not a checkpoint folder is a ValueError naming it."""
+    with pytest.raises(ValueError, match="model"):
+        LLM("/nonexistent/checkpoint")
