@@ -54,7 +54,8 @@ def test_triton_norms_equal_torch(dtype: torch.dtype, hidden: int) -> None:
 def test_rotary_is_transformers_rotary(dtype: torch.dtype) -> None:
     """KERN-8, KERN-9: the cos|sin table and the rotation are bit-identical to Qwen3RotaryEmbedding + apply."""
     head_dim, heads, kv_heads = 16, 4, 2
-    config = Qwen3Config(head_dim=head_dim, max_position_embeddings=64, rope_theta=1_000_000.0)
+    rope = {"rope_type": "default", "rope_theta": 1_000_000.0}
+    config = Qwen3Config(head_dim=head_dim, max_position_embeddings=64, rope_parameters=rope)
     positions = torch.tensor([0, 5, 63, 17, 2])
     q = torch.randn(5, heads, head_dim).to(dtype)
     k = torch.randn(5, kv_heads, head_dim).to(dtype)

@@ -132,9 +132,7 @@ def test_triton_sampler_equals_torch(vocab: int) -> None:
     positions = torch.tensor([5, 6, 7, 8, 9, 2**33])
     uniforms = torch.full((batch, vocab), float("nan"))
     out = torch.full((batch,), -7, dtype=torch.int64)
-    tokens = triton_sampling.sample(
-        logits, temperature, top_k, top_p, seeds, positions, out=out, uniforms_out=uniforms
-    )
+    tokens = triton_sampling.sample(logits, temperature, top_k, top_p, seeds, positions, out=out, uniforms_out=uniforms)
     assert torch.equal(tokens, sampling.sample(logits, temperature, top_k, top_p, seeds, positions))
     sampled_rows = temperature > 0
     expected_u = rng.uniforms(rng.row_keys(seeds, positions), vocab)
