@@ -60,6 +60,8 @@ def default_model_dir() -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=".making-", dir=target.parent))
         try:
             write_checkpoint(tmp)
+            if target.exists() and not (target / "model.safetensors").is_file():
+                shutil.rmtree(target)  # a damaged copy: replaced whole
             try:
                 os.replace(tmp, target)
             except OSError:  # another process made it first

@@ -1,17 +1,84 @@
-"""``nanoverify run``: not built yet (placeholder until its issue lands)."""
+"""``nanoverify run``: the main job: a few hundred bench-shaped requests on the default model, in check mode.
+
+Every step the reference scheduler shadows the engine's (optimized/shadow.py);
+the command reports throughput, steps, preemptions, prefix-cache hit tokens
+and how many steps' decisions were identical to the reference's. The workload
+is the benchmark's shape scaled to a CPU: random prompts, half of them opening
+with one of a few shared prefixes (so the prefix cache is exercised), random
+output lengths, mixed greedy and seeded sampling, and a KV cache small enough
+that preemption happens.
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
+import random
 
-HELP = "run (not implemented yet)"
+HELP = "serve a few hundred requests on the default model in check mode and report"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model)")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--max-input-len", type=int, default=128)
+    p.add_argument("--max-output-len", type=int, default=96)
+    p.add_argument("--num-kvcache-blocks", type=int, default=320)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-check", action="store_true", help="skip the reference shadow (check mode is on by default)")
+
+
+def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(args.seed)
+    prefixes = [[rng.randrange(vocab) for _ in range(args.max_input_len // 2)] for _ in range(4)]
+    prompts = []
+    for i in range(args.num_requests):
+        own = [rng.randrange(vocab) for _ in range(rng.randint(1, args.max_input_len // 2))]
+        prompts.append(prefixes[i % 4] + own if i % 2 == 0 else own + own[: rng.randint(0, len(own))])
+    return prompts, [rng.randint(1, args.max_output_len) for _ in prompts]
 
 
 def main(args: argparse.Namespace) -> int:
-    print("nanoverify run: not implemented yet", file=sys.stderr)
-    return 2
+    import time
+
+    from optimized import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        check=not args.no_check,
+        num_kvcache_blocks=args.num_kvcache_blocks,
+        kvcache_block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+    )
+    prompts, lens = workload(args, llm.engine.limits.vocab_size)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        if i % 3 == 0
+        else SamplingParams(temperature=0.8, top_p=0.95, max_tokens=n, seed=i if i % 3 == 1 else None)
+        for i, n in enumerate(lens)
+    ]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    seconds = time.perf_counter() - start
+    st = llm.engine.stats
+    generated = sum(len(o.token_ids) for o in outs)
+    prompt_tokens = sum(len(p) for p in prompts)
+    print(f"model: {llm.model_dir}")
+    print(f"requests: {len(outs)} ({prompt_tokens} prompt tokens, {generated} generated) in {seconds:.1f} s")
+    print(
+        f"throughput: {generated / seconds:.1f} output tok/s, {(prompt_tokens + generated) / seconds:.1f} total tok/s"
+    )
+    print(f"steps: {st.steps} ({st.prefill_steps} prefill, {st.decode_steps} decode)")
+    print(f"preemptions: {st.preemptions}")
+    print(f"prefix-cache hit tokens: {st.prefix_cache_hit_tokens}")
+    print(
+        f"finish reasons: stop {sum(o.finish_reason == 'stop' for o in outs)}, "
+        f"length {sum(o.finish_reason == 'length' for o in outs)}"
+    )
+    if llm.engine.shadow is None:
+        print("decisions identical to the reference: not checked (--no-check)")
+    else:
+        print(f"decisions identical to the reference: {st.compared_steps}/{st.steps} steps")
+    return 0
