@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=None, help="how long to fuzz (fractions allowed; required)")
     p.add_argument("--seed", type=int, default=None, help="seed of the run (default: random, printed)")
     p.add_argument("--machine", default=None, help="run only this registered machine")
+    p.add_argument("--no-shrink", action="store_true",
+                   help="report the first failing program as found, without minimising it (faster)")
     p.add_argument("--reproduce", metavar="BLOB", default=None,
                    help="rerun one failure from its @reproduce_failure blob (needs --machine)")
 
@@ -66,10 +68,10 @@ def main(args: argparse.Namespace) -> int:
         return reproduce(args.machine, factories[args.machine], args.reproduce)
     seed = args.seed if args.seed is not None else secrets.randbits(32)
     print(f"nanoverify fuzz: seed {seed}, {args.minutes:g} minutes, machines {', '.join(factories)}", flush=True)
-    return fuzz(factories, seed, args.minutes * 60.0, args.minutes)
+    return fuzz(factories, seed, args.minutes, not args.no_shrink)
 
 
-def fuzz(factories: dict[str, Callable[[Stats], object]], seed: int, seconds: float, minutes: float) -> int:
+def fuzz(factories: dict[str, Callable[[Stats], object]], seed: int, minutes: float, shrink: bool) -> int:
     from optimized.machines import Stats
 
     stats = {name: Stats() for name in factories}
@@ -78,12 +80,12 @@ def fuzz(factories: dict[str, Callable[[Stats], object]], seed: int, seconds: fl
     chunk = 0
     order = list(factories)
     # At least one chunk per machine, however short the run.
-    while chunk < len(order) or time.monotonic() - start < seconds:
+    while chunk < len(order) or time.monotonic() - start < minutes * 60.0:
         name = order[chunk % len(order)]
-        error = run_chunk(factories[name], stats[name], seed + chunk)
+        error = run_chunk(factories[name], stats[name], seed + chunk, shrink)
         if error is not None:
             report_progress(start, stats)
-            report_failure(name, error, seed, minutes)
+            report_failure(name, error, f"--minutes {minutes:g} --seed {seed}{'' if shrink else ' --no-shrink'}")
             return 1
         chunk += 1
         if time.monotonic() - last_report >= PROGRESS_EVERY_S:
@@ -94,13 +96,16 @@ def fuzz(factories: dict[str, Callable[[Stats], object]], seed: int, seconds: fl
     return 0
 
 
-def run_chunk(factory: Callable[[Stats], object], stats: Stats, chunk_seed: int) -> BaseException | None:
+def run_chunk(factory: Callable[[Stats], object], stats: Stats, chunk_seed: int,
+              shrink: bool) -> BaseException | None:
     """One chunk of examples under the fuzz profile; the exception hypothesis raised, if any."""
     import hypothesis
 
     from optimized.machines import FUZZ_SETTINGS
 
-    settings = hypothesis.settings(**{**FUZZ_SETTINGS, "max_examples": CHUNK_EXAMPLES})
+    phases = list(hypothesis.Phase) if shrink else [
+        p for p in hypothesis.Phase if p not in (hypothesis.Phase.shrink, hypothesis.Phase.explain)]
+    settings = hypothesis.settings(**{**FUZZ_SETTINGS, "max_examples": CHUNK_EXAMPLES, "phases": phases})
     test = machine_test(factory, stats, settings)
     test = hypothesis.seed(chunk_seed)(test)
     return call(test)
@@ -133,10 +138,11 @@ def reproduce(name: str, factory: Callable[[Stats], object], blob: str) -> int:
     test = machine_test(factory, Stats(), hypothesis.settings(**FUZZ_SETTINGS))
     test = hypothesis.reproduce_failure(hypothesis.__version__, blob.encode())(test)
     error = call(test)
-    if error is None:
-        print(f"{name}: the blob no longer fails")
+    # DidNotReproduce is how hypothesis says the recorded program now runs past its failure point.
+    if error is None or isinstance(error, hypothesis.errors.DidNotReproduce):
+        print(f"{name}: the blob no longer fails{f' ({error})' if error is not None else ''}")
         return 0
-    report_failure(name, error, None, None)
+    report_failure(name, error, None)
     return 1
 
 
@@ -149,7 +155,7 @@ def report_progress(start: float, stats: dict[str, Stats]) -> None:
               f"{s.violations} violations", flush=True)
 
 
-def report_failure(name: str, error: BaseException, seed: int | None, minutes: float | None) -> None:
+def report_failure(name: str, error: BaseException, rerun: str | None) -> None:
     notes = [str(n) for n in getattr(error, "__notes__", [])]
     print(f"FAILURE in machine {name}: {type(error).__name__}: {error}")
     for note in notes:
@@ -161,6 +167,6 @@ def report_failure(name: str, error: BaseException, seed: int | None, minutes: f
         print(f"  nanoverify fuzz --machine {name} --reproduce {blob.group(2)}")
         print(f"  or decorate {name}'s Machine.TestCase with @reproduce_failure({blob.group(1)!r}, "
               f"b{blob.group(2)!r}) (hypothesis {blob.group(1)})")
-    if seed is not None:
-        print(f"  rerun the whole run: nanoverify fuzz --minutes {minutes:g} --seed {seed}")
+    if rerun is not None:
+        print(f"  rerun the whole run: nanoverify fuzz --machine {name} {rerun}")
     sys.stdout.flush()

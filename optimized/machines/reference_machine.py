@@ -56,6 +56,21 @@ class Request:
     ignore_eos: bool
 
 
+@st.composite
+def requests(draw: st.DrawFn, config: SchedulerConfig, prefixes: list[list[int]], admission_rule: bool) -> Request:
+    """A request whose prompt starts with one of ``prefixes``; half of them are long enough to fill the cache."""
+    capacity = config.num_blocks * config.block_size
+    # Without the rule only max_tokens may overflow the cache: the prompt alone still fits.
+    limit = min(capacity if admission_rule else 2 * capacity, MAX_REQUEST_TOKENS)
+    long = draw(st.booleans())  # long requests fill the cache, so decode steps must preempt
+    footprint = draw(st.integers(max(1, limit // 2) if long else 1, limit))  # len(prompt) + max_tokens - 1
+    prompt_len = draw(st.integers(1, min(footprint, capacity)))
+    shared = prefixes[draw(st.integers(0, len(prefixes) - 1))][:prompt_len]
+    rest = prompt_len - len(shared)
+    prompt = shared + draw(st.lists(PROMPT_TOKENS, min_size=rest, max_size=rest))
+    return Request(prompt, footprint - prompt_len + 1, draw(st.booleans()))
+
+
 class StepFailed(AssertionError):
     """A step broke spec clauses; the message lists them."""
 
@@ -72,6 +87,7 @@ class Machine(RuleBasedStateMachine):
         self._scheduler: Scheduler | None = None
         self.config = SchedulerConfig(num_blocks=1, block_size=2)
         self.prefixes: list[list[int]] = []
+        self.request_strategy: st.SearchStrategy[Request] = st.nothing()
         self.requests: dict[int, Request] = {}
         self.finished: set[int] = set()
         self.steps = 0
@@ -89,14 +105,15 @@ class Machine(RuleBasedStateMachine):
         self.stats.rule_applications += 1
         self.config = config
         self.prefixes = prefixes
+        self.request_strategy = requests(config, prefixes, self.ADMISSION_RULE)
         self._scheduler = Scheduler(config)
 
-    @rule(data=st.data(), n=st.integers(1, 4))
+    @rule(data=st.data(), n=st.integers(1, 3))
     def requests_arrive(self, data: st.DataObject, n: int) -> None:
         """Users submit prompts that share prefixes with earlier ones; ADMIT-1 admits them."""
         self.stats.rule_applications += 1
         for _ in range(n):
-            self.add(data.draw(self.requests_strategy(), label="request"))
+            self.add(data.draw(self.request_strategy, label="request"))
 
     def add(self, request: Request) -> None:
         seq = Sequence(request.prompt, SamplingParams(max_tokens=request.max_tokens, ignore_eos=request.ignore_eos),
@@ -105,25 +122,6 @@ class Machine(RuleBasedStateMachine):
         self.scheduler.add(seq)
         self.stats.requests += 1
         self.step_bound += request.max_tokens + ceil_div(len(request.prompt), self.config.max_num_batched_tokens)
-
-    def requests_strategy(self) -> st.SearchStrategy[Request]:
-        capacity = self.config.num_blocks * self.config.block_size
-        # Without the rule only max_tokens may overflow the cache: the prompt alone still fits.
-        limit = min(capacity if self.ADMISSION_RULE else 2 * capacity, MAX_REQUEST_TOKENS)
-        # Half of the requests are long ones: they fill the cache, so decode steps must preempt.
-        footprints = st.one_of(st.integers(1, limit), st.integers(max(1, limit // 2), limit))
-        return footprints.flatmap(
-            lambda footprint: st.integers(1, min(footprint, capacity)).flatmap(
-                lambda prompt_len: self.prompt_strategy(prompt_len).flatmap(
-                    lambda prompt: st.builds(Request, st.just(prompt), st.just(footprint - len(prompt) + 1),
-                                             st.booleans()))))
-
-    def prompt_strategy(self, length: int) -> st.SearchStrategy[list[int]]:
-        def complete(base: list[int]) -> st.SearchStrategy[list[int]]:
-            shared = base[:length]
-            rest = length - len(shared)
-            return st.lists(PROMPT_TOKENS, min_size=rest, max_size=rest).map(lambda tail: shared + tail)
-        return st.sampled_from(self.prefixes).flatmap(complete)
 
     @precondition(lambda self: self._scheduler is not None and not self.scheduler.is_finished())
     @rule(data=st.data())
