@@ -91,7 +91,7 @@ def replay_bounded(workload: Workload) -> list[dict[str, Any]]:
 
 @given(workloads(admitted=False))
 def test_every_empty_decode_comes_from_a_request_breaking_the_rule(workload: Workload) -> None:
-    """ADMIT-2, EDGE-2: a trace that ends in the empty decode has a request with ceil((P+M-1)/bs) > num_blocks."""
+    """ADMIT-2, EDGE-2: a trace that ends in the empty decode has a request with ceil((P + M - 1)/bs) > num_blocks."""
     trace = replay_bounded(workload)
     if trace[-1].get("error") == "empty decode":
         assert not all(fits(r, workload.config) for r in workload.requests)
@@ -111,7 +111,7 @@ def test_find_returns_a_minimal_workload_that_empties_the_decode() -> None:
 
 @given(workloads(admitted=True))
 def test_admitted_workloads_finish_within_the_liveness_bound(workload: Workload) -> None:
-    """ADMIT-3: steps <= sum(M + ceil(P/B)) + sum over preemptions of ceil((P+M-1)/B); ADMIT-2: no empty decode."""
+    """ADMIT-3: steps <= sum(M + ceil(P/B)) + sum over preemptions of ceil((P + M - 1)/B); ADMIT-2: no empty decode."""
     trace = replay_bounded(workload)
     assert all("error" not in record for record in trace)
     c = workload.config
