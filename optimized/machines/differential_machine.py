@@ -1,0 +1,236 @@
+"""A hypothesis state machine that drives the reference and the optimized scheduler with the same operations.
+
+Each run draws a tiny configuration (block size 2-16, a handful of blocks,
+small budgets) and whether requests must obey the admission rule (ADMIT-1) or
+may overflow the cache. Rules add requests whose prompts share prefixes (so the
+prefix cache hits), run steps (the same model tokens, EOS now and then, to
+both), and sometimes cut a scheduled sequence's max_tokens between schedule and
+postprocess as the engine does at a stop token. After every schedule() and
+every postprocess() the two must agree on every decision, compared by arrival
+index: batch order, num_scheduled_tokens, block tables, the prefill flag,
+preemptions, finishes, queue orders, every sequence's counters and tokens, and
+the whole block-manager state (free-queue order, ref counts, hashes, prefix
+table). Both must hit the empty decode (the reference's assert, our
+EmptyDecodeError) at the same step, and leave the same state behind it: the
+run goes on after it, so later steps compare too. Every invariant of spec/invariants.md is
+checked on both. The machine's only outside effect is the ``Stats`` it was
+handed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import optimized.scheduler as opt
+import reference as ref
+from invariants import SchedulerState, Violation, check_batch, check_state, seq_view, snapshot
+from optimized.errors import EmptyDecodeError
+from optimized.machines import Stats
+from optimized.sampling_params import SamplingParams
+
+EOS = 7
+TOKENS = st.integers(1, 3)  # few distinct ids: prompts collide and blocks get shared
+MODEL_TOKENS = st.integers(1, EOS)
+MAX_REQUEST_TOKENS = 40
+
+configs = st.builds(
+    ref.SchedulerConfig,
+    num_blocks=st.integers(1, 8),
+    block_size=st.integers(2, 16),
+    max_num_seqs=st.integers(1, 5),
+    max_num_batched_tokens=st.integers(1, 32),
+    eos=st.just(EOS),
+)
+
+
+class Disagreement(AssertionError):
+    """The two schedulers made different decisions, or one broke an invariant."""
+
+
+def _ids(seqs: Any, arrival: dict[int, int]) -> list[int]:
+    return [arrival[s.seq_id] for s in seqs]
+
+
+def _seq_fields(seq: Any) -> tuple[Any, ...]:
+    return (seq.status.name, seq.num_tokens, len(seq), seq.num_prompt_tokens, seq.num_cached_tokens,
+            seq.num_scheduled_tokens, seq.is_prefill, list(seq.block_table), list(seq.token_ids), seq.max_tokens,
+            seq.ignore_eos, seq.temperature, seq.num_completion_tokens, list(seq.completion_token_ids))
+
+
+def _state_fields(state: SchedulerState, arrival: dict[int, int]) -> tuple[Any, ...]:
+    blocks = [(b.block_id, b.ref_count, b.hash, b.token_ids) for b in state.blocks]
+    return (blocks, state.free_block_ids, sorted(state.used_block_ids), sorted(state.hash_to_block_id.items()),
+            [arrival[s.seq_id] for s in state.waiting], [arrival[s.seq_id] for s in state.running])
+
+
+class DifferentialMachine(RuleBasedStateMachine):
+    """The same serving loop on both schedulers; every decision and state must be equal (OPT-1)."""
+
+    def __init__(self, stats: Stats | None = None) -> None:
+        super().__init__()
+        self.stats = stats if stats is not None else Stats()
+        self.stats.examples += 1
+        self.config = ref.SchedulerConfig(num_blocks=1, block_size=2)
+        self.ref: ref.Scheduler | None = None
+        self.opt: opt.Scheduler | None = None
+        self.admission_rule = True
+        self.prefixes: list[list[int]] = []
+        self.ref_seqs: list[ref.Sequence] = []  # by arrival index
+        self.opt_seqs: list[opt.Sequence] = []
+        self.ref_arrival: dict[int, int] = {}
+        self.opt_arrival: dict[int, int] = {}
+
+    # --- setup and arrivals ----------------------------------------------------------------------
+    @initialize(config=configs, admission_rule=st.booleans(),
+                prefixes=st.lists(st.lists(TOKENS, max_size=MAX_REQUEST_TOKENS), min_size=1, max_size=3))
+    def a_server_starts(self, config: ref.SchedulerConfig, admission_rule: bool, prefixes: list[list[int]]) -> None:
+        self.stats.rule_applications += 1
+        self.config = config
+        self.admission_rule = admission_rule
+        self.prefixes = prefixes
+        self.ref = ref.Scheduler(config)
+        self.opt = opt.Scheduler(config)
+
+    @precondition(lambda self: self.ref is not None)
+    @rule(data=st.data())
+    def a_request_arrives(self, data: st.DataObject) -> None:
+        """The same prompt to both; without the admission rule max_tokens may overflow the cache."""
+        self.stats.rule_applications += 1
+        self.arrive(data)
+
+    @precondition(lambda self: self.ref is not None)
+    @rule(data=st.data(), n=st.integers(2, 4))
+    def a_burst_arrives(self, data: st.DataObject, n: int) -> None:
+        """Several requests at once: they compete for blocks, so decode preempts."""
+        self.stats.rule_applications += 1
+        for _ in range(n):
+            self.arrive(data)
+
+    def arrive(self, data: st.DataObject) -> None:
+        assert self.ref is not None and self.opt is not None
+        capacity = self.config.num_blocks * self.config.block_size
+        limit = capacity if self.admission_rule else 2 * capacity
+        footprint = data.draw(st.integers(1, min(limit, MAX_REQUEST_TOKENS)), label="footprint")
+        length = data.draw(st.integers(1, min(footprint, capacity)), label="prompt length")
+        shared = data.draw(st.sampled_from(self.prefixes), label="prefix")[:length]
+        tail = data.draw(st.lists(TOKENS, min_size=length - len(shared), max_size=length - len(shared)), label="tail")
+        max_tokens = footprint - length + 1
+        ignore_eos = data.draw(st.booleans(), label="ignore_eos")
+        prompt = shared + tail
+        r = ref.Sequence(prompt, ref.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                         self.config.block_size)
+        o = opt.Sequence(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                         self.config.block_size)
+        index = len(self.ref_seqs)
+        self.ref_arrival[r.seq_id] = index
+        self.opt_arrival[o.seq_id] = index
+        self.ref_seqs.append(r)
+        self.opt_seqs.append(o)
+        self.ref.add(r)
+        self.opt.add(o)
+        self.stats.requests += 1
+        self.compare("add")
+
+    # --- steps ---------------------------------------------------------------------------------
+    def busy(self) -> bool:
+        return self.ref is not None and not self.ref.is_finished()
+
+    @precondition(lambda self: self.busy())
+    @rule(data=st.data())
+    def a_step_runs(self, data: st.DataObject) -> None:
+        self.stats.rule_applications += 1
+        self.step(data)
+
+    @precondition(lambda self: self.busy())
+    @rule(data=st.data(), n=st.integers(2, 8))
+    def time_passes(self, data: st.DataObject, n: int) -> None:
+        """Several steps without arrivals."""
+        self.stats.rule_applications += 1
+        for _ in range(n):
+            if not self.busy():
+                break
+            self.step(data)
+
+    def step(self, data: st.DataObject) -> None:
+        assert self.ref is not None and self.opt is not None
+        running_before = {self.ref_arrival[s.seq_id] for s in self.ref.running}
+        ref_out = opt_out = None
+        with contextlib.suppress(AssertionError):  # the lesson's assert scheduled_seqs
+            ref_out = self.ref.schedule()
+        with contextlib.suppress(EmptyDecodeError):
+            opt_out = self.opt.schedule()
+        if (ref_out is None) != (opt_out is None):
+            raise Disagreement(f"OPT-9: empty decode in {'reference' if ref_out is None else 'optimized'} only")
+        self.compare("schedule", between_steps=False)
+        if ref_out is None or opt_out is None:
+            self.stats.steps += 1
+            return
+        (ref_batch, ref_prefill), (opt_batch, opt_prefill) = ref_out, opt_out
+        if ref_prefill != opt_prefill or _ids(ref_batch, self.ref_arrival) != _ids(opt_batch, self.opt_arrival):
+            raise Disagreement(f"OPT-1: batches differ: {ref_batch} {ref_prefill} / {opt_batch} {opt_prefill}")
+        for r, o in zip(ref_batch, opt_batch, strict=True):
+            if _seq_fields(r) != _seq_fields(o):
+                raise Disagreement(f"OPT-1: scheduled sequence differs: {_seq_fields(r)} / {_seq_fields(o)}")
+        self.check(self.opt, opt_batch, opt_prefill)
+        self.check(self.ref, ref_batch, ref_prefill)
+        self.count(running_before, opt_prefill)
+        tokens = data.draw(st.lists(MODEL_TOKENS, min_size=len(ref_batch), max_size=len(ref_batch)), label="tokens")
+        cut = data.draw(st.sampled_from([None, *range(len(ref_batch))]), label="cut max_tokens of")
+        if cut is not None:  # the engine's stop-token cut (ENG-12), on both
+            ref_batch[cut].max_tokens = ref_batch[cut].num_completion_tokens + 1
+            opt_batch[cut].max_tokens = opt_batch[cut].num_completion_tokens + 1
+        self.ref.postprocess(ref_batch, tokens, ref_prefill)
+        self.opt.postprocess(opt_batch, tokens, opt_prefill)
+        finished = [[s.status.name == "FINISHED" for s in batch] for batch in (ref_batch, opt_batch)]
+        if finished[0] != finished[1]:
+            raise Disagreement(f"OPT-1: finishes differ: {finished}")
+        self.stats.steps += 1
+        self.compare("postprocess")
+
+    def check(self, scheduler: Any, batch: list[Any], is_prefill: bool) -> None:
+        state = snapshot(scheduler)
+        found: list[Violation] = check_batch(state, [seq_view(s) for s in batch], is_prefill)
+        self.stats.violations += len(found)
+        if found:
+            raise Disagreement(f"{type(scheduler).__module__}: " + "; ".join(map(str, found)))
+
+    def count(self, running_before: set[int], is_prefill: bool) -> None:
+        assert self.ref is not None
+        waiting_now = {self.ref_arrival[s.seq_id] for s in self.ref.waiting}
+        self.stats.preemptions += len(running_before & waiting_now)
+        if is_prefill:
+            self.stats.prefix_hit_tokens += sum(s.num_cached_tokens for s in self.ref.running if s.is_prefill)
+
+    # --- the comparison ---------------------------------------------------------------------------
+    def compare(self, when: str, between_steps: bool = True) -> None:
+        """OPT-1: every sequence and the whole block-manager state agree; both satisfy every invariant."""
+        assert self.ref is not None and self.opt is not None
+        for index, (r, o) in enumerate(zip(self.ref_seqs, self.opt_seqs, strict=True)):
+            if _seq_fields(r) != _seq_fields(o):
+                raise Disagreement(f"OPT-1 after {when}: request {index}: {_seq_fields(r)} / {_seq_fields(o)}")
+        ref_state, opt_state = snapshot(self.ref), snapshot(self.opt)
+        if _state_fields(ref_state, self.ref_arrival) != _state_fields(opt_state, self.opt_arrival):
+            raise Disagreement(f"OPT-1 after {when}: states differ:\n{ref_state}\n{opt_state}")
+        for name, state in (("reference", ref_state), ("optimized", opt_state)):
+            found = check_state(state, between_steps=between_steps)
+            self.stats.violations += len(found)
+            if found:
+                raise Disagreement(f"{name} after {when}: " + "; ".join(map(str, found)))
+
+    @invariant()
+    def queues_agree(self) -> None:
+        """OPT-1: the same requests wait and run, in the same order."""
+        if self.ref is None or self.opt is None:
+            return
+        for attr in ("waiting", "running"):
+            r = _ids(getattr(self.ref, attr), self.ref_arrival)
+            o = _ids(getattr(self.opt, attr), self.opt_arrival)
+            if r != o:
+                raise Disagreement(f"OPT-1: {attr} differs: {r} / {o}")
+
+
+Machine = DifferentialMachine
