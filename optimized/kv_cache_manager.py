@@ -15,6 +15,7 @@ once, not once in can_allocate, again in allocate and again in hash_blocks.
 
 from __future__ import annotations
 
+import numpy as np
 import xxhash
 
 from optimized.free_queue import FreeBlockQueue
@@ -82,22 +83,33 @@ class KVCacheManager:
     # --- taking and releasing blocks ---------------------------------------------------------
     def take_fresh(self) -> int:
         """The front of the free queue; its old content leaves the prefix cache if the table points at it."""
-        block_id = self.free.popleft()
-        h = self.hashes[block_id]
-        if h != -1:
-            if self.hash_to_block_id.get(h) == block_id:
-                del self.hash_to_block_id[h]
-            self.hashes[block_id] = -1
-            self.contents[block_id] = b""
-        self.ref_counts[block_id] = 1
-        return block_id
+        return self.take_fresh_many(1)[0]
+
+    def take_fresh_many(self, m: int) -> list[int]:
+        """The reference's ``_allocate_block`` m times over: the m front ids, in order (OPT-4)."""
+        ids: list[int] = self.free.take(m).tolist()
+        hashes, refs = self.hashes, self.ref_counts
+        for block_id in ids:
+            h = hashes[block_id]
+            if h != -1:
+                # Distinct blocks carry distinct mapped hashes, so the order of these deletions is immaterial.
+                if self.hash_to_block_id.get(h) == block_id:
+                    del self.hash_to_block_id[h]
+                hashes[block_id] = -1
+                self.contents[block_id] = b""
+            refs[block_id] = 1
+        return ids
 
     def deallocate(self, seq: Sequence) -> None:
-        refs, free = self.ref_counts, self.free
+        """Release the table from its end to its start; the freed ids join the queue in that order."""
+        refs = self.ref_counts
+        freed = []
         for block_id in reversed(seq.block_table):
             refs[block_id] -= 1
             if refs[block_id] == 0:
-                free.append(block_id)
+                freed.append(block_id)
+        if freed:
+            self.free.extend(np.array(freed, dtype=np.int64))
         seq._ncached = 0
         seq.block_table.clear()
 
@@ -131,8 +143,7 @@ class KVCacheManager:
                 refs[block_id] += 1
             seq.block_table.append(block_id)
         num_blocks = (seq._ntok + self.block_size - 1) // self.block_size
-        for _ in range(num_cached_blocks, num_blocks):
-            seq.block_table.append(self.take_fresh())
+        seq.block_table.extend(self.take_fresh_many(num_blocks - num_cached_blocks))
         seq._ncached = num_cached_blocks * self.block_size
 
     def can_append(self, seq: Sequence) -> bool:
@@ -144,10 +155,31 @@ class KVCacheManager:
 
     def hash_blocks(self, seq: Sequence) -> None:
         """Register the blocks this step's tokens filled in the prefix cache."""
-        start = seq._ncached // self.block_size
-        end = (seq._ncached + seq._nsched) // self.block_size
+        block_size = self.block_size
+        start = seq._ncached // block_size
+        end = (seq._ncached + seq._nsched) // block_size
+        if start == end:
+            return
+        hashes = seq._hashes
+        if len(hashes) < start:
+            self.chain_hash_of(seq, start - 1)
+        arena = seq._arena
+        assert arena is not None
+        width = block_size * 8
+        base = seq.region_offset
+        raw = arena.data[base + start * block_size : base + end * block_size].tobytes()
+        block_hashes, contents, table, block_table = self.hashes, self.contents, self.hash_to_block_id, seq.block_table
         for i in range(start, end):
-            self.register(seq, i)
+            piece = raw[(i - start) * width : (i - start + 1) * width]
+            if len(hashes) > i:
+                h = hashes[i]
+            else:
+                h = chain_hash(piece, hashes[i - 1] if i else -1)
+                hashes.append(h)
+            block_id = block_table[i]
+            block_hashes[block_id] = h
+            contents[block_id] = piece
+            table[h] = block_id
 
     def register(self, seq: Sequence, i: int) -> None:
         """Block i of ``seq`` just became full: store its hash and contents, map the hash to it.

@@ -20,6 +20,7 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+from xxhash import xxh64_intdigest
 
 from invariants.state import BlockView, SchedulerState, seq_view
 from optimized.decode_group import DecodeGroup
@@ -142,9 +143,8 @@ class Scheduler:
         due = group.allocs.pop(group.now, None)
         if due:
             if len(due) <= self.block_manager.free.count:  # OPT-6: nobody has to be preempted
-                take = self.block_manager.take_fresh
-                for seq in due:
-                    seq.block_table.append(take())
+                for seq, block_id in zip(due, self.block_manager.take_fresh_many(len(due)), strict=True):
+                    seq.block_table.append(block_id)
                 group.rebook(group.allocs, group.now, due)
             else:
                 self._decode_with_preemption(due)
@@ -200,15 +200,32 @@ class Scheduler:
         clock, tokens = group.advance(token_ids, count, self._arena.data)
         filled = group.fills.pop(clock, None)
         if filled:
-            block_size = self.block_size
-            for seq in filled:
-                bm.register(seq, (seq._ntok + clock - seq._since) // block_size - 1)
+            self._register_filled(filled, clock)
             group.rebook(group.fills, clock, filled)
         finishing = group.finishes.pop(clock, None)
         if group.eos_watchers:
             finishing = self._eos_hits(tokens, finishing)
         if finishing:
             self._finish_members(finishing)
+
+    def _register_filled(self, filled: list[Sequence], clock: int) -> None:
+        """``hash_blocks`` for the members whose last block just filled: ``register`` unrolled for speed."""
+        bm, data, block_size = self.block_manager, self._arena.data, self.block_size
+        block_hashes, contents, table = bm.hashes, bm.contents, bm.hash_to_block_id
+        for seq in filled:
+            i = (seq._ntok + clock - seq._since) // block_size - 1
+            hashes = seq._hashes
+            if len(hashes) != i:
+                bm.register(seq, i)
+                continue
+            start = seq.region_offset + i * block_size
+            raw = data[start : start + block_size].tobytes()
+            h = xxh64_intdigest(hashes[-1].to_bytes(8, "little") + raw) if i else xxh64_intdigest(raw)
+            hashes.append(h)
+            block_id = seq.block_table[i]
+            block_hashes[block_id] = h
+            contents[block_id] = raw
+            table[h] = block_id
 
     def _eos_hits(self, tokens: Any, finishing: list[Sequence] | None) -> list[Sequence] | None:
         hits = np.flatnonzero(tokens == self.eos)

@@ -1,17 +1,47 @@
-"""``nanoverify bench``: not built yet (placeholder until its issue lands)."""
+"""``nanoverify bench``: benchmarks that print both sides and their ratio in one run.
+
+``scheduler`` times the reference and the optimized scheduler on the same
+workloads (optimized/benchmarks/scheduler.py); ``throughput`` runs the engine
+(optimized/benchmarks/throughput.py, loaded only when asked for, since it
+imports torch).
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
+import importlib
 
-HELP = "bench (not implemented yet)"
+HELP = "benchmarks: 'scheduler' (reference vs optimized scheduler) and 'throughput' (the engine)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    sub = p.add_subparsers(dest="bench", required=True)
+    sched = sub.add_parser("scheduler", help="schedule()+postprocess() time of both schedulers, side by side")
+    from optimized.benchmarks import scheduler
+
+    scheduler.add_arguments(sched)
+    tp = sub.add_parser("throughput", help="tokens per second of the engine on a random workload")
+    tp.add_argument("--model", metavar="DIR", default=None, help="a Hugging Face model directory")
+    tp.add_argument("--num-requests", type=int, default=256)
+    tp.add_argument("--max-input-len", type=int, default=1024)
+    tp.add_argument("--max-output-len", type=int, default=1024)
+    tp.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: the model's)")
+    tp.add_argument("--device", default=None, help="cuda, cpu... (default: cuda when available)")
+    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--hf-batch-size", type=int, default=None, help="batch size of the transformers baseline")
 
 
 def main(args: argparse.Namespace) -> int:
-    print("nanoverify bench: not implemented yet", file=sys.stderr)
-    return 2
+    if args.bench == "scheduler":
+        from optimized.benchmarks import scheduler
+
+        return scheduler.main(args)
+    try:
+        throughput = importlib.import_module("optimized.benchmarks.throughput")
+    except ModuleNotFoundError as e:
+        if e.name != "optimized.benchmarks.throughput":
+            raise
+        print("nanoverify bench throughput: not implemented yet")
+        return 2
+    code: int = throughput.main(args)
+    return code

@@ -1,0 +1,140 @@
+"""``nanoverify bench scheduler``: the reference and the optimized scheduler, side by side, on the same workloads.
+
+Workloads are shaped like nano-vllm's bench.py (prompts of 100-1024 random
+tokens, 100-1024 output tokens with ignore_eos, all requests arriving at once,
+max_num_batched_tokens 16384, max_num_seqs 512) and vary one thing each: the
+request count, the block size, a KV cache too small for the workload (so decode
+preempts), and a 512-token system prompt shared by every request (so the
+prefix cache hits). No model runs: the token handed to postprocess for the k-th
+sequence of a batch is the k-th of a pre-drawn list of random ints, the same
+for both sides. Only schedule() and postprocess() are timed (perf_counter
+around each call, the garbage collector parked for both sides alike); each
+side's best of ``repeat`` runs is reported. The per-step batches (arrival ids
+and the prefill flag) of the two sides are compared, so a speed-up that
+changed a decision is reported as a failure, not as a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import random
+import time
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    block_size: int
+    num_blocks: int
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+
+@dataclass
+class Result:
+    seconds: float
+    steps: int
+    preemptions: int
+    signature: list[tuple[bool, tuple[int, ...]]]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def make_workload(name: str, num_requests: int, block_size: int, seed: int, kv_fraction: float = 1.0,
+                  system_prompt: int = 0) -> Workload:
+    """Random prompts and lengths; ``kv_fraction`` < 1 shrinks the cache below the workload's peak need."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(32000) for _ in range(system_prompt)]
+    prompts = [shared + [rng.randrange(32000) for _ in range(rng.randint(100, 1024))] for _ in range(num_requests)]
+    max_tokens = [rng.randint(100, 1024) for _ in range(num_requests)]
+    # Enough blocks for every request at its longest, all at once: nothing is ever preempted.
+    need = sum(ceil_div(len(p) + m, block_size) for p, m in zip(prompts, max_tokens, strict=True))
+    longest = max(ceil_div(len(p) + m, block_size) for p, m in zip(prompts, max_tokens, strict=True))
+    num_blocks = max(longest, int(need * kv_fraction))
+    return Workload(name, block_size, num_blocks, prompts, max_tokens)
+
+
+def workloads(quick: bool, seed: int) -> list[Workload]:
+    sizes = (64, 128) if quick else (256, 512)
+    small = sizes[0]
+    out = [make_workload(f"{n} req, block 256", n, 256, seed) for n in sizes]
+    out += [make_workload(f"{n} req, block 16", n, 16, seed) for n in sizes]
+    out.append(make_workload(f"{small} req, block 16, KV 30%", small, 16, seed, kv_fraction=0.3))
+    out.append(make_workload(f"{small} req, block 16, 512-token system prompt", small, 16, seed, system_prompt=512))
+    return out
+
+
+def run(impl: ModuleType, w: Workload, tokens: list[int]) -> Result:
+    config = impl.SchedulerConfig(num_blocks=w.num_blocks, block_size=w.block_size, max_num_seqs=512,
+                                  max_num_batched_tokens=16384, eos=-1)
+    scheduler = impl.Scheduler(config)
+    seqs = [impl.Sequence(p, impl.SamplingParams(max_tokens=m, ignore_eos=True), w.block_size)
+            for p, m in zip(w.prompts, w.max_tokens, strict=True)]
+    first = seqs[0].seq_id
+    for seq in seqs:
+        scheduler.add(seq)
+    signature: list[tuple[bool, tuple[int, ...]]] = []
+    seconds = 0.0
+    preemptions = 0
+    clock = time.perf_counter
+    gc.collect()
+    gc.disable()
+    try:
+        while not scheduler.is_finished():
+            waiting_before = len(scheduler.waiting)
+            t0 = clock()
+            batch, is_prefill = scheduler.schedule()
+            t1 = clock()
+            if not is_prefill:  # a decode step admits nobody: every new waiting sequence was preempted
+                preemptions += len(scheduler.waiting) - waiting_before
+            signature.append((is_prefill, tuple(s.seq_id - first for s in batch)))
+            step_tokens = tokens[: len(batch)]
+            t2 = clock()
+            scheduler.postprocess(batch, step_tokens, is_prefill)
+            seconds += (t1 - t0) + (clock() - t2)
+    finally:
+        gc.enable()
+    return Result(seconds, len(signature), preemptions, signature)
+
+
+def best_of(impl: ModuleType, w: Workload, tokens: list[int], repeat: int) -> Result:
+    results = [run(impl, w, tokens) for _ in range(repeat)]
+    return min(results, key=lambda r: r.seconds)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="64 and 128 requests instead of 256 and 512")
+    p.add_argument("--repeat", type=int, default=None, help="runs per side and workload, best kept (default 3, quick 1)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def main(args: argparse.Namespace) -> int:
+    repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
+    if repeat < 1:
+        print("nanoverify bench scheduler: --repeat must be >= 1")
+        return 2
+    reference = importlib.import_module("reference")
+    optimized = importlib.import_module("optimized")
+    rng = random.Random(args.seed + 1)
+    tokens = [rng.randrange(32000) for _ in range(512)]
+    print(f"schedule()+postprocess() seconds, best of {repeat}; same decisions checked step by step")
+    print(f"{'workload':<44} {'blocks':>7} {'steps':>6} {'preempt':>7} {'reference':>10} {'optimized':>10} {'ratio':>7}")
+    worst = float("inf")
+    for w in workloads(args.quick, args.seed):
+        ref = best_of(reference, w, tokens, repeat)
+        opt = best_of(optimized, w, tokens, repeat)
+        if ref.signature != opt.signature or ref.preemptions != opt.preemptions:
+            print(f"{w.name}: DECISIONS DIFFER (steps {ref.steps} vs {opt.steps})")
+            return 1
+        ratio = ref.seconds / opt.seconds
+        worst = min(worst, ratio)
+        print(f"{w.name:<44} {w.num_blocks:>7} {ref.steps:>6} {ref.preemptions:>7} {ref.seconds:>10.4f} "
+              f"{opt.seconds:>10.4f} {ratio:>6.1f}x")
+    print(f"slowest speed-up: {worst:.1f}x (target 10x)")
+    return 0
