@@ -196,7 +196,7 @@ class Scheduler:
 
     # --- lesson §5: postprocess ----------------------------------------------------------------
     def _postprocess_group(self, token_ids: Any, count: int) -> None:
-        group, bm = self._group, self.block_manager
+        group = self._group
         clock, tokens = group.advance(token_ids, count, self._arena.data)
         filled = group.fills.pop(clock, None)
         if filled:

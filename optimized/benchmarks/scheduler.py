@@ -110,7 +110,8 @@ def best_of(impl: ModuleType, w: Workload, tokens: list[int], repeat: int) -> Re
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="64 and 128 requests instead of 256 and 512")
-    p.add_argument("--repeat", type=int, default=None, help="runs per side and workload, best kept (default 3, quick 1)")
+    p.add_argument("--repeat", type=int, default=None,
+                   help="runs per side and workload, the best kept (default 3, quick 1)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -124,7 +125,8 @@ def main(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed + 1)
     tokens = [rng.randrange(32000) for _ in range(512)]
     print(f"schedule()+postprocess() seconds, best of {repeat}; same decisions checked step by step")
-    print(f"{'workload':<44} {'blocks':>7} {'steps':>6} {'preempt':>7} {'reference':>10} {'optimized':>10} {'ratio':>7}")
+    print(f"{'workload':<44} {'blocks':>7} {'steps':>6} {'preempt':>7} {'reference':>10} {'optimized':>10} "
+          f"{'ratio':>7}")
     worst = float("inf")
     for w in workloads(args.quick, args.seed):
         ref = best_of(reference, w, tokens, repeat)
