@@ -90,7 +90,8 @@ class FreeBlockQueue:
     def ids(self) -> I64:
         """The free ids, front to back."""
         window = self._buf[self._head : self._tail]
-        return window[self._slot[window] == np.arange(self._head, self._tail)]
+        live: I64 = window[self._slot[window] == np.arange(self._head, self._tail)]
+        return live
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.ids().tolist())
