@@ -116,6 +116,8 @@ class Machine(RuleBasedStateMachine):
             self.add(data.draw(self.request_strategy, label="request"))
 
     def add(self, request: Request) -> None:
+        # The strategy keeps footprints within the cache; this states that it does.
+        assert admissible(len(request.prompt), request.max_tokens, self.config) or not self.ADMISSION_RULE
         seq = Sequence(request.prompt, SamplingParams(max_tokens=request.max_tokens, ignore_eos=request.ignore_eos),
                        self.config.block_size)
         self.requests[seq.seq_id] = request
