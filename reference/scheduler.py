@@ -96,7 +96,7 @@ class Scheduler:
 
     # lesson §5, scheduler.py L81-92: the bookkeeping.
     def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> None:
-        for seq, token_id in zip(seqs, token_ids):
+        for seq, token_id in zip(seqs, token_ids):  # noqa: B905 (as the lesson writes it)
             self.block_manager.hash_blocks(seq)
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import os
 
+# Triton decides at its first import whether it interprets kernels, and transformers
+# imports it too: without a GPU the kernel tests need the interpreter from the start.
+if os.environ.get("NANOVERIFY_GPU_CHECK") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from hypothesis import settings
 
 from optimized.machines import CI_SETTINGS, FUZZ_SETTINGS
