@@ -35,7 +35,10 @@ def crosshair(target: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_crosshair_finds_nothing_in_block_math() -> None:
-    """CONTRACT-1, CONTRACT-2, CONTRACT-3, CONTRACT-4, CONTRACT-5, CONTRACT-6, CONTRACT-7: every contract of optimized/block_math.py holds for all inputs crosshair explores."""
+    """CONTRACT-1, CONTRACT-2, CONTRACT-3, CONTRACT-4, CONTRACT-5, CONTRACT-6, CONTRACT-7.
+
+    Every contract of optimized/block_math.py holds for all inputs crosshair explores.
+    """
     result = crosshair("optimized/block_math.py")
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == ""
