@@ -129,7 +129,14 @@ class DecodeGroup:
         """Drop members at these (ascending) indices."""
         for j in reversed(indices):
             del self.members[j]
-        self.positions = np.delete(self.positions, indices)
+        positions = self.positions
+        if len(indices) == 1:
+            j = indices[0]
+            self.positions = np.concatenate((positions[:j], positions[j + 1 :]))
+        else:
+            keep = np.ones(positions.shape[0], dtype=bool)
+            keep[indices] = False
+            self.positions = positions[keep]
 
     def refresh_positions(self) -> None:
         """Recompute the arena positions after the arena moved regions."""

@@ -1,26 +1,33 @@
 """KV-cache blocks and the prefix cache: the reference BlockManager's decisions on faster machinery.
 
-Invariants (the reference's, spec/invariants.md): every block id is either on
-the free queue (``ref_counts[b] == 0``) or used (``ref_counts[b]`` = number of
-block tables holding it); ``hash_to_block_id[h] == b`` is trusted only when
-block b's stored ``contents`` equal the looked-up block's token bytes; a
-released block keeps its hash and contents until it is taken again. What
-differs from the reference (OPT-4, OPT-5): per-block state is three flat lists
-instead of Block objects; the free queue unlinks a revived block in O(1); a
-block's tokens are kept as the exact little-endian bytes that were hashed (so
-the comparison is one ``bytes ==``); and chain hashes come from the sequence's
-own cache (``Sequence._hashes``), so each full block of a sequence is hashed
-once, not once in can_allocate, again in allocate and again in hash_blocks.
+Invariants (the reference's, spec/invariants.md), true whenever the prefix
+cache is read: every block id is either on the free queue (ref count 0) or used
+(ref count = number of block tables holding it); ``table[h] == b`` implies block
+b carries hash h; a lookup hit also needs equal token bytes; a released block
+keeps its hash and contents until it is taken again. What differs from the
+reference (spec/optimized-scheduler.md):
+
+* per-block state is flat lists, the free queue is FreeBlockQueue (OPT-4);
+* chain hashes come from the sequence's own cache, so each full block of a
+  sequence is hashed at most once (OPT-5);
+* registering a full block (``hash_blocks``) only appends (sequence, index,
+  block) to ``pending``; the log is applied in order (``flush``) before anything
+  reads the table or a block's hash: a lookup (``can_allocate``), taking a block
+  that has a pending registration, any inspection. The table then holds exactly
+  what the reference's eager registrations would have left (OPT-8).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from optimized.free_queue import FreeBlockQueue
 from optimized.sequence import Sequence
 from reference.block_manager import Block
+
+I64 = npt.NDArray[np.int64]
 
 
 def chain_hash(contents: bytes, prefix: int) -> int:
@@ -30,17 +37,32 @@ def chain_hash(contents: bytes, prefix: int) -> int:
     return xxhash.xxh64_intdigest(prefix.to_bytes(8, "little") + contents)
 
 
+def tokens_of(seq: Sequence) -> tuple[I64, int]:
+    """The array holding the sequence's tokens and where they start in it."""
+    if seq._arena is not None:
+        return seq._arena.data, seq.region_offset
+    assert seq._own is not None
+    return seq._own, 0
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.ref_counts = [0] * num_blocks
-        self.hashes = [-1] * num_blocks
-        self.contents = [b""] * num_blocks
-        self.hash_to_block_id: dict[int, int] = {}
+        self.ref_counts: I64 = np.zeros(num_blocks, dtype=np.int64)
+        self._hashes = [-1] * num_blocks
+        self._contents = [b""] * num_blocks
+        self._table: dict[int, int] = {}
         self.free = FreeBlockQueue(num_blocks)
+        self.pending: list[tuple[Sequence, int, int]] = []
+        self._is_pending = [False] * num_blocks
 
-    # --- read-only views in the reference's vocabulary ------------------------------------
+    # --- read-only views in the reference's vocabulary (each flushes first) --------------------------
+    @property
+    def hash_to_block_id(self) -> dict[int, int]:
+        self.flush()
+        return dict(self._table)
+
     @property
     def free_block_ids(self) -> list[int]:
         return list(self.free)
@@ -49,28 +71,32 @@ class KVCacheManager:
     def used_block_ids(self) -> set[int]:
         return {b for b in range(self.num_blocks) if not self.free.contains(b)}
 
+    def block_hash(self, block_id: int) -> int:
+        self.flush()
+        return self._hashes[block_id]
+
+    def token_ids_of(self, block_id: int) -> list[int]:
+        self.flush()
+        raw = self._contents[block_id]
+        return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+
     @property
     def blocks(self) -> list[Block]:
         """Copies as reference Blocks (for inspection; O(num_blocks))."""
         out = []
         for b in range(self.num_blocks):
             block = Block(b)
-            block.ref_count = self.ref_counts[b]
-            block.hash = self.hashes[b]
+            block.ref_count = int(self.ref_counts[b])
+            block.hash = self.block_hash(b)
             block.token_ids = self.token_ids_of(b)
             out.append(block)
         return out
 
-    def token_ids_of(self, block_id: int) -> list[int]:
-        raw = self.contents[block_id]
-        return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
-
-    # --- sequence blocks and their hashes ----------------------------------------------------
+    # --- hashes ---------------------------------------------------------------------------------------
     def block_contents(self, seq: Sequence, i: int) -> bytes:
-        arena = seq._arena
-        assert arena is not None, "the sequence was not added to a scheduler"
-        start = seq.region_offset + i * self.block_size
-        return arena.data[start : start + self.block_size].tobytes()
+        data, base = tokens_of(seq)
+        start = base + i * self.block_size
+        return data[start : start + self.block_size].tobytes()
 
     def chain_hash_of(self, seq: Sequence, i: int) -> int:
         """The chain hash of full block i of ``seq``, computed at most once per sequence (OPT-5)."""
@@ -80,46 +106,82 @@ class KVCacheManager:
             hashes.append(chain_hash(self.block_contents(seq, j), hashes[j - 1] if j else -1))
         return hashes[i]
 
-    # --- taking and releasing blocks ---------------------------------------------------------
+    def defer(self, seq: Sequence, i: int, block_id: int) -> None:
+        """Block i of ``seq`` (held in ``block_id``) just became full: register it at the next flush."""
+        self.pending.append((seq, i, block_id))
+        self._is_pending[block_id] = True
+
+    def flush(self) -> None:
+        """Apply the pending registrations in order: store hash and contents, map the hash to the block.
+
+        The reference chains from the hash stored on the previous block of the table; that block
+        holds this sequence's block i-1 (filled by it, or a cache hit on equal tokens), so its hash
+        is this sequence's chain hash i-1, which is what ``chain_hash_of`` returns (OPT-5).
+        """
+        if not self.pending:
+            return
+        hashes, contents, table, is_pending = self._hashes, self._contents, self._table, self._is_pending
+        block_size = self.block_size
+        for seq, i, block_id in self.pending:
+            chain = seq._hashes
+            data, base = tokens_of(seq)
+            start = base + i * block_size
+            raw = data[start : start + block_size].tobytes()
+            if len(chain) > i:
+                h = chain[i]
+            else:
+                h = chain_hash(raw, self.chain_hash_of(seq, i - 1) if i else -1)
+                chain.append(h)
+            hashes[block_id] = h
+            contents[block_id] = raw
+            table[h] = block_id
+            is_pending[block_id] = False
+        self.pending.clear()
+
+    # --- taking and releasing blocks ------------------------------------------------------------------
     def take_fresh(self) -> int:
-        """The front of the free queue; its old content leaves the prefix cache if the table points at it."""
         return self.take_fresh_many(1)[0]
 
     def take_fresh_many(self, m: int) -> list[int]:
         """The reference's ``_allocate_block`` m times over: the m front ids, in order (OPT-4)."""
         ids: list[int] = self.free.take(m).tolist()
-        hashes, refs = self.hashes, self.ref_counts
+        hashes, refs, is_pending = self._hashes, self.ref_counts, self._is_pending
+        if self.pending and any(is_pending[b] for b in ids):
+            self.flush()  # its old hash must leave the table as the reference's would
         for block_id in ids:
             h = hashes[block_id]
             if h != -1:
-                # Distinct blocks carry distinct mapped hashes, so the order of these deletions is immaterial.
-                if self.hash_to_block_id.get(h) == block_id:
-                    del self.hash_to_block_id[h]
+                # Distinct blocks carry distinct mapped hashes: the order of these deletions is immaterial.
+                if self._table.get(h) == block_id:
+                    del self._table[h]
                 hashes[block_id] = -1
-                self.contents[block_id] = b""
-            refs[block_id] = 1
+                self._contents[block_id] = b""
+        refs[ids] = 1
         return ids
 
     def deallocate(self, seq: Sequence) -> None:
         """Release the table from its end to its start; the freed ids join the queue in that order."""
-        refs = self.ref_counts
-        freed = []
-        for block_id in reversed(seq.block_table):
-            refs[block_id] -= 1
-            if refs[block_id] == 0:
-                freed.append(block_id)
-        if freed:
-            self.free.extend(np.array(freed, dtype=np.int64))
+        table = seq.block_table
+        if table:
+            # A table never holds a block twice (distinct chain hashes map to distinct blocks),
+            # so one vectorised decrement is the reference's loop.
+            ids = np.array(table[::-1], dtype=np.int64)
+            refs = self.ref_counts
+            refs[ids] -= 1
+            freed = ids[refs[ids] == 0]
+            if freed.shape[0]:
+                self.free.extend(freed)
         seq._ncached = 0
         seq.block_table.clear()
 
-    # --- the reference's BlockManager API, on sequences outside the decode group -------------
+    # --- the reference's BlockManager API, on sequences outside the decode group ----------------------
     def can_allocate(self, seq: Sequence) -> int:
         """-1 when the free queue cannot cover the sequence, else its cached-block count."""
+        self.flush()
         num_blocks = (seq._ntok + self.block_size - 1) // self.block_size
         num_new_blocks = num_blocks
         num_cached_blocks = 0
-        table, contents, free = self.hash_to_block_id, self.contents, self.free
+        table, contents, free = self._table, self._contents, self.free
         for i in range(num_blocks - 1):
             block_id = table.get(self.chain_hash_of(seq, i), -1)
             if block_id == -1 or contents[block_id] != self.block_contents(seq, i):
@@ -133,9 +195,9 @@ class KVCacheManager:
 
     def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
         assert not seq.block_table
-        table, refs, free = self.hash_to_block_id, self.ref_counts, self.free
+        table, refs, free = self._table, self.ref_counts, self.free
         for i in range(num_cached_blocks):
-            block_id = table[seq._hashes[i]]  # can_allocate computed these hashes
+            block_id = table[seq._hashes[i]]  # can_allocate flushed and computed these hashes
             if free.contains(block_id):
                 free.remove(block_id)
                 refs[block_id] = 1
@@ -154,49 +216,7 @@ class KVCacheManager:
             seq.block_table.append(self.take_fresh())
 
     def hash_blocks(self, seq: Sequence) -> None:
-        """Register the blocks this step's tokens filled in the prefix cache."""
+        """The blocks this step's tokens filled enter the prefix cache (at the next flush)."""
         block_size = self.block_size
-        start = seq._ncached // block_size
-        end = (seq._ncached + seq._nsched) // block_size
-        if start == end:
-            return
-        hashes = seq._hashes
-        if len(hashes) < start:
-            self.chain_hash_of(seq, start - 1)
-        arena = seq._arena
-        assert arena is not None
-        width = block_size * 8
-        base = seq.region_offset
-        raw = arena.data[base + start * block_size : base + end * block_size].tobytes()
-        block_hashes, contents, table, block_table = self.hashes, self.contents, self.hash_to_block_id, seq.block_table
-        for i in range(start, end):
-            piece = raw[(i - start) * width : (i - start + 1) * width]
-            if len(hashes) > i:
-                h = hashes[i]
-            else:
-                h = chain_hash(piece, hashes[i - 1] if i else -1)
-                hashes.append(h)
-            block_id = block_table[i]
-            block_hashes[block_id] = h
-            contents[block_id] = piece
-            table[h] = block_id
-
-    def register(self, seq: Sequence, i: int) -> None:
-        """Block i of ``seq`` just became full: store its hash and contents, map the hash to it.
-
-        The reference chains from the hash stored on the previous block of the table; that
-        block holds this sequence's block i-1 (filled by it, or a cache hit on equal tokens),
-        so its hash is this sequence's chain hash i-1 (OPT-5).
-        """
-        block_id = seq.block_table[i]
-        contents = self.block_contents(seq, i)
-        hashes = seq._hashes
-        if len(hashes) > i:
-            h = hashes[i]
-        else:
-            prefix = self.chain_hash_of(seq, i - 1) if i else -1
-            h = chain_hash(contents, prefix)
-            hashes.append(h)
-        self.hashes[block_id] = h
-        self.contents[block_id] = contents
-        self.hash_to_block_id[h] = block_id
+        for i in range(seq._ncached // block_size, (seq._ncached + seq._nsched) // block_size):
+            self.defer(seq, i, seq.block_table[i])

@@ -20,7 +20,6 @@ from collections import deque
 from typing import Any
 
 import numpy as np
-from xxhash import xxh64_intdigest
 
 from invariants.state import BlockView, SchedulerState, seq_view
 from optimized.decode_group import DecodeGroup
@@ -209,23 +208,13 @@ class Scheduler:
             self._finish_members(finishing)
 
     def _register_filled(self, filled: list[Sequence], clock: int) -> None:
-        """``hash_blocks`` for the members whose last block just filled: ``register`` unrolled for speed."""
-        bm, data, block_size = self.block_manager, self._arena.data, self.block_size
-        block_hashes, contents, table = bm.hashes, bm.contents, bm.hash_to_block_id
+        """``hash_blocks`` for the members whose last block just filled (registered at the next flush)."""
+        pending, is_pending, block_size = self.block_manager.pending, self.block_manager._is_pending, self.block_size
         for seq in filled:
             i = (seq._ntok + clock - seq._since) // block_size - 1
-            hashes = seq._hashes
-            if len(hashes) != i:
-                bm.register(seq, i)
-                continue
-            start = seq.region_offset + i * block_size
-            raw = data[start : start + block_size].tobytes()
-            h = xxh64_intdigest(hashes[-1].to_bytes(8, "little") + raw) if i else xxh64_intdigest(raw)
-            hashes.append(h)
             block_id = seq.block_table[i]
-            block_hashes[block_id] = h
-            contents[block_id] = raw
-            table[h] = block_id
+            pending.append((seq, i, block_id))
+            is_pending[block_id] = True
 
     def _eos_hits(self, tokens: Any, finishing: list[Sequence] | None) -> list[Sequence] | None:
         hits = np.flatnonzero(tokens == self.eos)
@@ -273,14 +262,16 @@ class Scheduler:
     # --- one view for the invariants ------------------------------------------------------------
     def snapshot(self) -> SchedulerState:
         bm = self.block_manager
+        bm.flush()
         return SchedulerState(
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            blocks=[BlockView(b, bm.ref_counts[b], bm.hashes[b], bm.token_ids_of(b)) for b in range(bm.num_blocks)],
+            blocks=[BlockView(b, int(bm.ref_counts[b]), bm.block_hash(b), bm.token_ids_of(b))
+                    for b in range(bm.num_blocks)],
             free_block_ids=bm.free_block_ids,
             used_block_ids=bm.used_block_ids,
-            hash_to_block_id=dict(bm.hash_to_block_id),
+            hash_to_block_id=bm.hash_to_block_id,
             waiting=[seq_view(s) for s in self._waiting],
             running=[seq_view(s) for s in self._running],
             extra={"decode_clock": self._group.now, "decode_group": len(self._group.members)},
