@@ -10,8 +10,8 @@ reference (spec/optimized-scheduler.md):
 * per-block state is flat lists, the free queue is FreeBlockQueue (OPT-4);
 * chain hashes come from the sequence's own cache, so each full block of a
   sequence is hashed at most once (OPT-5);
-* registering a full block (``hash_blocks``) only appends (sequence, index,
-  block) to ``pending``; the log is applied in order (``flush``) before anything
+* registering full blocks (``hash_blocks``) only appends (sequence, first
+  index, block ids) to ``pending``; the log is applied in order (``flush``) before anything
   reads the table or a block's hash: a lookup (``can_allocate``), taking a block
   that has a pending registration, any inspection. The table then holds exactly
   what the reference's eager registrations would have left (OPT-8).
@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 import xxhash
+from xxhash import xxh64_intdigest
 
 from optimized.free_queue import FreeBlockQueue
 from optimized.sequence import Sequence
@@ -49,12 +50,12 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.ref_counts: I64 = np.zeros(num_blocks, dtype=np.int64)
+        self.ref_counts = [0] * num_blocks
         self._hashes = [-1] * num_blocks
         self._contents = [b""] * num_blocks
         self._table: dict[int, int] = {}
         self.free = FreeBlockQueue(num_blocks)
-        self.pending: list[tuple[Sequence, int, int]] = []
+        self.pending: list[tuple[Sequence, int, list[int]]] = []
         self._is_pending = [False] * num_blocks
 
     # --- read-only views in the reference's vocabulary (each flushes first) --------------------------
@@ -86,7 +87,7 @@ class KVCacheManager:
         out = []
         for b in range(self.num_blocks):
             block = Block(b)
-            block.ref_count = int(self.ref_counts[b])
+            block.ref_count = self.ref_counts[b]
             block.hash = self.block_hash(b)
             block.token_ids = self.token_ids_of(b)
             out.append(block)
@@ -106,10 +107,12 @@ class KVCacheManager:
             hashes.append(chain_hash(self.block_contents(seq, j), hashes[j - 1] if j else -1))
         return hashes[i]
 
-    def defer(self, seq: Sequence, i: int, block_id: int) -> None:
-        """Block i of ``seq`` (held in ``block_id``) just became full: register it at the next flush."""
-        self.pending.append((seq, i, block_id))
-        self._is_pending[block_id] = True
+    def defer(self, seq: Sequence, start: int, block_ids: list[int]) -> None:
+        """Blocks start, start+1, ... of ``seq`` (held in ``block_ids``) just became full: register them later."""
+        self.pending.append((seq, start, block_ids))
+        is_pending = self._is_pending
+        for block_id in block_ids:
+            is_pending[block_id] = True
 
     def flush(self) -> None:
         """Apply the pending registrations in order: store hash and contents, map the hash to the block.
@@ -122,20 +125,25 @@ class KVCacheManager:
             return
         hashes, contents, table, is_pending = self._hashes, self._contents, self._table, self._is_pending
         block_size = self.block_size
-        for seq, i, block_id in self.pending:
+        width = 8 * block_size
+        for seq, start, block_ids in self.pending:
             chain = seq._hashes
+            prev = -1 if start == 0 else self.chain_hash_of(seq, start - 1)
             data, base = tokens_of(seq)
-            start = base + i * block_size
-            raw = data[start : start + block_size].tobytes()
-            if len(chain) > i:
-                h = chain[i]
-            else:
-                h = chain_hash(raw, self.chain_hash_of(seq, i - 1) if i else -1)
-                chain.append(h)
-            hashes[block_id] = h
-            contents[block_id] = raw
-            table[h] = block_id
-            is_pending[block_id] = False
+            raw = data[base + start * block_size : base + (start + len(block_ids)) * block_size].tobytes()
+            for k, block_id in enumerate(block_ids):
+                piece = raw[k * width : (k + 1) * width]
+                i = start + k
+                if len(chain) > i:
+                    h = chain[i]
+                else:
+                    h = xxh64_intdigest(prev.to_bytes(8, "little") + piece) if i else xxh64_intdigest(piece)
+                    chain.append(h)
+                prev = h
+                hashes[block_id] = h
+                contents[block_id] = piece
+                table[h] = block_id
+                is_pending[block_id] = False
         self.pending.clear()
 
     # --- taking and releasing blocks ------------------------------------------------------------------
@@ -144,11 +152,12 @@ class KVCacheManager:
 
     def take_fresh_many(self, m: int) -> list[int]:
         """The reference's ``_allocate_block`` m times over: the m front ids, in order (OPT-4)."""
-        ids: list[int] = self.free.take(m).tolist()
+        ids = self.free.take(m)
         hashes, refs, is_pending = self._hashes, self.ref_counts, self._is_pending
         if self.pending and any(is_pending[b] for b in ids):
             self.flush()  # its old hash must leave the table as the reference's would
         for block_id in ids:
+            refs[block_id] = 1
             h = hashes[block_id]
             if h != -1:
                 # Distinct blocks carry distinct mapped hashes: the order of these deletions is immaterial.
@@ -156,21 +165,18 @@ class KVCacheManager:
                     del self._table[h]
                 hashes[block_id] = -1
                 self._contents[block_id] = b""
-        refs[ids] = 1
         return ids
 
     def deallocate(self, seq: Sequence) -> None:
         """Release the table from its end to its start; the freed ids join the queue in that order."""
-        table = seq.block_table
-        if table:
-            # A table never holds a block twice (distinct chain hashes map to distinct blocks),
-            # so one vectorised decrement is the reference's loop.
-            ids = np.array(table[::-1], dtype=np.int64)
-            refs = self.ref_counts
-            refs[ids] -= 1
-            freed = ids[refs[ids] == 0]
-            if freed.shape[0]:
-                self.free.extend(freed)
+        refs = self.ref_counts
+        freed = []
+        for block_id in reversed(seq.block_table):
+            refs[block_id] -= 1
+            if refs[block_id] == 0:
+                freed.append(block_id)
+        if freed:
+            self.free.extend(freed)
         seq._ncached = 0
         seq.block_table.clear()
 
@@ -218,5 +224,7 @@ class KVCacheManager:
     def hash_blocks(self, seq: Sequence) -> None:
         """The blocks this step's tokens filled enter the prefix cache (at the next flush)."""
         block_size = self.block_size
-        for i in range(seq._ncached // block_size, (seq._ncached + seq._nsched) // block_size):
-            self.defer(seq, i, seq.block_table[i])
+        start = seq._ncached // block_size
+        end = (seq._ncached + seq._nsched) // block_size
+        if end > start:
+            self.defer(seq, start, seq.block_table[start:end])

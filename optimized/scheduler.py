@@ -213,7 +213,7 @@ class Scheduler:
         for seq in filled:
             i = (seq._ntok + clock - seq._since) // block_size - 1
             block_id = seq.block_table[i]
-            pending.append((seq, i, block_id))
+            pending.append((seq, i, [block_id]))
             is_pending[block_id] = True
 
     def _eos_hits(self, tokens: Any, finishing: list[Sequence] | None) -> list[Sequence] | None:
@@ -267,7 +267,7 @@ class Scheduler:
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            blocks=[BlockView(b, int(bm.ref_counts[b]), bm.block_hash(b), bm.token_ids_of(b))
+            blocks=[BlockView(b, bm.ref_counts[b], bm.block_hash(b), bm.token_ids_of(b))
                     for b in range(bm.num_blocks)],
             free_block_ids=bm.free_block_ids,
             used_block_ids=bm.used_block_ids,
