@@ -184,13 +184,25 @@ class KVCacheManager:
     def can_allocate(self, seq: Sequence) -> int:
         """-1 when the free queue cannot cover the sequence, else its cached-block count."""
         self.flush()
-        num_blocks = (seq._ntok + self.block_size - 1) // self.block_size
+        block_size = self.block_size
+        num_blocks = (seq._ntok + block_size - 1) // block_size
         num_new_blocks = num_blocks
         num_cached_blocks = 0
         table, contents, free = self._table, self._contents, self.free
+        chain = seq._hashes
+        data, base = tokens_of(seq)
+        # The bytes of every block the walk may visit, read once; hashing and comparing slice them.
+        raw = data[base : base + (num_blocks - 1) * block_size].tobytes()
+        width = 8 * block_size
         for i in range(num_blocks - 1):
-            block_id = table.get(self.chain_hash_of(seq, i), -1)
-            if block_id == -1 or contents[block_id] != self.block_contents(seq, i):
+            piece = raw[i * width : (i + 1) * width]
+            if len(chain) > i:
+                h = chain[i]
+            else:
+                h = xxh64_intdigest(chain[i - 1].to_bytes(8, "little") + piece) if i else xxh64_intdigest(piece)
+                chain.append(h)
+            block_id = table.get(h, -1)
+            if block_id == -1 or contents[block_id] != piece:
                 break
             num_cached_blocks += 1
             if not free.contains(block_id):
