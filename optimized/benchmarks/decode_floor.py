@@ -1,0 +1,126 @@
+"""The memory-bandwidth floor of a decode step, and the engine's measured decode step beside it.
+
+Invariants: a decode step of B sequences must at least read every weight once, read the K and V of every token
+each sequence attends to in every layer, and write the new token's K and V; the floor is those bytes over the
+device's copy bandwidth (GPU-6..GPU-8 in spec/gpu.md):
+
+    W      = sum of the model's distinct parameter bytes, less the embedding matrix when it is not tied (then only
+             the B rows gathered are read), plus B * hidden * e for the gathered embedding rows
+    KV_r   = sum_b ctx_b * 2 * L * kvh * d * e          (ctx_b: tokens sequence b attends to, the new one included)
+    KV_w   = B * 2 * L * kvh * d * e
+    BW     = 2 * S / t_copy(S)                           (one copy of S bytes reads S and writes S; best of n)
+    floor  = (W + KV_r + KV_w) / BW
+
+Activations, logits and the sampler are left out, so the floor is a lower bound. The step time is the engine's
+own ``Engine.step()`` wall time (scheduler, input preparation, forward, sampling and the token's trip to the
+host), timed only on steps whose decode batch is exactly B.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from optimized.llm import LLM
+from optimized.models.decoder import CausalLM
+from optimized.sampling_params import SamplingParams
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second moved by ``dst.copy_(src)`` of ``nbytes`` (read + write counted), best of ``repeats``."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of the pages, and any lazy initialisation, before timing
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def kv_bytes_per_token(model: CausalLM) -> int:
+    """K and V of one token in every layer."""
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.embed_tokens.weight.element_size()
+
+
+def weight_bytes(model: CausalLM, batch: int) -> int:
+    """W above: what a decode step of ``batch`` sequences must read of the weights."""
+    embed = model.embed_tokens.weight
+    distinct = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    total = sum(distinct.values())
+    if not model.config.tie_word_embeddings:
+        total -= embed.numel() * embed.element_size()
+    return total + batch * model.config.hidden_size * embed.element_size()
+
+
+@dataclass(frozen=True)
+class Floor:
+    weight_bytes: int
+    kv_read_bytes: int
+    kv_write_bytes: int
+    bandwidth: float  # bytes per second
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes
+
+    @property
+    def seconds(self) -> float:
+        return self.bytes / self.bandwidth
+
+
+def decode_floor(model: CausalLM, context_lens: list[int], bandwidth: float) -> Floor:
+    per_token = kv_bytes_per_token(model)
+    return Floor(
+        weight_bytes=weight_bytes(model, len(context_lens)),
+        kv_read_bytes=sum(context_lens) * per_token,
+        kv_write_bytes=len(context_lens) * per_token,
+        bandwidth=bandwidth,
+    )
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    seconds: float
+    context_lens: list[int]  # per sequence: the tokens it attends to in this step
+
+
+def time_decode_steps(llm: LLM, prompts: list[list[int]], warmup: int, steps: int) -> list[DecodeStep]:
+    """Serve ``prompts`` (greedy, eos ignored) and time ``steps`` decode steps of the whole batch after ``warmup``.
+
+    Every request asks for more tokens than are timed, so the batch stays whole; prefill steps (and any decode
+    step of a smaller batch) are run but not timed. The requests are left unfinished: the caller drops the LLM.
+    """
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 2, ignore_eos=True)
+    requests = [engine.add(p, params, seed=i) for i, p in enumerate(prompts)]
+    batch, seen = len(prompts), 0
+    timed: list[DecodeStep] = []
+    device = llm.engine.runner.device
+    while len(timed) < steps:
+        contexts = [r.seq.num_tokens for r in requests]
+        before = engine.stats.decode_tokens
+        _sync(device)
+        start = time.perf_counter()
+        if not engine.has_unfinished():
+            raise RuntimeError(f"the requests finished before {steps} decode steps of batch {batch} were timed")
+        engine.step()
+        _sync(device)
+        seconds = time.perf_counter() - start
+        if engine.stats.decode_tokens - before != batch:
+            continue
+        seen += 1
+        if seen > warmup:
+            timed.append(DecodeStep(seconds, contexts))
+    return timed
