@@ -6,7 +6,11 @@ nothing. Sequence b's context is the first ``context_lens[b]`` slots named by it
 context are -1 and never read). Its queries are the LAST ``qlen_b`` positions of that context, and query i may see key
 j iff ``j <= context_lens[b] - qlen_b + i`` (causal). Attention arithmetic follows transformers' eager path: scores
 ``(q @ k^T) * scale`` in the input dtype, softmax in float32 cast back to the input dtype, then ``weights @ v`` —
-GQA by repeating each KV head ``h // kvh`` times. A decode row with context length 0 yields zeros, not NaN.
+GQA in prefill by repeating each KV head ``h // kvh`` times (as transformers' ``repeat_kv``), in decode by batching
+each KV head's group of query heads against that head's keys, a view, never a copy. Decode reads the whole table
+width it is given (the caller trims the table to the batch's widest context) and masks scores, never values, so
+the cache must hold finite values in unused slots (it is zero-initialised and written only with K/V). A decode row
+with context length 0 yields zeros, not NaN.
 """
 
 from __future__ import annotations
@@ -88,24 +92,26 @@ def paged_decode(
 ) -> torch.Tensor:
     """One query per sequence over its whole paged context, without host syncs (KERN-4).
 
-    The whole table width is gathered (clamping -1 entries to block 0) and positions at or past the context length
-    are masked and their values zeroed, so garbage in unused blocks never reaches the output, and a row with
-    context length 0 gets uniform weights over zeros: an output of zeros.
+    The blocks of the whole table width are gathered once (-1 entries clamped to block 0), so the cost follows the
+    batch's widest context, which the caller sets by the table width it passes. GQA groups each KV head's
+    ``h // kvh`` query heads into one batched product against that head's keys (a strided view, never repeated).
+    Positions at or past the context length get the float32 minimum before the softmax (weight exactly 0, so no
+    value of an unused slot reaches the output, the cache holding finite values) and their weights are zeroed after
+    it, so a row with context length 0 — all masked, uniform before the zeroing — outputs zeros, not NaN.
     """
     batch, heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    width = block_tables.shape[1] * block_size
-    blocks = block_tables.long().clamp(min=0)
-    positions = torch.arange(width, device=q.device)
-    valid = positions[None, :] < context_lens.long()[:, None]
-    keep = valid[:, :, None, None]
-    k = torch.where(keep, k_cache[blocks].reshape(batch, width, kv_heads, dim).to(q.dtype), 0)
-    v = torch.where(keep, v_cache[blocks].reshape(batch, width, kv_heads, dim).to(q.dtype), 0)
     rep = heads // kv_heads
-    kh = k.permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
-    vh = v.permute(0, 2, 1, 3).repeat_interleave(rep, dim=1)
-    scores = torch.matmul(q[:, :, None, :], kh.transpose(-1, -2)) * scale
+    width = block_tables.shape[1] * block_size
+    blocks = block_tables.long().clamp(min=0).flatten()
+    k = k_cache.index_select(0, blocks).view(batch, width, kv_heads, dim).to(q.dtype)
+    v = v_cache.index_select(0, blocks).view(batch, width, kv_heads, dim).to(q.dtype)
+    groups = [slice(j * rep, (j + 1) * rep) for j in range(kv_heads)]
+    # [B, kvh, rep, width]: query heads of group j against KV head j.
+    scores = torch.stack([torch.bmm(q[:, g], k[:, :, j].transpose(1, 2)) for j, g in enumerate(groups)], 1) * scale
+    masked = torch.arange(width, device=q.device)[None, :] >= context_lens.long()[:, None]
+    masked = masked[:, None, None, :]
     # Masking in float32 (not the input dtype) keeps the fill finite, so an all-masked row is uniform, not NaN.
-    scores32 = scores.to(torch.float32).masked_fill(~valid[:, None, None, :], torch.finfo(torch.float32).min)
-    weights = torch.softmax(scores32, dim=-1).to(q.dtype)
-    return torch.matmul(weights, vh)[:, :, 0, :]
+    scores32 = scores.to(torch.float32).masked_fill(masked, torch.finfo(torch.float32).min)
+    weights = torch.softmax(scores32, dim=-1).to(q.dtype).masked_fill(masked, 0)
+    return torch.cat([torch.bmm(weights[:, j], v[:, :, j]) for j in range(kv_heads)], 1)

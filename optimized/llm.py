@@ -78,7 +78,7 @@ class LLM:
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.9,
         cpu_kvcache_gib: float = 0.5,
-        enforce_eager: bool = False,
+        enforce_eager: bool | None = None,
         check: bool = False,
         attention_backend: str | None = None,
         seed: int = 0,
@@ -86,10 +86,11 @@ class LLM:
         """Load ``model`` (a checkpoint folder; None: the embedded default model) and size the KV cache.
 
         ``num_kvcache_blocks`` defaults to what fits a memory budget: ``gpu_memory_utilization`` of the GPU
-        (less what weights and activations take) or ``cpu_kvcache_gib`` GiB on the CPU.
+        (less what weights and activations take) or ``cpu_kvcache_gib`` GiB on the CPU. ``enforce_eager``
+        None means CUDA-graph decode on CUDA with a capturable backend, eager everywhere else (ENG-21).
         """
         for name, flag in (("enforce_eager", enforce_eager), ("check", check)):
-            if not isinstance(flag, bool):
+            if not isinstance(flag, bool) and not (name == "enforce_eager" and flag is None):
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
         block_size = _positive("kvcache_block_size", kvcache_block_size, 2)
         _positive("max_num_seqs", max_num_seqs)
@@ -111,6 +112,8 @@ class LLM:
             backend = get_backend(attention_backend, dev)
         except ValueError as e:
             raise ValueError(f"attention_backend: {e}") from None
+        if enforce_eager is False and dev.type == "cuda" and backend.name == "torch":
+            raise ValueError("enforce_eager=False on CUDA needs attention_backend 'triton' or 'flash-attn'")
         net = load_model(model_dir, torch_dtype, dev)
         c = net.config
         if max_model_len is None:
@@ -123,8 +126,18 @@ class LLM:
             num_kvcache_blocks = self._budget_blocks(dev, per_block, gpu_memory_utilization, cpu_kvcache_gib)
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
-        self.enforce_eager = enforce_eager  # CUDA graphs are not implemented: every step runs eagerly
-        runner = ModelRunner(net, backend, num_kvcache_blocks, block_size, max_model_len)
+        if enforce_eager is None:
+            enforce_eager = dev.type != "cuda" or backend.name == "torch"
+        self.enforce_eager = enforce_eager
+        runner = ModelRunner(
+            net,
+            backend,
+            num_kvcache_blocks,
+            block_size,
+            max_model_len,
+            max_num_seqs=max_num_seqs,
+            enforce_eager=enforce_eager,
+        )
         config = SchedulerConfig(
             num_blocks=num_kvcache_blocks,
             block_size=block_size,

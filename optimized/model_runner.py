@@ -9,11 +9,18 @@ never recomputed, and a preempted sequence (whose blocks were freed) is simply
 prefilled again. Inputs are built with numpy array operations, one Python
 iteration per sequence and none per token. Logits are computed, and a token
 drawn, only for sequences whose prompt is complete after this step; the others
-get ``PLACEHOLDER``, which the scheduler discards.
+get ``PLACEHOLDER``, which the scheduler discards. Every row's token is a pure
+function of its own logits and draw parameters, so the runner may order rows as
+it likes: an eager decode step sorts them by context length and attends in
+ranges that gather only their own width (ENG-19); greedy rows never touch the
+random draw (ENG-20). With ``enforce_eager=False`` a decode step of at most
+``max_num_seqs`` sequences runs through ``GraphRunner``'s bucketed static
+buffers instead (ENG-21): a CUDA graph on CUDA, the eager stand-in on the CPU.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,10 +32,15 @@ import torch
 from kernels.backend import AttentionBackend
 from kernels.rotary import rotary_cos_sin
 from kernels.sampling import sample
-from optimized.block_math import batch_slot_mapping
+from optimized.block_math import batch_slot_mapping, blocks_for
+from optimized.graph_runner import DecodeMetadata, GraphFactory, GraphRunner, cuda_graph_factory
 from optimized.models.decoder import AttentionContext, CausalLM
 
 PLACEHOLDER = -1  # the token handed to postprocess for an unfinished prefill chunk
+# An eager decode step splits its (length-sorted) rows into at most this many ranges of at least MIN_SPLIT_ROWS
+# rows: each range costs a few dozen small ops per layer, which a narrower gather must pay for.
+MAX_DECODE_SPLITS = 8
+MIN_SPLIT_ROWS = 32
 
 
 class ScheduledSeq(Protocol):
@@ -81,6 +93,16 @@ def _block_tables(seqs: Sequence[ScheduledSeq]) -> I64:
     return table
 
 
+def decode_splits(context_lens: I64, block_size: int) -> tuple[tuple[int, int, int], ...]:
+    """Row ranges ``(a, b, columns)`` of a decode batch sorted by context length, each as wide as its longest row."""
+    batch = len(context_lens)
+    num = max(1, min(MAX_DECODE_SPLITS, batch // MIN_SPLIT_ROWS))
+    bounds = [batch * i // num for i in range(num + 1)]
+    return tuple(
+        (a, b, blocks_for(int(context_lens[b - 1]), block_size)) for a, b in itertools.pairwise(bounds)
+    )
+
+
 def prepare(seqs: Sequence[ScheduledSeq], is_prefill: bool, block_size: int) -> StepInputs:
     """The flat batch of one step: each sequence's granted positions, their slots and the rows to sample."""
     num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
@@ -120,7 +142,12 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         max_model_len: int,
+        *,
+        max_num_seqs: int = 256,
+        enforce_eager: bool = True,
+        graph_factory: GraphFactory | None = None,
     ) -> None:
+        """``graph_factory`` makes the decode graphs (default: CUDA graphs on CUDA, eager stand-ins elsewhere)."""
         c = model.config
         param = model.embed_tokens.weight
         self.model = model
@@ -134,6 +161,38 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_views = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(c.num_layers)]
         self.cos_sin = rotary_cos_sin(c.head_dim, max_model_len, c.rope_theta, self.dtype, self.device)
+        self.graph_steps = 0  # decode steps served by the graph runner
+        self.graphs: GraphRunner | None = None
+        if not enforce_eager:
+            self.graphs = self._graph_runner(max_num_seqs, blocks_for(max_model_len, block_size), graph_factory)
+
+    def _graph_runner(self, max_batch: int, max_blocks: int, factory: GraphFactory | None) -> GraphRunner:
+        on_cuda = self.device.type == "cuda"
+        if on_cuda and self.backend.name == "torch":
+            raise ValueError(
+                "enforce_eager=False on CUDA needs a capturable attention backend ('triton' or 'flash-attn'): "
+                "the torch store_kv synchronises with the host"
+            )
+        if factory is None and on_cuda:
+            factory = cuda_graph_factory()
+        graphs = GraphRunner(self._graph_forward, max_batch, max_blocks, self.device, factory)
+        if on_cuda:
+            with torch.inference_mode():
+                graphs.capture_all()
+        return graphs
+
+    def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: DecodeMetadata) -> torch.Tensor:
+        ctx = AttentionContext(
+            backend=self.backend,
+            is_prefill=False,
+            slot_mapping=meta.slot_mapping,
+            cu_seqlens_q=meta.context_lens,  # unused by decode
+            context_lens=meta.context_lens,
+            block_tables=meta.block_tables,
+            cos_sin=self.cos_sin,
+        )
+        out: torch.Tensor = self.model(input_ids, positions, ctx, self.kv_views)
+        return out
 
     @staticmethod
     def kv_bytes_per_block(model: CausalLM, block_size: int) -> int:
@@ -146,30 +205,68 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: Sequence[ScheduledSeq], is_prefill: bool, draws: Sequence[DrawParams]) -> list[int]:
         """One forward over the batch; a token for each sequence (``PLACEHOLDER`` where none is drawn)."""
+        if is_prefill:
+            return self._run(seqs, True, draws)
+        if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+            return self._run(seqs, False, draws)
+        # Eager decode: rows by context length, so each attention range gathers only about its own width.
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_tokens)
+        drawn = self._run([seqs[i] for i in order], False, [draws[i] for i in order], split=True)
+        tokens = [PLACEHOLDER] * len(seqs)
+        for i, t in zip(order, drawn, strict=True):
+            tokens[i] = t
+        return tokens
+
+    def _run(
+        self, seqs: Sequence[ScheduledSeq], is_prefill: bool, draws: Sequence[DrawParams], split: bool = False
+    ) -> list[int]:
         inp = prepare(seqs, is_prefill, self.block_size)
-        ctx = AttentionContext(
-            backend=self.backend,
-            is_prefill=is_prefill,
-            slot_mapping=self._tensor(inp.slot_mapping),
-            cu_seqlens_q=self._tensor(inp.cu_seqlens_q, torch.int32),
-            context_lens=self._tensor(inp.context_lens, torch.int32),
-            block_tables=self._tensor(inp.block_tables, torch.int32),
-            cos_sin=self.cos_sin,
-        )
-        hidden = self.model(self._tensor(inp.input_ids), self._tensor(inp.positions), ctx, self.kv_views)
+        input_ids, positions = self._tensor(inp.input_ids), self._tensor(inp.positions)
+        if not is_prefill and not split:
+            assert self.graphs is not None
+            hidden = self.graphs.run(
+                input_ids,
+                positions,
+                self._tensor(inp.slot_mapping),
+                self._tensor(inp.context_lens, torch.int32),
+                self._tensor(inp.block_tables, torch.int32),
+            )
+            self.graph_steps += 1
+        else:
+            ctx = AttentionContext(
+                backend=self.backend,
+                is_prefill=is_prefill,
+                slot_mapping=self._tensor(inp.slot_mapping),
+                cu_seqlens_q=self._tensor(inp.cu_seqlens_q, torch.int32),
+                context_lens=self._tensor(inp.context_lens, torch.int32),
+                block_tables=self._tensor(inp.block_tables, torch.int32),
+                cos_sin=self.cos_sin,
+                decode_splits=decode_splits(inp.context_lens, self.block_size) if split else (),
+            )
+            hidden = self.model(input_ids, positions, ctx, self.kv_views)
         tokens = [PLACEHOLDER] * len(seqs)
         if len(inp.sample_rows) == 0:
             return tokens
         logits = self.model.logits(hidden[self._tensor(inp.logit_rows)]).float()
-        rows = [draws[i] for i in inp.sample_rows]
-        drawn = sample(
-            logits,
-            torch.tensor([d.temperature for d in rows], dtype=torch.float32, device=self.device),
-            torch.tensor([d.top_k for d in rows], dtype=torch.int64, device=self.device),
-            torch.tensor([d.top_p for d in rows], dtype=torch.float32, device=self.device),
-            torch.tensor([d.seed for d in rows], dtype=torch.int64, device=self.device),
-            self._tensor(inp.context_lens[inp.sample_rows]),
-        ).tolist()
+        drawn = self._sample(logits, [draws[i] for i in inp.sample_rows], inp.context_lens[inp.sample_rows])
         for i, t in zip(inp.sample_rows.tolist(), drawn, strict=True):
             tokens[i] = t
         return tokens
+
+    def _sample(self, logits: torch.Tensor, rows: list[DrawParams], positions: I64) -> list[int]:
+        """``kernels.sampling.sample`` per row; greedy rows take the argmax directly (sample's greedy branch)."""
+        tokens = logits.argmax(dim=-1)
+        drawn_rows = [i for i, d in enumerate(rows) if d.temperature > 0]
+        if drawn_rows:
+            picked = [rows[i] for i in drawn_rows]
+            index = torch.tensor(drawn_rows, dtype=torch.int64, device=self.device)
+            tokens[index] = sample(
+                logits[index],
+                torch.tensor([d.temperature for d in picked], dtype=torch.float32, device=self.device),
+                torch.tensor([d.top_k for d in picked], dtype=torch.int64, device=self.device),
+                torch.tensor([d.top_p for d in picked], dtype=torch.float32, device=self.device),
+                torch.tensor([d.seed for d in picked], dtype=torch.int64, device=self.device),
+                self._tensor(positions[drawn_rows]),
+            )
+        out: list[int] = tokens.tolist()
+        return out

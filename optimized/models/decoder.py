@@ -35,6 +35,9 @@ class AttentionContext:
     context_lens: torch.Tensor  # int32 [B]
     block_tables: torch.Tensor  # int32 [B, W], -1 padded
     cos_sin: torch.Tensor  # [max_position, head_dim]
+    # Decode only, optional: (first row, end row, table columns) of row ranges whose contexts all fit in that many
+    # columns; each range attends on its own, gathering only that width (rows sorted by context length upstream).
+    decode_splits: tuple[tuple[int, int, int], ...] = ()
 
 
 class Attention(nn.Module):
@@ -74,9 +77,23 @@ class Attention(nn.Module):
                 q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, self.scale
             )
         else:
-            o = ctx.backend.decode(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, self.scale)
+            o = self._decode(q, k_cache, v_cache, ctx)
         out: torch.Tensor = self.o_proj(o.reshape(n, self.q_size))
         return out
+
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        if not ctx.decode_splits:
+            return ctx.backend.decode(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, self.scale)
+        parts = [
+            ctx.backend.decode(
+                q[a:b], k_cache, v_cache, ctx.context_lens[a:b], ctx.block_tables[a:b, :width], self.scale
+            )
+            for a, b, width in ctx.decode_splits
+        ]
+        return torch.cat(parts)
 
 
 class MLP(nn.Module):
