@@ -164,19 +164,6 @@ class DecodeGroup:
             entry.append(seq)
             entry.sort(key=_gord)
 
-    def advance(self, token_ids: object, count: int, data: I64) -> tuple[int, I64]:
-        """Postprocess of the members' batch: append one token to each, tick the clock."""
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        if tokens.shape[0] != count:
-            tokens = tokens[:count]
-        positions = self.positions
-        data[positions] = tokens
-        positions += 1
-        clock = self.now
-        self.now = clock + 1
-        self.inflight = False
-        return clock, tokens
-
 
 def _gord(seq: Sequence) -> int:
     return seq._gord

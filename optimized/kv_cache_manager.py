@@ -154,8 +154,11 @@ class KVCacheManager:
         """The reference's ``_allocate_block`` m times over: the m front ids, in order (OPT-4)."""
         ids = self.free.take(m)
         hashes, refs, is_pending = self._hashes, self.ref_counts, self._is_pending
-        if self.pending and any(is_pending[b] for b in ids):
-            self.flush()  # its old hash must leave the table as the reference's would
+        if self.pending:
+            for block_id in ids:
+                if is_pending[block_id]:
+                    self.flush()  # its old hash must leave the table as the reference's would
+                    break
         for block_id in ids:
             refs[block_id] = 1
             h = hashes[block_id]

@@ -84,8 +84,8 @@ class Scheduler:
     def schedule(self) -> tuple[list[Sequence], bool]:
         if self._group.inflight:  # schedule twice without postprocess: back to per-sequence fields
             self._group.dissolve()
-        self._last_batch = None
         if self._waiting:
+            self._last_batch = None
             scheduled = self._prefill()
             if scheduled:
                 return scheduled, True
@@ -196,7 +196,16 @@ class Scheduler:
     # --- lesson §5: postprocess ----------------------------------------------------------------
     def _postprocess_group(self, token_ids: Any, count: int) -> None:
         group = self._group
-        clock, tokens = group.advance(token_ids, count, self._arena.data)
+        # One scatter appends a token to every member; the clock advances them all.
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        if tokens.shape[0] != count:
+            tokens = tokens[:count]
+        positions = group.positions
+        self._arena.data[positions] = tokens
+        positions += 1
+        clock = group.now
+        group.now = clock + 1
+        group.inflight = False
         filled = group.fills.pop(clock, None)
         if filled:
             self._register_filled(filled, clock)
