@@ -39,8 +39,8 @@ from optimized.models.decoder import AttentionContext, CausalLM
 PLACEHOLDER = -1  # the token handed to postprocess for an unfinished prefill chunk
 # An eager decode step splits its (length-sorted) rows into at most this many ranges of at least MIN_SPLIT_ROWS
 # rows: each range costs a few dozen small ops per layer, which a narrower gather must pay for.
-MAX_DECODE_SPLITS = 8
-MIN_SPLIT_ROWS = 32
+MAX_DECODE_SPLITS = 32
+MIN_SPLIT_ROWS = 8
 
 
 class ScheduledSeq(Protocol):
@@ -93,14 +93,15 @@ def _block_tables(seqs: Sequence[ScheduledSeq]) -> I64:
     return table
 
 
-def decode_splits(context_lens: I64, block_size: int) -> tuple[tuple[int, int, int], ...]:
-    """Row ranges ``(a, b, columns)`` of a decode batch sorted by context length, each as wide as its longest row."""
+def decode_splits(
+    context_lens: I64, block_size: int, max_splits: int = MAX_DECODE_SPLITS, min_rows: int = MIN_SPLIT_ROWS
+) -> tuple[tuple[int, int, int], ...]:
+    """Row ranges ``(a, b, columns)`` of a decode batch sorted by context length, each as wide as its longest row:
+    at most ``max_splits`` ranges, of at least ``min_rows`` rows unless there is only one."""
     batch = len(context_lens)
-    num = max(1, min(MAX_DECODE_SPLITS, batch // MIN_SPLIT_ROWS))
+    num = max(1, min(max_splits, batch // min_rows))
     bounds = [batch * i // num for i in range(num + 1)]
-    return tuple(
-        (a, b, blocks_for(int(context_lens[b - 1]), block_size)) for a, b in itertools.pairwise(bounds)
-    )
+    return tuple((a, b, blocks_for(int(context_lens[b - 1]), block_size)) for a, b in itertools.pairwise(bounds))
 
 
 def prepare(seqs: Sequence[ScheduledSeq], is_prefill: bool, block_size: int) -> StepInputs:
@@ -162,6 +163,8 @@ class ModelRunner:
         self.kv_views = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(c.num_layers)]
         self.cos_sin = rotary_cos_sin(c.head_dim, max_model_len, c.rope_theta, self.dtype, self.device)
         self.graph_steps = 0  # decode steps served by the graph runner
+        self.max_decode_splits = MAX_DECODE_SPLITS
+        self.min_split_rows = MIN_SPLIT_ROWS
         self.graphs: GraphRunner | None = None
         if not enforce_eager:
             self.graphs = self._graph_runner(max_num_seqs, blocks_for(max_model_len, block_size), graph_factory)
@@ -241,7 +244,7 @@ class ModelRunner:
                 context_lens=self._tensor(inp.context_lens, torch.int32),
                 block_tables=self._tensor(inp.block_tables, torch.int32),
                 cos_sin=self.cos_sin,
-                decode_splits=decode_splits(inp.context_lens, self.block_size) if split else (),
+                decode_splits=self._splits(inp.context_lens) if split else (),
             )
             hidden = self.model(input_ids, positions, ctx, self.kv_views)
         tokens = [PLACEHOLDER] * len(seqs)
@@ -252,6 +255,9 @@ class ModelRunner:
         for i, t in zip(inp.sample_rows.tolist(), drawn, strict=True):
             tokens[i] = t
         return tokens
+
+    def _splits(self, context_lens: I64) -> tuple[tuple[int, int, int], ...]:
+        return decode_splits(context_lens, self.block_size, self.max_decode_splits, self.min_split_rows)
 
     def _sample(self, logits: torch.Tensor, rows: list[DrawParams], positions: I64) -> list[int]:
         """``kernels.sampling.sample`` per row; greedy rows take the argmax directly (sample's greedy branch)."""

@@ -81,7 +81,6 @@ class Attention(nn.Module):
         out: torch.Tensor = self.o_proj(o.reshape(n, self.q_size))
         return out
 
-
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
