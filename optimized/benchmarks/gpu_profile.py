@@ -10,7 +10,7 @@ requests, prompt and output lengths uniform in 100..1024, eos ignored). Budgets 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -79,7 +79,7 @@ class Profile:
     floor_steps: int
     floor_warmup_steps: int
     copy_bytes: int  # the tensor copied to measure bandwidth
-    kernel_pytest_args: tuple[str, ...]  # extra pytest arguments (a -k subset on the CPU)
+    kernel_pytest_args: tuple[str, ...]  # what pytest runs: a path first, then any selection (a subset on the CPU)
     kernel_pytest_note: str
     budgets: dict[str, float]
     deadline_s: float
@@ -109,7 +109,7 @@ GPU = Profile(
     floor_steps=16,
     floor_warmup_steps=4,
     copy_bytes=2 << 30,
-    kernel_pytest_args=(),
+    kernel_pytest_args=("tests/kernels",),
     kernel_pytest_note="full suite",
     budgets={"kernels": 150, "kernels-direct": 60, "graphs-exact": 60, "checkpoint": 45, "engine-graphs": 90,
              "engine-eager": 110, "transformers": 90, "decode-floor": 75},
@@ -134,8 +134,8 @@ TINY = Profile(
     floor_steps=4,
     floor_warmup_steps=1,
     copy_bytes=32 << 20,
-    kernel_pytest_args=("-k", "store_kv"),
-    kernel_pytest_note="interpreter subset -k store_kv (CI's pytest runs the whole suite interpreted)",
+    kernel_pytest_args=("tests/kernels/test_kernels_attention.py", "-k", "store_kv"),
+    kernel_pytest_note="interpreter subset: store_kv tests (CI's pytest runs the whole suite interpreted)",
     budgets={"kernels": 40, "kernels-direct": 40, "graphs-exact": 30, "checkpoint": 20, "engine-graphs": 30,
              "engine-eager": 30, "transformers": 30, "decode-floor": 30},
     deadline_s=150,
@@ -147,7 +147,7 @@ PROFILES = {"gpu": GPU, "tiny": TINY}
 def profile_for(tiny: bool, device: str) -> Profile:
     """The tiny shapes when asked (on either device), else the full GPU profile, which needs CUDA."""
     if tiny:
-        return Profile(**{**TINY.__dict__, "device": device})
+        return replace(TINY, device=device)
     if device != "cuda":
         raise ValueError("device: the full profile needs 'cuda'; use --device cpu --tiny for the CPU dry run")
     return GPU

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 HELP = "check the engine on a GPU: kernel tests, eager vs CUDA graphs, throughput vs transformers, decode floor"
@@ -29,7 +30,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from optimized.benchmarks.gpu_check import check
-    from optimized.benchmarks.gpu_profile import STAGES, Profile, profile_for
+    from optimized.benchmarks.gpu_profile import STAGES, profile_for
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -52,7 +53,7 @@ def main(args: argparse.Namespace) -> int:
         if not args.deadline_s > 0:
             print(f"nanoverify gpu-check: deadline-s must be > 0, got {args.deadline_s}", file=sys.stderr)
             return 2
-        profile = Profile(**{**profile.__dict__, "deadline_s": float(args.deadline_s)})
+        profile = replace(profile, deadline_s=float(args.deadline_s))
     code, table = check(profile, args.work, args.keep, stages)
     print(table, flush=True)
     return code
