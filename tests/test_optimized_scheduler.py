@@ -283,3 +283,31 @@ def test_the_bench_compares_decisions_and_prints_both_sides(capsys: pytest.Captu
     assert bench.main(argparse.Namespace(quick=True, repeat=0, seed=0)) == 2
     out = capsys.readouterr().out
     assert "--repeat" in out
+
+
+def test_arena_compaction_and_free_queue_trimming_keep_the_decisions() -> None:
+    """OPT-4, OPT-11: a tiny arena (compacted again and again) and a long free queue (trimmed) change nothing."""
+    reqs = [{"id": i, "prompt": [(i * 7 + k) % 11 for k in range(20 + i % 9)], "max_tokens": 30 + i % 13,
+             "ignore_eos": False, "arrive": 0, "output": [1] * 60} for i in range(90)]
+    config = {"block_size": 2, "num_blocks": 1100, "max_num_seqs": 16, "max_num_batched_tokens": 96, "eos": 50}
+    w = parse_workload({"config": config, "requests": reqs})
+    ref, opt = reference.Scheduler(reference.SchedulerConfig(**config)), Scheduler(SchedulerConfig(**config))
+    opt._arena = TokenArena(on_move=opt._group.refresh_positions, capacity=64)
+    for r in w.requests:
+        ref.add(reference.Sequence(r.prompt, reference.SamplingParams(max_tokens=r.max_tokens), 2))
+        opt.add(Sequence(r.prompt, SamplingParams(max_tokens=r.max_tokens), 2))
+    step = 0
+    while not ref.is_finished():
+        (rb, rp), (ob, op) = ref.schedule(), opt.schedule()
+        assert [(s.num_scheduled_tokens, s.block_table) for s in rb] == [(s.num_scheduled_tokens, s.block_table)
+                                                                         for s in ob]
+        tokens = [(step * 3 + k) % 7 for k in range(len(rb))]
+        ref.postprocess(rb, tokens, rp)
+        opt.postprocess(ob, tokens, op)
+        step += 1
+    assert opt.is_finished()
+    r_state, o_state = snapshot(ref), snapshot(opt)
+    assert r_state.free_block_ids == o_state.free_block_ids
+    assert r_state.hash_to_block_id == o_state.hash_to_block_id
+    assert [b.token_ids for b in r_state.blocks] == [b.token_ids for b in o_state.blocks]
+    assert opt.block_manager.free._base > 0  # the front of the free list was trimmed at least once
