@@ -25,9 +25,7 @@ RNG = random.Random(5)
 BASE = [RNG.randrange(VOCAB) for _ in range(12)]
 # 24 requests, half sharing a 12-token prefix (prefix-cache hits once the first is cached), of mixed lengths so the
 # decode batch shrinks through several buckets as requests finish.
-PROMPTS = [
-    (BASE if i % 2 else []) + [RNG.randrange(VOCAB) for _ in range(RNG.randrange(1, 14))] for i in range(24)
-]
+PROMPTS = [(BASE if i % 2 else []) + [RNG.randrange(VOCAB) for _ in range(RNG.randrange(1, 14))] for i in range(24)]
 PARAMS = [
     SamplingParams(temperature=0.0 if i % 3 else 0.9, max_tokens=2 + (7 * i) % 19, seed=None if i % 4 else i)
     for i in range(24)
@@ -78,7 +76,7 @@ def test_enforce_eager_default_and_validation() -> None:
     llm = LLM(str(checkpoint("qwen3")), dtype="float64", **SETTINGS)
     assert llm.enforce_eager is True and llm.engine.runner.graphs is None
     with pytest.raises(ValueError, match="enforce_eager"):
-        LLM(str(checkpoint("qwen3")), enforce_eager="no")  # type: ignore[arg-type]
+        LLM(str(checkpoint("qwen3")), enforce_eager="no")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

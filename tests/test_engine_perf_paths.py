@@ -1,0 +1,139 @@
+"""The engine's fast paths change no token: length-sorted decode ranges, greedy rows without the random draw, the
+trimmed-table torch decode; and the throughput benchmark states how it was fair."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from engine_fixtures import VOCAB, checkpoint, hf_greedy, one_thread, set_root
+
+import optimized.model_runner as model_runner
+from kernels import paged_attention
+from kernels.sampling import sample
+from optimized import LLM, SamplingParams
+from optimized.model_runner import decode_splits
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    set_root(tmp_path_factory.mktemp("engine"))
+    with one_thread():
+        yield
+
+
+RNG = random.Random(3)
+PROMPTS = [[RNG.randrange(VOCAB) for _ in range(RNG.randrange(1, 40))] for _ in range(12)]
+MAX_TOKENS = [3 + (5 * i) % 17 for i in range(12)]
+
+
+def make(**kwargs: Any) -> LLM:
+    args: dict[str, Any] = {"dtype": "float64", "check": True, "kvcache_block_size": 4, "num_kvcache_blocks": 160}
+    return LLM(str(checkpoint("llama")), **{**args, **kwargs})
+
+
+def test_decode_splits_cover_the_batch_with_widths_that_fit() -> None:
+    """ENG-19: ranges are contiguous, cover every row once, respect the limits, and each is as wide as its last
+    (longest) row needs."""
+    lens = np.sort(np.random.default_rng(0).integers(1, 200, 37)).astype(np.int64)
+    for max_splits, min_rows in ((32, 8), (3, 1), (8, 40), (1, 1)):
+        splits = decode_splits(lens, 4, max_splits, min_rows)
+        assert splits[0][0] == 0 and splits[-1][1] == len(lens)
+        assert all(b == c for (_, b, _), (c, _, _) in itertools.pairwise(splits))
+        assert len(splits) <= max_splits and (len(splits) == 1 or all(b - a >= min_rows for a, b, _ in splits))
+        for a, b, width in splits:
+            assert width == -(-int(lens[b - 1]) // 4) and all(-(-int(n) // 4) <= width for n in lens[a:b])
+
+
+def test_split_decode_equals_transformers() -> None:
+    """ENG-19: with a range per row (the most splitting) float64 greedy output is still transformers'."""
+    llm = make()
+    llm.engine.runner.min_split_rows = 1
+    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS], use_tqdm=False)
+    assert [o.token_ids for o in outs] == hf_greedy(checkpoint("llama"), PROMPTS, MAX_TOKENS)
+    assert llm.engine.stats.decode_steps > 0
+
+
+def test_greedy_rows_skip_the_draw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENG-20: an all-greedy run never calls the sampler; a mixed run sends it only the sampled rows, and the
+    tokens equal one sampler call over the whole batch."""
+    calls: list[int] = []
+
+    def counting(logits: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        calls.append(logits.shape[0])
+        return sample(logits, *rest)
+
+    monkeypatch.setattr(model_runner, "sample", counting)
+    make().generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert calls == []
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, max_tokens=6, seed=i) for i in range(len(PROMPTS))]
+    got = [o.token_ids for o in make().generate(PROMPTS, params, use_tqdm=False)]
+    assert calls and max(calls) <= len(PROMPTS) // 2
+    monkeypatch.setattr(model_runner.ModelRunner, "_sample", _whole_batch_sample)
+    assert [o.token_ids for o in make().generate(PROMPTS, params, use_tqdm=False)] == got
+
+
+def _whole_batch_sample(
+    self: model_runner.ModelRunner, logits: torch.Tensor, rows: list[model_runner.DrawParams], positions: Any
+) -> list[int]:
+    """The pre-fast-path sampler: every row, greedy or not, through one sample() call."""
+    drawn = sample(
+        logits,
+        torch.tensor([d.temperature for d in rows], dtype=torch.float32),
+        torch.tensor([d.top_k for d in rows]),
+        torch.tensor([d.top_p for d in rows], dtype=torch.float32),
+        torch.tensor([d.seed for d in rows]),
+        torch.from_numpy(positions),
+    )
+    out: list[int] = drawn.tolist()
+    return out
+
+
+def test_torch_decode_ignores_extra_table_columns() -> None:
+    """KERN-20, KERN-4: decode over a table trimmed to the widest context equals decode over the same table with
+    extra -1 columns (float32 softmax order only), and a zero-context row stays zero either way."""
+    gen = torch.Generator().manual_seed(9)
+    block_size, kv_heads, heads, dim = 4, 2, 6, 8
+    k_cache = torch.randn(30, block_size, kv_heads, dim, generator=gen, dtype=torch.float64)
+    v_cache = torch.randn(30, block_size, kv_heads, dim, generator=gen, dtype=torch.float64)
+    lens = torch.tensor([9, 0, 16, 3], dtype=torch.int32)
+    table = torch.randperm(30, generator=gen)[:16].reshape(4, 4).int()
+    table[lens.long() <= 12, 3] = -1
+    table[1] = -1
+    q = torch.randn(4, heads, dim, generator=gen, dtype=torch.float64)
+    wide = torch.cat([table, torch.full((4, 5), -1, dtype=torch.int32)], dim=1)
+    trimmed_out = paged_attention.paged_decode(q, k_cache, v_cache, lens, table, 0.4)
+    wide_out = paged_attention.paged_decode(q, k_cache, v_cache, lens, wide, 0.4)
+    torch.testing.assert_close(trimmed_out, wide_out, rtol=1e-6, atol=1e-6)
+    assert torch.equal(trimmed_out[1], torch.zeros_like(trimmed_out[1]))
+    # Garbage in unused slots of a used block (past the context) never reaches the output.
+    k_poked, v_poked = k_cache.clone(), v_cache.clone()
+    k_poked[table[0, 2], 1:] += 1e3
+    v_poked[table[0, 2], 1:] -= 1e3
+    poked = paged_attention.paged_decode(q, k_poked, v_poked, lens, table, 0.4)
+    assert torch.equal(poked[0], trimmed_out[0])
+
+
+def test_throughput_benchmark_states_its_fairness(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ENG-22: one thread count set for both sides and printed; static batches of the stated size; requests
+    with identical tokens reported; only requested tokens counted."""
+    from optimized.benchmarks.throughput import main
+
+    monkeypatch.setenv("NANOVERIFY_CACHE", str(tmp_path))
+    args = argparse.Namespace(device="cpu", num_requests=5, max_input_len=9, max_output_len=5, threads=1)
+    args.hf_batch_size = 2
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "1 torch threads for both sides" in out and "static left-padded batches of 2" in out
+    line = next(s for s in out.splitlines() if s.startswith("requests with identical tokens on both sides"))
+    same, total = line.split(": ")[1].split("/")
+    assert total == "5" and 0 <= int(same) <= 5
