@@ -1,19 +1,21 @@
 """``nanoverify bench throughput``: the engine against transformers' ``generate`` on one workload, in one run.
 
-Both sides get the same model folder, dtype, device and requests: random
-prompts of 1..max_input_len tokens, each asking for 1..max_output_len tokens,
-greedy, eos ignored (so every request produces exactly its length on both
-sides). The engine takes them all at once (continuous batching, check mode
-off); transformers takes them in static batches of ``hf_batch_size`` in
-arrival order, left-padded, each batch running until its longest request is
-done. Throughput counts only requested output tokens on both sides, so
-padding and over-generation in static batches are transformers' cost, as they
-are in practice. A short warm-up precedes each timed run.
+Both sides get the same model folder, dtype, device, CPU thread count (``torch.set_num_threads`` once, before
+either runs) and requests: random prompts of 1..max_input_len tokens, each asking for 1..max_output_len tokens,
+greedy, eos ignored (the engine by ``ignore_eos``; transformers by a generation config without an eos), so every
+request produces exactly its length on both sides. The engine takes them all at once (continuous batching, check
+mode off, its default ``enforce_eager``); transformers takes them in static batches of ``hf_batch_size`` in
+arrival order, left-padded, each batch generating exactly its longest request's length. Throughput counts only
+requested output tokens on both sides, so padding and over-generation in static batches are transformers' cost,
+as they are in practice. Each side first serves the same small warm-up workload, untimed. As a check that both
+did the same work, the run reports how many requests got the same tokens from both (float32 rounding differs
+between the engine's attention and transformers' SDPA, so a near-tie can rarely flip a greedy choice).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import random
 import time
 from dataclasses import dataclass
@@ -23,6 +25,18 @@ import torch
 
 from optimized.llm import DTYPES, LLM
 from optimized.sampling_params import SamplingParams
+
+DEFAULTS: dict[str, Any] = {
+    "model": None,
+    "num_requests": 256,
+    "max_input_len": 256,
+    "max_output_len": 128,
+    "seed": 0,
+    "dtype": None,
+    "device": None,
+    "hf_batch_size": 32,
+    "threads": None,
+}
 
 
 @dataclass(frozen=True)
@@ -45,72 +59,94 @@ def _params(w: Workload) -> list[SamplingParams]:
     return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in w.output_lens]
 
 
-def run_engine(llm: LLM, w: Workload, warmup: Workload) -> float:
-    """Seconds for the engine to serve the whole workload (after serving ``warmup``, other prompts)."""
+def run_engine(llm: LLM, w: Workload, warmup: Workload) -> tuple[float, list[list[int]]]:
+    """Seconds for the engine to serve the whole workload (after serving ``warmup``), and its outputs."""
     llm.generate(warmup.prompts, _params(warmup), use_tqdm=False)
     params = _params(w)
     start = time.perf_counter()
     outs = llm.generate(w.prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    assert sum(len(o.token_ids) for o in outs) == w.output_tokens
-    return seconds
+    tokens = [o.token_ids for o in outs]
+    assert [len(t) for t in tokens] == w.output_lens
+    return seconds, tokens
 
 
-def _hf_batch(model: Any, prompts: list[list[int]], new_tokens: int, device: torch.device) -> None:
+def _hf_batch(model: Any, prompts: list[list[int]], new_tokens: int, device: torch.device) -> list[list[int]]:
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-    )
+    config = copy.deepcopy(model.generation_config)
+    # No eos: every row generates exactly new_tokens tokens, as the engine's requests ignore eos.
+    config.eos_token_id = None
+    config.do_sample = False
+    config.max_new_tokens = new_tokens
+    config.pad_token_id = 0
+    out = model.generate(ids, attention_mask=mask, generation_config=config)
+    assert out.shape[1] == width + new_tokens
+    generated: list[list[int]] = out[:, width:].tolist()
+    return generated
 
 
-def run_transformers(model_dir: str, dtype: torch.dtype, device: torch.device, w: Workload, batch: int) -> float:
-    """Seconds for transformers to serve the workload in static batches."""
+def run_transformers(
+    model_dir: str, dtype: torch.dtype, device: torch.device, w: Workload, batch: int, warmup: Workload
+) -> tuple[float, list[list[int]], str]:
+    """Seconds for transformers to serve the workload in static batches, its outputs (requested lengths) and its
+    attention implementation."""
     from transformers import AutoModelForCausalLM
 
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.to(device)
     model.train(False)
+    outputs: list[list[int]] = []
     with torch.inference_mode():
-        _hf_batch(model, w.prompts[:4], 4, device)  # warm-up
+        _hf_batch(model, warmup.prompts, max(warmup.output_lens), device)
         start = time.perf_counter()
         for i in range(0, len(w.prompts), batch):
-            _hf_batch(model, w.prompts[i : i + batch], max(w.output_lens[i : i + batch]), device)
+            rows = _hf_batch(model, w.prompts[i : i + batch], max(w.output_lens[i : i + batch]), device)
+            outputs += [r[:n] for r, n in zip(rows, w.output_lens[i : i + batch], strict=True)]
         if device.type == "cuda":
             torch.cuda.synchronize()
-    return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+    return seconds, outputs, str(model.config._attn_implementation)
+
+
+def _arg(args: argparse.Namespace, name: str) -> Any:
+    value = getattr(args, name, None)
+    return DEFAULTS[name] if value is None else value
 
 
 def main(args: argparse.Namespace) -> int:
-    dtype_name = getattr(args, "dtype", None)
-    device_name = getattr(args, "device", None)
-    hf_batch_size = int(getattr(args, "hf_batch_size", None) or 32)
-    llm = LLM(args.model, dtype=dtype_name, device=device_name)
+    threads = int(_arg(args, "threads") or torch.get_num_threads())
+    torch.set_num_threads(threads)  # both sides run under this one setting
+    hf_batch_size = int(_arg(args, "hf_batch_size"))
+    llm = LLM(_arg(args, "model"), dtype=_arg(args, "dtype"), device=_arg(args, "device"))
     runner = llm.engine.runner
     vocab = llm.engine.limits.vocab_size
-    w = make_workload(args.num_requests, args.max_input_len, args.max_output_len, vocab, args.seed)
-    dtype = runner.dtype
-    device = runner.device
+    num, max_in, max_out, seed = (_arg(args, k) for k in ("num_requests", "max_input_len", "max_output_len", "seed"))
+    w = make_workload(num, max_in, max_out, vocab, seed)
+    warmup = make_workload(4, max_in, 4, vocab, seed + 1)
+    dtype, device = runner.dtype, runner.device
     print(
-        f"workload: {args.num_requests} requests, prompts 1..{args.max_input_len}, outputs 1..{args.max_output_len} "
-        f"tokens ({w.output_tokens} output tokens), model {llm.model_dir}, {str(dtype).removeprefix('torch.')} "
-        f"on {device}, {torch.get_num_threads()} threads"
+        f"workload: {num} requests, prompts 1..{max_in}, outputs 1..{max_out} tokens ({w.output_tokens} output "
+        f"tokens, greedy, eos ignored), model {llm.model_dir}, {str(dtype).removeprefix('torch.')} on {device}, "
+        f"{threads} torch threads for both sides; untimed warm-up of {len(warmup.prompts)} requests on both sides"
     )
-    warmup = make_workload(4, args.max_input_len, 4, vocab, args.seed + 1)
-    engine_s = run_engine(llm, w, warmup)
+    engine_s, engine_out = run_engine(llm, w, warmup)
     engine_tps = w.output_tokens / engine_s
-    print(f"nanoverify engine:          {engine_tps:10.1f} output tok/s ({engine_s:.2f} s, continuous batching)")
-    hf_s = run_transformers(str(llm.model_dir), dtype, device, w, hf_batch_size)
+    mode = "eager" if llm.enforce_eager else "graph decode"
+    print(
+        f"nanoverify engine:          {engine_tps:10.1f} output tok/s ({engine_s:.2f} s, continuous batching, {mode})"
+    )
+    hf_s, hf_out, attn = run_transformers(str(llm.model_dir), dtype, device, w, hf_batch_size, warmup)
     hf_tps = w.output_tokens / hf_s
-    print(f"transformers generate:      {hf_tps:10.1f} output tok/s ({hf_s:.2f} s, static batches of {hf_batch_size})")
+    print(
+        f"transformers generate:      {hf_tps:10.1f} output tok/s ({hf_s:.2f} s, static left-padded batches of "
+        f"{hf_batch_size}, {attn} attention)"
+    )
+    same = sum(a == b for a, b in zip(engine_out, hf_out, strict=True))
+    print(f"requests with identical tokens on both sides: {same}/{len(w.prompts)}")
     print(f"ratio (engine / transformers): {engine_tps / hf_tps:.2f}x")
     return 0
 
 
-__all__ = ["DTYPES", "main", "make_workload"]
+__all__ = ["DEFAULTS", "DTYPES", "main", "make_workload"]
