@@ -73,13 +73,11 @@ class FreeBlockQueue:
     def extend(self, ids: Iterable[int]) -> None:
         """Append ids at the back, in order."""
         buf, slot = self._buf, self._slot
-        position = self._base + len(buf)
-        start = position
-        for block_id in ids:
+        start = self._base + len(buf)
+        buf.extend(ids)  # ids may be any iterable: read them back from the list
+        for position, block_id in enumerate(buf[start - self._base :], start):
             slot[block_id] = position
-            buf.append(block_id)
-            position += 1
-        self.count += position - start
+        self.count += len(buf) + self._base - start
 
     def append(self, block_id: int) -> None:
         self.extend((block_id,))
