@@ -188,3 +188,73 @@ def test_bad_arguments_exit_2_naming_the_field(capsys: pytest.CaptureFixture[str
     assert "stages" in capsys.readouterr().err
     assert main(["gpu-check", "--device", "cpu", "--tiny", "--deadline-s", "0"]) == 2
     assert "deadline-s" in capsys.readouterr().err
+
+
+def test_verdicts_report_an_interpreted_gpu_run_failures_and_differing_tokens() -> None:
+    """GPU-2, GPU-4: a GPU kernel run that was interpreted fails even with every test passing; a failed test fails;
+    a request whose graph tokens differ is named with its first differing token."""
+    clean = {"tests": 5, "failures": 0, "errors": 0, "skipped": 0, "passed": 5}
+    assert gpu_stages.kernels_verdict(clean, True, "0", "cuda")[0]
+    ok, summary = gpu_stages.kernels_verdict(clean, False, "1", "cuda")
+    assert not ok and "not a GPU run" in summary and "TRITON_INTERPRET=1" in summary
+    assert gpu_stages.kernels_verdict(clean, False, "1", "cpu")[0]
+    assert not gpu_stages.kernels_verdict({**clean, "errors": 1, "passed": 4}, True, "0", "cuda")[0]
+    assert not gpu_stages.kernels_verdict({**clean, "skipped": 5, "passed": 0}, True, "0", "cuda")[0]
+    assert gpu_stages.token_diffs(3, [[1, 2], [3, 4]], [[1, 2], [3, 4]]) == []
+    assert gpu_stages.token_diffs(3, [[1, 2], [3, 4]], [[1, 2], [3, 5]]) == ["B=3 request 1 differs from token 1"]
+
+
+def test_graph_info_tells_eager_from_graph_decoding(tmp_path: Path) -> None:
+    """GPU-4: an eager LLM has no graph runner; with enforce_eager=False graphs are found, and counted once used."""
+    from optimized.llm import LLM
+    from optimized.sampling_params import SamplingParams
+
+    write_random_checkpoint(tmp_path, TINY.exact_model, torch.float32, torch.device("cpu"), seed=2)
+    eager = LLM(str(tmp_path), device="cpu", enforce_eager=True, num_kvcache_blocks=16, max_model_len=64)
+    assert gpu_stages.graph_info(eager) == (False, 0)
+    graphs = LLM(str(tmp_path), device="cpu", enforce_eager=False, num_kvcache_blocks=16, max_model_len=64)
+    assert not gpu_stages.graph_info(graphs)[0]  # nothing decoded through graphs yet
+    graphs.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    used, buckets = gpu_stages.graph_info(graphs)
+    assert used and buckets >= 1
+
+
+def test_kernel_checks_report_a_corrupted_oracle(tmp_path: Path) -> None:
+    """GPU-3: each direct kernel check fails when its torch oracle is corrupted, and a crash is reported by name
+    while the other checks still run (interpreter, in a child process so TRITON_INTERPRET precedes triton)."""
+    script = '''
+import torch
+from kernels import norm, paged_attention, rotary, sampling
+from optimized.benchmarks.gpu_profile import TINY
+from optimized.benchmarks.kernel_direct import KernelCase, run_checks
+
+store = paged_attention.store_kv
+def bad_store(k, v, kc, vc, slots):
+    store(k, v, kc, vc, slots)
+    kc.view(-1)[0] += 1
+def boom(*args):
+    raise RuntimeError("boom")
+paged_attention.store_kv = bad_store
+prefill = paged_attention.paged_prefill
+paged_attention.paged_prefill = lambda *a: prefill(*a) + 0.5
+paged_attention.paged_decode = boom
+add = norm.add_rms_norm
+norm.add_rms_norm = lambda *a: (add(*a)[0], add(*a)[1] + 1)
+rot = rotary.apply_rotary
+rotary.apply_rotary = lambda *a: (rot(*a)[0] * 2, rot(*a)[1])
+draw = sampling.sample
+sampling.sample = lambda *a: (draw(*a) + 1) % TINY.bench_model.vocab
+case = KernelCase(TINY.bench_model, torch.float32, torch.device("cpu"), 4, (1, 7, 0, 20),
+                  torch.Generator().manual_seed(5))
+print(run_checks(case))
+'''
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import ast
+
+    results = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert results["decode"] == "RuntimeError: boom"
+    assert {k: v for k, v in results.items() if k != "decode"} == dict.fromkeys(
+        ("store_kv", "prefill", "add_rms_norm", "rotary", "sampling"), "FAIL")
