@@ -104,14 +104,15 @@ def paged_decode(
     rep = heads // kv_heads
     width = block_tables.shape[1] * block_size
     blocks = block_tables.long().clamp(min=0).flatten()
-    k = k_cache.index_select(0, blocks).view(batch, width, kv_heads, dim).to(q.dtype)
-    v = v_cache.index_select(0, blocks).view(batch, width, kv_heads, dim).to(q.dtype)
+    k = k_cache.index_select(0, blocks).view(batch, width, kv_heads, dim)
+    v = v_cache.index_select(0, blocks).view(batch, width, kv_heads, dim)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
     groups = [slice(j * rep, (j + 1) * rep) for j in range(kv_heads)]
     # [B, kvh, rep, width]: query heads of group j against KV head j.
     scores = torch.stack([torch.bmm(q[:, g], k[:, :, j].transpose(1, 2)) for j, g in enumerate(groups)], 1) * scale
-    masked = torch.arange(width, device=q.device)[None, :] >= context_lens.long()[:, None]
-    masked = masked[:, None, None, :]
+    masked = (torch.arange(width, device=q.device) >= context_lens[:, None]).view(batch, 1, 1, width)
     # Masking in float32 (not the input dtype) keeps the fill finite, so an all-masked row is uniform, not NaN.
-    scores32 = scores.to(torch.float32).masked_fill(masked, torch.finfo(torch.float32).min)
-    weights = torch.softmax(scores32, dim=-1).to(q.dtype).masked_fill(masked, 0)
+    scores32 = scores.to(torch.float32).masked_fill_(masked, torch.finfo(torch.float32).min)
+    weights = torch.softmax(scores32, dim=-1).to(q.dtype).masked_fill_(masked, 0)
     return torch.cat([torch.bmm(weights[:, j], v[:, :, j]) for j in range(kv_heads)], 1)

@@ -38,9 +38,10 @@ from optimized.models.decoder import AttentionContext, CausalLM
 
 PLACEHOLDER = -1  # the token handed to postprocess for an unfinished prefill chunk
 # An eager decode step splits its (length-sorted) rows into at most this many ranges of at least MIN_SPLIT_ROWS
-# rows: each range costs a few dozen small ops per layer, which a narrower gather must pay for.
-MAX_DECODE_SPLITS = 32
-MIN_SPLIT_ROWS = 8
+# rows: each range costs a few dozen small ops per layer, paid for by a narrower gather whose keys stay in cache
+# for the products (measured at 256 rows of 2..384 tokens: 1 range 67 ms, 4: 18 ms, 16: 7.7 ms, 64: 11.8 ms).
+MAX_DECODE_SPLITS = 16
+MIN_SPLIT_ROWS = 16
 
 
 class ScheduledSeq(Protocol):
