@@ -7,7 +7,9 @@ request produces exactly its length on both sides. The engine takes them all at 
 mode off, its default ``enforce_eager``); transformers takes them in static batches of ``hf_batch_size`` in
 arrival order, left-padded, each batch generating exactly its longest request's length. Throughput counts only
 requested output tokens on both sides, so padding and over-generation in static batches are transformers' cost,
-as they are in practice. Each side first serves the same small warm-up workload, untimed. As a check that both
+as they are in practice. Each side first serves the same small warm-up workload, untimed. Wall-clock time is the
+measure; each side's process CPU time is printed beside it, because on a shared machine a neighbour's load moves
+wall time between the two runs. As a check that both
 did the same work, the run reports how many requests got the same tokens from both (float32 rounding differs
 between the engine's attention and transformers' SDPA, so a near-tie can rarely flip a greedy choice).
 """
@@ -59,16 +61,30 @@ def _params(w: Workload) -> list[SamplingParams]:
     return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in w.output_lens]
 
 
-def run_engine(llm: LLM, w: Workload, warmup: Workload) -> tuple[float, list[list[int]]]:
-    """Seconds for the engine to serve the whole workload (after serving ``warmup``), and its outputs."""
+@dataclass(frozen=True)
+class Timing:
+    wall: float  # seconds, the measure
+    cpu: float  # this process's CPU seconds over the same span (on a shared machine, less sensitive to neighbours)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def stop(self) -> Timing:
+        return Timing(time.perf_counter() - self.wall, time.process_time() - self.cpu)
+
+
+def run_engine(llm: LLM, w: Workload, warmup: Workload) -> tuple[Timing, list[list[int]]]:
+    """Time for the engine to serve the whole workload (after serving ``warmup``), and its outputs."""
     llm.generate(warmup.prompts, _params(warmup), use_tqdm=False)
     params = _params(w)
-    start = time.perf_counter()
+    clock = _Clock()
     outs = llm.generate(w.prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    timing = clock.stop()
     tokens = [o.token_ids for o in outs]
     assert [len(t) for t in tokens] == w.output_lens
-    return seconds, tokens
+    return timing, tokens
 
 
 def _hf_batch(model: Any, prompts: list[list[int]], new_tokens: int, device: torch.device) -> list[list[int]]:
@@ -89,8 +105,8 @@ def _hf_batch(model: Any, prompts: list[list[int]], new_tokens: int, device: tor
 
 def run_transformers(
     model_dir: str, dtype: torch.dtype, device: torch.device, w: Workload, batch: int, warmup: Workload
-) -> tuple[float, list[list[int]], str]:
-    """Seconds for transformers to serve the workload in static batches, its outputs (requested lengths) and its
+) -> tuple[Timing, list[list[int]], str]:
+    """Time for transformers to serve the workload in static batches, its outputs (requested lengths) and its
     attention implementation."""
     from transformers import AutoModelForCausalLM
 
@@ -100,14 +116,14 @@ def run_transformers(
     outputs: list[list[int]] = []
     with torch.inference_mode():
         _hf_batch(model, warmup.prompts, max(warmup.output_lens), device)
-        start = time.perf_counter()
+        clock = _Clock()
         for i in range(0, len(w.prompts), batch):
             rows = _hf_batch(model, w.prompts[i : i + batch], max(w.output_lens[i : i + batch]), device)
             outputs += [r[:n] for r, n in zip(rows, w.output_lens[i : i + batch], strict=True)]
         if device.type == "cuda":
             torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    return seconds, outputs, str(model.config._attn_implementation)
+        timing = clock.stop()
+    return timing, outputs, str(model.config._attn_implementation)
 
 
 def _arg(args: argparse.Namespace, name: str) -> Any:
@@ -131,21 +147,22 @@ def main(args: argparse.Namespace) -> int:
         f"tokens, greedy, eos ignored), model {llm.model_dir}, {str(dtype).removeprefix('torch.')} on {device}, "
         f"{threads} torch threads for both sides; untimed warm-up of {len(warmup.prompts)} requests on both sides"
     )
-    engine_s, engine_out = run_engine(llm, w, warmup)
-    engine_tps = w.output_tokens / engine_s
+    engine, engine_out = run_engine(llm, w, warmup)
+    engine_tps = w.output_tokens / engine.wall
     mode = "eager" if llm.enforce_eager else "graph decode"
     print(
-        f"nanoverify engine:          {engine_tps:10.1f} output tok/s ({engine_s:.2f} s, continuous batching, {mode})"
+        f"nanoverify engine:          {engine_tps:10.1f} output tok/s ({engine.wall:.2f} s, {engine.cpu:.2f} CPU s, "
+        f"continuous batching, {mode})"
     )
-    hf_s, hf_out, attn = run_transformers(str(llm.model_dir), dtype, device, w, hf_batch_size, warmup)
-    hf_tps = w.output_tokens / hf_s
+    hf, hf_out, attn = run_transformers(str(llm.model_dir), dtype, device, w, hf_batch_size, warmup)
+    hf_tps = w.output_tokens / hf.wall
     print(
-        f"transformers generate:      {hf_tps:10.1f} output tok/s ({hf_s:.2f} s, static left-padded batches of "
-        f"{hf_batch_size}, {attn} attention)"
+        f"transformers generate:      {hf_tps:10.1f} output tok/s ({hf.wall:.2f} s, {hf.cpu:.2f} CPU s, static "
+        f"left-padded batches of {hf_batch_size}, {attn} attention)"
     )
     same = sum(a == b for a, b in zip(engine_out, hf_out, strict=True))
     print(f"requests with identical tokens on both sides: {same}/{len(w.prompts)}")
-    print(f"ratio (engine / transformers): {engine_tps / hf_tps:.2f}x")
+    print(f"ratio (engine / transformers): {engine_tps / hf_tps:.2f}x (by CPU seconds: {hf.cpu / engine.cpu:.2f}x)")
     return 0
 
 
