@@ -10,7 +10,7 @@ import os
 
 # Triton decides at its first import whether it interprets kernels, and transformers
 # imports it too: without a GPU the kernel tests need the interpreter from the start.
-if os.environ.get("NANOVERIFY_GPU_CHECK") != "1":
+if os.environ.get("NANOVERIFY_KERNEL_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hypothesis import settings
