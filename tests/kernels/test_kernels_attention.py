@@ -2,7 +2,9 @@
 
 Every Triton output buffer is poisoned with NaN before the call, so an element a kernel forgets to write fails.
 Caches are filled with random values (never zeros) and unused blocks keep random garbage, so reading a block a
-sequence does not own, or a position past its context, changes the result.
+sequence does not own, or a position past its context, changes the result. Inputs are drawn on the CPU, so a case
+is the same numbers on every device, then moved to the ``device`` fixture (tests/kernels/conftest.py) for the
+Triton kernels and the torch oracle they are compared with; tests of the torch oracle alone stay on the CPU.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
 
 from kernels import paged_attention, triton_decode, triton_prefill, triton_store
-from kernels.backend import TorchBackend, get_backend
+from kernels.backend import TorchBackend, flash_attn_available, get_backend
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2), torch.float16: (2e-3, 2e-3)}
 
@@ -27,6 +29,17 @@ class PagedCase:
     context_lens: torch.Tensor
     dense_k: list[torch.Tensor]
     dense_v: list[torch.Tensor]
+
+    def to(self, device: torch.device) -> PagedCase:
+        """The same case on ``device`` (the dense float64 references stay where they are)."""
+        return PagedCase(
+            self.k_cache.to(device),
+            self.v_cache.to(device),
+            self.block_tables.to(device),
+            self.context_lens.to(device),
+            self.dense_k,
+            self.dense_v,
+        )
 
 
 def make_case(
@@ -137,14 +150,14 @@ def test_torch_decode_equals_prefill_of_one_query_and_zero_context_gives_zeros()
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_store_kv_writes_slots_and_skips_minus_one(impl: str) -> None:
+def test_store_kv_writes_slots_and_skips_minus_one(impl: str, device: torch.device) -> None:
     """KERN-1: row i lands in slot_mapping[i] (block s // bs, offset s % bs); slot -1 writes nothing."""
     block_size, kv_heads, dim = 3, 2, 5
-    k = torch.randn(6, kv_heads, dim)
-    v = torch.randn(6, kv_heads, dim)
-    slots = torch.tensor([0, -1, 7, 11, -1, 4])
-    k_cache = torch.full((4, block_size, kv_heads, dim), 123.0)
-    v_cache = torch.full((4, block_size, kv_heads, dim), 123.0)
+    k = torch.randn(6, kv_heads, dim).to(device)
+    v = torch.randn(6, kv_heads, dim).to(device)
+    slots = torch.tensor([0, -1, 7, 11, -1, 4]).to(device)
+    k_cache = torch.full((4, block_size, kv_heads, dim), 123.0).to(device)
+    v_cache = torch.full((4, block_size, kv_heads, dim), 123.0).to(device)
     store = triton_store.store_kv if impl == "triton" else paged_attention.store_kv
     store(k, v, k_cache, v_cache, slots)
     k_flat = k_cache.view(-1, kv_heads, dim)
@@ -160,12 +173,19 @@ def test_store_kv_writes_slots_and_skips_minus_one(impl: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("lens", "qlens", "block_size", "heads", "kv_heads", "dim"), PREFILL_SHAPES)
 def test_triton_prefill_equals_torch(
-    lens: list[int], qlens: list[int], block_size: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype
+    lens: list[int],
+    qlens: list[int],
+    block_size: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> None:
     """KERN-5: Triton prefill equals the torch oracle within the dtype's tolerance, writing every output row."""
-    case = make_case(lens, block_size, kv_heads, dim, dtype, seed=3)
-    q = torch.randn(sum(qlens), heads, dim).to(dtype)
-    cu = cu_seqlens(qlens)
+    case = make_case(lens, block_size, kv_heads, dim, dtype, seed=3).to(device)
+    q = torch.randn(sum(qlens), heads, dim).to(dtype).to(device)
+    cu = cu_seqlens(qlens).to(device)
     args = (case.k_cache, case.v_cache, cu, case.context_lens, case.block_tables, 0.3)
     expected = paged_attention.paged_prefill(q, *args)
     out = triton_prefill.paged_prefill(q, *args, out=torch.full_like(q, float("nan")))
@@ -183,11 +203,18 @@ def test_triton_prefill_equals_torch(
     ],
 )
 def test_triton_decode_equals_torch(
-    lens: list[int], block_size: int, heads: int, kv_heads: int, dim: int, tokens_per_split: int, dtype: torch.dtype
+    lens: list[int],
+    block_size: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    tokens_per_split: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> None:
     """KERN-4, KERN-5: flash-decoding (split + reduce) equals torch decode; context 0 gives zeros."""
-    case = make_case(lens, block_size, kv_heads, dim, dtype, seed=4)
-    q = torch.randn(len(lens), heads, dim).to(dtype)
+    case = make_case(lens, block_size, kv_heads, dim, dtype, seed=4).to(device)
+    q = torch.randn(len(lens), heads, dim).to(dtype).to(device)
     args = (case.k_cache, case.v_cache, case.context_lens, case.block_tables, 0.3)
     expected = paged_attention.paged_decode(q, *args)
     poisoned = torch.full_like(q, float("nan"))
@@ -199,24 +226,30 @@ def test_triton_decode_equals_torch(
             assert torch.equal(out[b], torch.zeros_like(out[b]))
 
 
-def test_backends_agree_end_to_end_and_selection() -> None:
-    """KERN-15: get_backend names the backends; None picks torch on the CPU; unknown or unusable names raise."""
+def test_backends_agree_end_to_end_and_selection(device: torch.device) -> None:
+    """KERN-15: get_backend names the backends; None picks torch on the CPU (Triton or flash-attn on CUDA);
+    unknown or unusable names raise; the Triton backend agrees with torch on ``device``."""
     cpu = torch.device("cpu")
     assert isinstance(get_backend(None, cpu), TorchBackend)
     with pytest.raises(ValueError, match="backend"):
         get_backend("cuDNN", cpu)
     with pytest.raises(ValueError, match="flash-attn"):
         get_backend("flash-attn", cpu)
-    triton_backend = get_backend("triton", cpu)  # allowed on the CPU only because TRITON_INTERPRET=1
+    if device.type == "cuda":
+        # Compiled Triton (the conftest guarantees it on CUDA) cannot run off the GPU.
+        with pytest.raises(ValueError, match="triton"):
+            get_backend("triton", cpu)
+        assert get_backend(None, device).name == ("flash-attn" if flash_attn_available() else "triton")
+    triton_backend = get_backend("triton", device)  # on the CPU, allowed only because TRITON_INTERPRET=1
     assert triton_backend.name == "triton"
-    case = make_case([6, 11], 4, 2, 8, torch.float32, seed=5)
-    new_k = torch.randn(2, 2, 8)
-    new_v = torch.randn(2, 2, 8)
-    slots = torch.tensor([5 * 4 + 1, -1])
+    case = make_case([6, 11], 4, 2, 8, torch.float32, seed=5).to(device)
+    new_k = torch.randn(2, 2, 8).to(device)
+    new_v = torch.randn(2, 2, 8).to(device)
+    slots = torch.tensor([5 * 4 + 1, -1]).to(device)
     results = []
-    for backend in (get_backend("torch", cpu), triton_backend):
+    for backend in (get_backend("torch", device), triton_backend):
         k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
         backend.store_kv(new_k, new_v, k_cache, v_cache, slots)
-        q = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(0))
+        q = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(0)).to(device)
         results.append(backend.decode(q, k_cache, v_cache, case.context_lens, case.block_tables, 0.3))
     torch.testing.assert_close(results[0], results[1], rtol=2e-5, atol=2e-5)

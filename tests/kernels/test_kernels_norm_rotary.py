@@ -1,4 +1,8 @@
-"""RMSNorm and rotary embedding: torch against transformers' own modules (bit for bit), Triton against torch."""
+"""RMSNorm and rotary embedding: torch against transformers' own modules (bit for bit), Triton against torch.
+
+The torch-versus-transformers tests run on the CPU; the Triton tests draw their inputs on the CPU (the same numbers
+on every device) and run the kernel and its torch twin on the ``device`` fixture (tests/kernels/conftest.py).
+"""
 
 from __future__ import annotations
 
@@ -34,11 +38,11 @@ def test_rms_norm_is_transformers_rms_norm(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [24, 64, 100])
-def test_triton_norms_equal_torch(dtype: torch.dtype, hidden: int) -> None:
+def test_triton_norms_equal_torch(dtype: torch.dtype, hidden: int, device: torch.device) -> None:
     """KERN-6, KERN-7: the residual sum is bit-identical; the norm agrees within 2 ulp of the output dtype."""
-    x = torch.randn(7, hidden).to(dtype)
-    residual = torch.randn(7, hidden).to(dtype)
-    weight = _weight(hidden, dtype)
+    x = torch.randn(7, hidden).to(dtype).to(device)
+    residual = torch.randn(7, hidden).to(dtype).to(device)
+    weight = _weight(hidden, dtype).to(device)
     out, new_residual = triton_norm.add_rms_norm(x, residual, weight, 1e-6)
     ref_out, ref_residual = norm.add_rms_norm(x, residual, weight, 1e-6)
     assert torch.equal(new_residual, ref_residual)
@@ -70,12 +74,14 @@ def test_rotary_is_transformers_rotary(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (3, 1, 12)])
-def test_triton_rotary_is_bit_identical(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+def test_triton_rotary_is_bit_identical(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, device: torch.device
+) -> None:
     """KERN-9: the Triton rotation rounds where torch rounds, so it is bit-identical in every dtype."""
-    table = rotary.rotary_cos_sin(head_dim, 100, 10_000.0, dtype, CPU)
-    positions = torch.randint(0, 100, (9,))
-    q = torch.randn(9, heads, head_dim).to(dtype)
-    k = torch.randn(9, kv_heads, head_dim).to(dtype)
+    table = rotary.rotary_cos_sin(head_dim, 100, 10_000.0, dtype, CPU).to(device)
+    positions = torch.randint(0, 100, (9,)).to(device)
+    q = torch.randn(9, heads, head_dim).to(dtype).to(device)
+    k = torch.randn(9, kv_heads, head_dim).to(dtype).to(device)
     q_out, k_out = triton_rotary.apply_rotary(q, k, positions, table)
     q_ref, k_ref = rotary.apply_rotary(q, k, positions, table)
     assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)

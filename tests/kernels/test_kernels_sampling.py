@@ -1,5 +1,9 @@
 """The sampler: greedy, top-k, top-p, the counter-based RNG (pinned against a pure-Python statement of the spec),
-batch independence, the race's distribution, and the Triton sampler against torch."""
+batch independence, the race's distribution, and the Triton sampler against torch.
+
+The torch sampler's own tests run on the CPU; the Triton test draws its inputs on the CPU (the same numbers on every
+device) and runs the kernel, the torch sampler and the torch RNG it is compared with on the ``device`` fixture.
+"""
 
 from __future__ import annotations
 
@@ -121,22 +125,23 @@ def test_race_frequencies_follow_the_distribution() -> None:
 
 
 @pytest.mark.parametrize("vocab", [300, 2500])
-def test_triton_sampler_equals_torch(vocab: int) -> None:
+def test_triton_sampler_equals_torch(vocab: int, device: torch.device) -> None:
     """KERN-14: the Triton sampler's uniforms are bit-identical and its tokens equal the torch sampler's."""
     batch = 6
-    logits = torch.randn(batch, vocab) * 3
-    temperature = torch.tensor([0.0, 1.0, 0.7, 1.0, 2.0, 0.5])
-    top_k = torch.tensor([-1, 5, -1, 3, -1, 50])
-    top_p = torch.tensor([1.0, 1.0, 0.9, 0.5, 1.0, 0.8])
-    seeds = torch.tensor([1, 2, 3, 4, -5, 2**40 + 7])
-    positions = torch.tensor([5, 6, 7, 8, 9, 2**33])
-    uniforms = torch.full((batch, vocab), float("nan"))
-    out = torch.full((batch,), -7, dtype=torch.int64)
+    logits = (torch.randn(batch, vocab) * 3).to(device)
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.0, 2.0, 0.5]).to(device)
+    top_k = torch.tensor([-1, 5, -1, 3, -1, 50]).to(device)
+    top_p = torch.tensor([1.0, 1.0, 0.9, 0.5, 1.0, 0.8]).to(device)
+    seeds = torch.tensor([1, 2, 3, 4, -5, 2**40 + 7]).to(device)
+    positions = torch.tensor([5, 6, 7, 8, 9, 2**33]).to(device)
+    uniforms = torch.full((batch, vocab), float("nan")).to(device)
+    out = torch.full((batch,), -7, dtype=torch.int64).to(device)
     tokens = triton_sampling.sample(logits, temperature, top_k, top_p, seeds, positions, out=out, uniforms_out=uniforms)
     assert torch.equal(tokens, sampling.sample(logits, temperature, top_k, top_p, seeds, positions))
     sampled_rows = temperature > 0
     expected_u = rng.uniforms(rng.row_keys(seeds, positions), vocab)
     assert torch.equal(uniforms[sampled_rows], expected_u[sampled_rows])
-    plain_t, plain_k, plain_p = _params(batch, 1.0)  # no filtering: the kernel runs without a keep mask
+    # No filtering: the kernel runs without a keep mask.
+    plain_t, plain_k, plain_p = (t.to(device) for t in _params(batch, 1.0))
     plain = triton_sampling.sample(logits, plain_t, plain_k, plain_p, seeds, positions)
     assert torch.equal(plain, sampling.sample(logits, plain_t, plain_k, plain_p, seeds, positions))
