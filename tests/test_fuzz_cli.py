@@ -12,7 +12,7 @@ from optimized.cli import main
 from reference import Sequence
 
 PROGRESS = re.compile(r"^\[\s*[\d.]+s\] (\w+): (\d+) examples, \d+ rule applications/s, (\d+) steps, (\d+) requests, "
-                      r"\d+ preemptions, \d+ prefix-hit tokens, (\d+) violations$", re.MULTILINE)
+                      r"\d+ preemptions, \d+ prefix-hit tokens, \d+ aborts, (\d+) violations$", re.MULTILINE)
 
 
 def test_a_short_clean_run_reports_progress_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:

@@ -152,7 +152,7 @@ def report_progress(start: float, stats: dict[str, Stats]) -> None:
         rate = s.rule_applications / elapsed if elapsed > 0 else 0.0
         print(f"[{elapsed:7.1f}s] {name}: {s.examples} examples, {rate:.0f} rule applications/s, {s.steps} steps, "
               f"{s.requests} requests, {s.preemptions} preemptions, {s.prefix_hit_tokens} prefix-hit tokens, "
-              f"{s.violations} violations", flush=True)
+              f"{s.aborts} aborts, {s.violations} violations", flush=True)
 
 
 def report_failure(name: str, error: BaseException, rerun: str | None) -> None:

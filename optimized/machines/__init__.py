@@ -45,6 +45,7 @@ class Stats:
     requests: int = 0
     preemptions: int = 0
     prefix_hit_tokens: int = 0
+    aborts: int = 0  # requests aborted (spec/abort.md), failed steps' members included
     violations: int = 0
 
     def add(self, other: Stats) -> None:

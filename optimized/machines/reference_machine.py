@@ -5,6 +5,9 @@ small token budget and max_num_seqs), then interleaves requests arriving with
 steps (schedule, then postprocess with one model token per scheduled sequence,
 EOS now and then). Prompts share prefixes so the prefix cache hits, and are
 long against the budget and the cache so chunking and preemption happen.
+Beyond the lesson (spec/abort.md), a live request is aborted now and then -
+waiting, mid-chunk or running - and a step sometimes fails after schedule(),
+its batch aborted; both are checked against abort_contract.py.
 Requests obey the admission rule (ADMIT-1) unless a subclass turns it off.
 Every step is checked against the step contract (step_contract.py) and every
 state against ``invariants.check_state``; a failure names the broken clause.
@@ -22,8 +25,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from invariants import SchedulerState, SeqView, Violation, check_batch, check_state, seq_view, snapshot
 from optimized.errors import EmptyDecodeError
 from optimized.machines import Stats
+from optimized.machines.abort_contract import check_abort, check_abort_step
 from optimized.machines.step_contract import check_postprocess, check_schedule
 from reference import SamplingParams, Scheduler, SchedulerConfig, Sequence
+from reference.extensions import abort, abort_step
 
 EOS = 9
 PROMPT_TOKENS = st.integers(1, 3)  # three token ids: prompts collide, so blocks get shared
@@ -142,7 +147,46 @@ class Machine(RuleBasedStateMachine):
                 break
             self.step(data)
 
-    def step(self, data: st.DataObject) -> None:
+    @precondition(lambda self: self._scheduler is not None and not self.scheduler.is_finished())
+    @rule(data=st.data(), fault=st.booleans())
+    def something_goes_wrong(self, data: st.DataObject, fault: bool) -> None:
+        """Beyond the lesson (spec/abort.md): a client hangs up, or the model raises in the middle of a step.
+
+        One rule for both keeps them rarer than arrivals and steps, so runs still reach full caches.
+        """
+        self.stats.rule_applications += 1
+        if fault:
+            self.a_step_fails()
+        else:
+            self.a_request_is_aborted(data)
+
+    def a_request_is_aborted(self, data: st.DataObject) -> None:
+        """ABORT-1..3: the request leaves wherever it is (waiting, mid-chunk or running)."""
+        live = [*self.scheduler.waiting, *self.scheduler.running]
+        seq = data.draw(st.sampled_from(live), label="aborted request")
+        before = snapshot(self.scheduler)
+        abort(self.scheduler, seq)
+        self.finished.add(seq.seq_id)
+        self.stats.aborts += 1
+        self.last_violations = check_abort(before, snapshot(self.scheduler), seq.seq_id)
+        self.stats.violations += len(self.last_violations)
+
+    def a_step_fails(self) -> None:
+        """FAULT-2: the model raises after schedule(); the batch's grants are withdrawn and its members aborted."""
+        batch, _is_prefill, state, found = self.schedule()
+        abort_step(self.scheduler, batch)
+        ids = [s.seq_id for s in batch]
+        self.finished.update(ids)
+        self.steps += 1
+        self.step_bound += 1  # a failed step is a schedule() call the liveness bound did not charge
+        self.stats.steps += 1
+        self.stats.aborts += len(ids)
+        found += check_abort_step(state, snapshot(self.scheduler), ids)
+        self.stats.violations += len(found)
+        self.last_violations = found
+
+    def schedule(self) -> tuple[list[Sequence], bool, SchedulerState, list[Violation]]:
+        """One schedule(), checked: its batch, the prefill flag, the state right after it and what it broke."""
         before = snapshot(self.scheduler)
         try:
             batch, is_prefill = self.scheduler.schedule()
@@ -155,6 +199,11 @@ class Machine(RuleBasedStateMachine):
         views = [seq_view(s) for s in batch]
         found = [*check_batch(scheduled, views, is_prefill), *check_schedule(before, scheduled, views, is_prefill)]
         self.count(before, scheduled, views, is_prefill)
+        return batch, is_prefill, scheduled, found
+
+    def step(self, data: st.DataObject) -> None:
+        batch, is_prefill, scheduled, found = self.schedule()
+        views = [seq_view(s) for s in batch]
         tokens = data.draw(st.lists(MODEL_TOKENS, min_size=len(batch), max_size=len(batch)), label="model tokens")
         self.scheduler.postprocess(batch, tokens, is_prefill)
         after = snapshot(self.scheduler)
