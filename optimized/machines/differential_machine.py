@@ -12,9 +12,13 @@ preemptions, finishes, queue orders, every sequence's counters and tokens, and
 the whole block-manager state (free-queue order, ref counts, hashes, prefix
 table). Both must hit the empty decode (the reference's assert, our
 EmptyDecodeError) at the same step, and leave the same state behind it: the
-run goes on after it, so later steps compare too. Every invariant of spec/invariants.md is
-checked on both. The machine's only outside effect is the ``Stats`` it was
-handed.
+run goes on after it, so later steps compare too. Beyond the lesson
+(spec/abort.md), the same live request - waiting, mid-chunk or running - is
+aborted in both now and then (``reference.extensions.abort`` and
+``Scheduler.abort``), and a step sometimes fails after schedule(), its batch
+aborted in both (``abort_step``); the states must agree after it and every
+later decision too. Every invariant of spec/invariants.md is checked on both.
+The machine's only outside effect is the ``Stats`` it was handed.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from invariants import SchedulerState, Violation, check_batch, check_state, seq_
 from optimized.errors import EmptyDecodeError
 from optimized.machines import Stats
 from optimized.sampling_params import SamplingParams
+from reference.extensions import abort, abort_step
 
 EOS = 7
 TOKENS = st.integers(1, 3)  # few distinct ids: prompts collide and blocks get shared
@@ -155,7 +160,8 @@ class DifferentialMachine(RuleBasedStateMachine):
                 break
             self.step(data)
 
-    def step(self, data: st.DataObject) -> None:
+    def schedule_both(self) -> tuple[list[ref.Sequence], list[opt.Sequence], bool] | None:
+        """schedule() on both, compared and checked; None (counted as a step) at an empty decode in both."""
         assert self.ref is not None and self.opt is not None
         running_before = {self.ref_arrival[s.seq_id] for s in self.ref.running}
         ref_out = opt_out = None
@@ -168,7 +174,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.compare("schedule", between_steps=False)
         if ref_out is None or opt_out is None:
             self.stats.steps += 1
-            return
+            return None
         (ref_batch, ref_prefill), (opt_batch, opt_prefill) = ref_out, opt_out
         if ref_prefill != opt_prefill or _ids(ref_batch, self.ref_arrival) != _ids(opt_batch, self.opt_arrival):
             raise Disagreement(f"OPT-1: batches differ: {ref_batch} {ref_prefill} / {opt_batch} {opt_prefill}")
@@ -178,6 +184,15 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.check(self.opt, opt_batch, opt_prefill)
         self.check(self.ref, ref_batch, ref_prefill)
         self.count(running_before, opt_prefill)
+        return ref_batch, opt_batch, ref_prefill
+
+    def step(self, data: st.DataObject) -> None:
+        scheduled = self.schedule_both()
+        if scheduled is None:
+            return
+        ref_batch, opt_batch, is_prefill = scheduled
+        ref_prefill = opt_prefill = is_prefill
+        assert self.ref is not None and self.opt is not None
         tokens = data.draw(st.lists(MODEL_TOKENS, min_size=len(ref_batch), max_size=len(ref_batch)), label="tokens")
         cut = data.draw(st.sampled_from([None, *range(len(ref_batch))]), label="cut max_tokens of")
         if cut is not None:  # the engine's stop-token cut (ENG-12), on both
@@ -190,6 +205,42 @@ class DifferentialMachine(RuleBasedStateMachine):
             raise Disagreement(f"OPT-1: finishes differ: {finished}")
         self.stats.steps += 1
         self.compare("postprocess")
+
+    # --- beyond the lesson: aborts and failed steps ---------------------------------------------------
+    @precondition(lambda self: self.busy())
+    @rule(data=st.data(), fault=st.booleans())
+    def something_goes_wrong(self, data: st.DataObject, fault: bool) -> None:
+        """ABORT-6: a client hangs up, or the model raises mid-step; both schedulers take the same request(s) back.
+
+        One rule for both keeps them rarer than arrivals and steps, so runs still reach full caches.
+        """
+        self.stats.rule_applications += 1
+        if fault:
+            self.a_step_fails()
+        else:
+            self.a_request_is_aborted(data)
+
+    def a_request_is_aborted(self, data: st.DataObject) -> None:
+        assert self.ref is not None and self.opt is not None
+        live = [self.ref_arrival[s.seq_id] for s in (*self.ref.waiting, *self.ref.running)]
+        index = data.draw(st.sampled_from(live), label="aborted request")
+        abort(self.ref, self.ref_seqs[index])
+        self.opt.abort(self.opt_seqs[index])
+        self.stats.aborts += 1
+        self.compare(f"abort of request {index}")
+
+    def a_step_fails(self) -> None:
+        """FAULT-2: schedule() on both, then the batch is withdrawn and aborted instead of postprocessed."""
+        assert self.ref is not None and self.opt is not None
+        scheduled = self.schedule_both()
+        if scheduled is None:
+            return
+        ref_batch, opt_batch, _is_prefill = scheduled
+        abort_step(self.ref, ref_batch)
+        self.opt.abort_step(opt_batch)
+        self.stats.steps += 1
+        self.stats.aborts += len(ref_batch)
+        self.compare("failed step")
 
     def check(self, scheduler: Any, batch: list[Any], is_prefill: bool) -> None:
         state = snapshot(scheduler)
