@@ -8,8 +8,12 @@ batch. Stop tokens are honoured without touching the scheduler's decisions
 (ENG-12): when a drawn token is in the request's stop set, the engine lowers
 that sequence's ``max_tokens`` to end at this token just before postprocess,
 and the scheduler finishes it by its own length rule; check mode applies the
-same cut to the shadow. The scheduler implementation is imported in exactly
-one place, ``_SCHEDULER`` below.
+same cut to the shadow. Beyond the lesson (spec/abort.md): a live request can
+be aborted between steps, and a step whose model run raises fails its batch
+(FAULT-1, FAULT-2): the batch's grants are withdrawn, its requests finish with
+``"error"``, the exception propagates, and every other request stays queued;
+the shadow does the same, so decisions stay identical. The scheduler
+implementation is imported in exactly one place, ``_SCHEDULER`` below.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ __all__ = ["Engine", "EngineLimits", "EngineStats", "Request", "SchedulerConfig"
 
 @dataclass
 class Request:
-    """One generate() request as the engine tracks it; ``arrival`` is its 0-based add order."""
+    """One request as the engine tracks it; ``arrival`` is its 0-based add order (the LLM's request_id)."""
 
     arrival: int
     seq: Sequence
@@ -52,6 +56,8 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0
     chunked_prefills: int = 0  # prefill grants that left their sequence's prompt unfinished
     compared_steps: int = 0  # steps whose decisions check mode compared with the reference
+    aborted_requests: int = 0  # ABORT-8
+    failed_steps: int = 0  # FAULT-1: steps whose model run raised (not counted in ``steps``)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -95,6 +101,11 @@ class Engine:
         self.scheduler = Scheduler(config)
         self.shadow = Shadow(config) if check else None
         self.live: dict[int, Request] = {}  # by seq_id
+        self.by_arrival: dict[int, Request] = {}  # the same live requests, by arrival
+        self.failed: list[Request] = []  # FAULT-1: requests of failed steps, until the caller takes them
+        # True from schedule() until the step is postprocessed or failed; still True after an exception means the
+        # error came from elsewhere than the model (a divergence, a bug) and the engine is not to be trusted.
+        self.in_step = False
         self.stats = EngineStats()
         self._arrivals = 0
 
@@ -111,7 +122,31 @@ class Engine:
         if self.shadow is not None:
             self.shadow.add(request.arrival, seq.token_ids, params)
         self.live[seq.seq_id] = request
+        self.by_arrival[request.arrival] = request
         return request
+
+    def abort(self, arrival: int) -> Request | None:
+        """ABORT-8: abort a live request between steps; None when it has already finished (nothing changes).
+
+        ValueError for an arrival the engine never issued.
+        """
+        if isinstance(arrival, bool) or not isinstance(arrival, int) or not 0 <= arrival < self._arrivals:
+            raise ValueError(f"request_id {arrival!r} is unknown (issued so far: 0..{self._arrivals - 1})")
+        request = self.by_arrival.get(arrival)
+        if request is None:
+            return None
+        self.scheduler.abort(request.seq)
+        request.finish_reason = "abort"
+        self._forget(request)
+        if self.shadow is not None:
+            self.shadow.abort(self.scheduler, arrival, self._live_arrivals())
+        self.stats.aborted_requests += 1
+        return request
+
+    def take_failed(self) -> list[Request]:
+        """The requests failed steps finished with ``"error"`` since the last call (FAULT-1)."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def has_unfinished(self) -> bool:
         return not self.scheduler.is_finished()
@@ -121,23 +156,48 @@ class Engine:
         holding = [r for r in self.live.values() if r.seq.block_table]
         held = {r.seq.seq_id for r in holding}
         seqs, is_prefill = self.scheduler.schedule()
+        self.in_step = True
         requests = [self.live[s.seq_id] for s in seqs]
         preempted = [r for r in holding if not r.seq.block_table]
         if self.shadow is not None:
             self.shadow.after_schedule(self.scheduler, requests, is_prefill, [r.arrival for r in preempted])
         start = time.perf_counter()
-        tokens = self.runner.run(seqs, is_prefill, [r.draw for r in requests])
+        try:
+            tokens = self.runner.run(seqs, is_prefill, [r.draw for r in requests])
+        except BaseException:
+            self._fail_batch(seqs, requests)
+            raise
         self._count(seqs, is_prefill, held, len(preempted), time.perf_counter() - start)
         cuts = self._stop_cuts(requests, tokens)
         self.scheduler.postprocess(seqs, tokens, is_prefill)
         finished = [r for r in requests if r.seq.status == SequenceStatus.FINISHED]
         for r in finished:
             r.finish_reason = self._finish_reason(r)
-            del self.live[r.seq.seq_id]
+            self._forget(r)
         if self.shadow is not None:
             self.shadow.after_postprocess(self.scheduler, tokens, cuts, [r.arrival for r in finished])
             self.stats.compared_steps += 1
+        self.in_step = False
         return finished
+
+    def _fail_batch(self, seqs: list[Sequence], requests: list[Request]) -> None:
+        """FAULT-2: withdraw the failed step and abort its batch, in both schedulers; nothing it computed is kept."""
+        self.scheduler.abort_step(seqs)
+        for r in requests:
+            r.finish_reason = "error"
+            self._forget(r)
+        if self.shadow is not None:
+            self.shadow.fail_step(self.scheduler, [r.arrival for r in requests], self._live_arrivals())
+        self.failed.extend(requests)
+        self.stats.failed_steps += 1
+        self.in_step = False
+
+    def _forget(self, request: Request) -> None:
+        del self.live[request.seq.seq_id]
+        del self.by_arrival[request.arrival]
+
+    def _live_arrivals(self) -> dict[int, int]:
+        return {seq_id: r.arrival for seq_id, r in self.live.items()}
 
     def _stop_cuts(self, requests: list[Request], tokens: list[int]) -> list[int]:
         """ENG-12: cut max_tokens to end at a drawn stop token; the arrivals cut."""

@@ -5,7 +5,15 @@ raised before anything is loaded; ``generate`` validates every request of the
 call before adding any (ENG-9), so a refused call changes nothing; it returns
 one ``RequestOutput`` per prompt, in prompt order. Unseeded requests get a seed
 drawn at add time from the LLM's own generator (``seed``), so a whole run is
-reproducible and no request shares another's draws.
+reproducible and no request shares another's draws. Beside ``generate`` the
+step-level API (``add_request``, ``step``, ``has_unfinished_requests``,
+``abort``; spec/abort.md, beyond the lesson) serves requests one step at a
+time; ``generate`` is built on the same add and step. Every request added with
+``add_request`` has its output returned exactly once, by ``step`` (or by
+``abort``, with finish_reason "abort"); an output that finishes while
+``generate`` drives the engine, or in a failed step, waits for the next
+``step``. When a step raises, ``generate`` aborts its own live requests before
+re-raising (FAULT-3), so the engine is reusable.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (eos or a stop token) or "length"
+    finish_reason: str  # "stop" (eos or a stop token), "length", "abort" (ABORT-8) or "error" (FAULT-1)
 
 
 def _positive(name: str, value: object, minimum: int = 1) -> int:
@@ -148,6 +156,8 @@ class LLM:
         limits = EngineLimits(c.vocab_size, max_model_len, num_kvcache_blocks, block_size, c.eos_token_ids)
         self.engine = Engine(runner, config, limits, check)
         self._rng = random.Random(seed)
+        self._stepped: dict[int, str | None] = {}  # add_request ids whose output is not returned yet: their prompt
+        self._undelivered: list[RequestOutput] = []  # their outputs that finished outside step()
 
     @staticmethod
     def _model_dir(model: str | Path | None) -> Path:
@@ -181,13 +191,73 @@ class LLM:
             raise ValueError(f"prompts must be strings or lists of token ids, got {type(prompt).__name__}")
         return prompt
 
+    def _validated(self, prompt: str | list[int], sampling_params: SamplingParams | None) -> tuple[list[int],
+                                                                                                 SamplingParams]:
+        """ENG-9: the prompt's token ids and its params, or a ValueError naming the limit (nothing changed)."""
+        params = SamplingParams() if sampling_params is None else sampling_params
+        ids = self._tokens(prompt)
+        validate_request(ids, params, self.engine.limits)
+        return ids, params
+
+    def _add(self, ids: list[int], params: SamplingParams) -> Request:
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        return self.engine.add(ids, params, seed)
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
+        """ABORT-7: validate and queue one request (as generate would); its request_id. Refused: ValueError."""
+        ids, params = self._validated(prompt, sampling_params)
+        request = self._add(ids, params)
+        self._stepped[request.arrival] = prompt if isinstance(prompt, str) else None
+        return request.arrival
+
+    def has_unfinished_requests(self) -> bool:
+        """ABORT-7: a request is queued, or an add_request output is still to be returned by step()."""
+        return bool(self._undelivered) or self.engine.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """ABORT-7: one scheduler step (none when only outputs are pending); the add_request outputs finished.
+
+        FAULT-1: if the model raises, the exception propagates; the failed batch's requests finish with
+        finish_reason "error" and the next step() returns their outputs.
+        """
+        finished = self._engine_step() if self.engine.has_unfinished() else []
+        # Taken only now: if the step raised, what was pending is still pending.
+        outputs, self._undelivered = self._undelivered, []
+        return outputs + self._deliver(finished)
+
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """ABORT-8: abort a live request; its output (finish_reason "abort"), never returned by step() then.
+
+        An id never issued is a ValueError; a request already finished is left alone and None returned.
+        """
+        request = self.engine.abort(request_id)
+        if request is None:
+            return None
+        prompt = self._stepped.pop(request.arrival, None)
+        return self._output(request, prompt)
+
+    def _engine_step(self) -> list[Request]:
+        """engine.step(); on a fault, the failed add_request outputs are kept for the next step() (FAULT-1)."""
+        try:
+            return self.engine.step()
+        except BaseException:
+            self._undelivered += self._deliver(self.engine.take_failed())
+            raise
+
+    def _deliver(self, finished: list[Request]) -> list[RequestOutput]:
+        """The outputs of the add_request requests among ``finished``; they are returned now, never again."""
+        return [self._output(r, self._stepped.pop(r.arrival)) for r in finished if r.arrival in self._stepped]
+
     def generate(
         self,
         prompts: Sequence[str] | Sequence[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; one output per prompt, in order. Refuses the whole call on one bad request."""
+        """Generate for every prompt; one output per prompt, in order. Refuses the whole call on one bad request.
+
+        FAULT-3: when a step raises, this call's live requests are aborted before the exception propagates.
+        """
         if isinstance(prompts, str):
             prompts = [prompts]
         if sampling_params is None:
@@ -195,17 +265,20 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else sampling_params
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        token_lists = [self._tokens(p) for p in prompts]
-        for i, (ids, sp) in enumerate(zip(token_lists, params, strict=True)):
+        validated = []
+        for i, sp in enumerate(params):
             try:
-                validate_request(ids, sp, self.engine.limits)
+                validated.append(self._validated(prompts[i], sp))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        requests = [
-            self.engine.add(ids, sp, sp.seed if sp.seed is not None else self._rng.getrandbits(63))
-            for ids, sp in zip(token_lists, params, strict=True)
-        ]
-        self._run(requests, use_tqdm)
+        requests = [self._add(ids, sp) for ids, sp in validated]
+        try:
+            self._run(requests, use_tqdm)
+        except BaseException:
+            if not self.engine.in_step:  # a model fault, handled (FAULT-3); anything else left no trustworthy state
+                for r in requests:
+                    self.engine.abort(r.arrival)  # None for those already finished
+            raise
         return [self._output(r, p if isinstance(p, str) else None) for r, p in zip(requests, prompts, strict=True)]
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
@@ -215,7 +288,9 @@ class LLM:
         st = self.engine.stats
         with tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             while pending:
-                done = [r.arrival for r in self.engine.step() if r.arrival in pending]
+                finished = self._engine_step()
+                self._undelivered += self._deliver(finished)
+                done = [r.arrival for r in finished if r.arrival in pending]
                 pending.difference_update(done)
                 if done:
                     bar.update(len(done))

@@ -5,9 +5,11 @@ scheduler config) and is fed the engine's tokens, so both schedulers see the
 same history. After each schedule() it compares the batch (arrival ids in
 order), each sequence's granted tokens and block table, prefill-or-decode, and
 the preempted arrivals; after postprocess() the finished arrivals. Every
-invariant of ``invariants`` is checked on both schedulers at both points. The
-first difference or violation raises ``ShadowDivergence`` with both states
-dumped. Sequences are matched by arrival order, never by seq_id: the two
+invariant of ``invariants`` is checked on both schedulers at both points. An
+abort, or a failed step's batch (spec/abort.md, beyond the lesson), is applied
+to the reference with ``reference.extensions`` and the free queues (which
+hold the release order) must then be equal. The first difference or violation
+raises ``ShadowDivergence`` with both states dumped. Sequences are matched by arrival order, never by seq_id: the two
 implementations number their sequences independently.
 """
 
@@ -19,6 +21,7 @@ from typing import Any, Protocol
 import reference
 from invariants import SchedulerState, check_batch, check_state, seq_view, snapshot
 from optimized.sampling_params import SamplingParams
+from reference.extensions import abort, abort_step
 
 
 class ShadowDivergence(RuntimeError):
@@ -133,3 +136,39 @@ class Shadow:
         self.batch = []
         self._check(engine_scheduler)
         self.step += 1
+
+    def abort(self, engine_scheduler: Any, arrival: int, engine_arrivals: dict[int, int]) -> None:
+        """ABORT-8: the engine aborted this live arrival between steps; the reference aborts it too.
+
+        ``engine_arrivals`` maps the engine's live seq ids to arrivals.
+        """
+        seq = self.by_arrival.pop(arrival)
+        del self.arrival_of[seq.seq_id]
+        abort(self.ref, seq)
+        self._compare_release(engine_scheduler, engine_arrivals, f"abort of arrival {arrival}")
+        self._check(engine_scheduler)
+
+    def fail_step(self, engine_scheduler: Any, failed: list[int], engine_arrivals: dict[int, int]) -> None:
+        """FAULT-2: the engine's step failed after schedule(); the reference fails the same batch."""
+        mine = [self.arrival_of[s.seq_id] for s in self.batch]
+        if failed != mine:
+            self._fail(engine_scheduler, f"failed batch engine={failed} reference={mine}")
+        abort_step(self.ref, self.batch)
+        for a in mine:
+            del self.arrival_of[self.by_arrival.pop(a).seq_id]
+        self.batch = []
+        self._compare_release(engine_scheduler, engine_arrivals, f"failed step {mine}")
+        self._check(engine_scheduler)
+        self.step += 1
+
+    def _compare_release(self, engine_scheduler: Any, engine_arrivals: dict[int, int], what: str) -> None:
+        """The same queues, by arrival, and the same free queue: block ids agree by construction (every table was
+        compared when scheduled), so equal free queues mean the same blocks released in the same order."""
+        for name in ("waiting", "running"):
+            mine = [engine_arrivals[s.seq_id] for s in getattr(engine_scheduler, name)]
+            ref = [self.arrival_of[s.seq_id] for s in getattr(self.ref, name)]
+            if mine != ref:
+                self._fail(engine_scheduler, f"{name} after {what}: engine={mine} reference={ref}")
+        mine_free, ref_free = snapshot(engine_scheduler).free_block_ids, snapshot(self.ref).free_block_ids
+        if mine_free != ref_free:
+            self._fail(engine_scheduler, f"free queue after {what}: engine={mine_free} reference={ref_free}")

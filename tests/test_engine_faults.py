@@ -1,0 +1,200 @@
+"""A model runner that raises mid-step (spec/abort.md FAULT-1..3, beyond the lesson), all in check mode.
+
+The fault is injected by replacing the runner's ``run``: on its k-th call it
+runs the real forward (so the batch's KV is written), overwrites every slot
+this step wrote with garbage, and raises. Had the engine registered the failed
+step's blocks in the prefix cache, a later request with the same prompt would
+attend to that garbage and its greedy tokens would differ from a fresh
+engine's; the tests compare them token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+from engine_fixtures import checkpoint, one_thread, set_root
+
+from invariants import check_state, snapshot
+from optimized import LLM, RequestOutput, SamplingParams
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    set_root(tmp_path_factory.mktemp("engine"))
+    with one_thread():
+        yield
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+PROMPTS = [list(range(10, 19)), [7, 8, 9], list(range(30, 40))]
+
+
+class ModelFault(RuntimeError):
+    pass
+
+
+def make(**kwargs: Any) -> LLM:
+    args: dict[str, Any] = {"dtype": "float64", "check": True, "kvcache_block_size": 4, "num_kvcache_blocks": 16}
+    return LLM(str(checkpoint("qwen3")), **{**args, **kwargs})
+
+
+def fresh(prompts: list[list[int]], **kwargs: Any) -> list[list[int]]:
+    return [o.token_ids for o in make(**kwargs).generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def fail_on_call(monkeypatch: pytest.MonkeyPatch, llm: LLM, k: int) -> list[list[int]]:
+    """Make the k-th runner call (1-based) write garbage KV and raise; the arrivals of each failed batch."""
+    runner = llm.engine.runner
+    real = runner.run
+    calls = [0]
+    failed: list[list[int]] = []
+
+    def run(seqs: Sequence[Any], is_prefill: bool, draws: Sequence[Any]) -> list[int]:
+        calls[0] += 1
+        tokens: list[int] = real(seqs, is_prefill, draws)
+        if calls[0] != k:
+            return tokens
+        for seq in seqs:  # the slots this step wrote
+            for pos in range(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens):
+                block, offset = seq.block_table[pos // runner.block_size], pos % runner.block_size
+                runner.kv_cache[:, :, block, offset] = torch.randn_like(runner.kv_cache[:, :, block, offset]) * 50
+        failed.append([r.arrival for s in seqs for r in [llm.engine.live[s.seq_id]]])
+        raise ModelFault(f"injected fault on runner call {k}")
+
+    monkeypatch.setattr(runner, "run", run)
+    return failed
+
+
+def consistent(llm: LLM, idle: bool = False) -> None:
+    """FAULT-2: every invariant on both schedulers; when idle, no block used and the shadow empty too."""
+    assert llm.engine.shadow is not None
+    for sched in (llm.engine.scheduler, llm.engine.shadow.ref):
+        state = snapshot(sched)
+        assert check_state(state) == []
+        if idle:
+            assert state.used_block_ids == set()
+    if idle:
+        assert llm.engine.live == {} and llm.engine.shadow.by_arrival == {}
+
+
+def drain(llm: LLM) -> dict[int, RequestOutput]:
+    outputs: dict[int, RequestOutput] = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            assert out.request_id not in outputs
+            outputs[out.request_id] = out
+    return outputs
+
+
+# (failing call, tokens request 0 had): the first prefill; a decode after request 2's own prefill
+@pytest.mark.parametrize(("k", "had"), [(1, 0), (3, 1)])
+def test_a_failed_step_errors_its_batch_and_the_rest_is_served(monkeypatch: pytest.MonkeyPatch, k: int,
+                                                                had: int) -> None:
+    """FAULT-1, FAULT-2: the exception reaches step()'s caller; the failed batch's requests finish with "error"
+    (returned by the next step()); the request not in the batch, and a new one, are served with exact tokens."""
+    llm = make(max_num_seqs=2)  # the third request waits outside the batch
+    ids = [llm.add_request(p, GREEDY) for p in PROMPTS]
+    failed = fail_on_call(monkeypatch, llm, k)
+    outputs: dict[int, RequestOutput] = {}
+    with pytest.raises(ModelFault):
+        while True:
+            outputs.update((o.request_id, o) for o in llm.step())
+    assert failed == [[0, 1]] and llm.engine.stats.failed_steps == 1
+    consistent(llm)
+    late = llm.add_request(PROMPTS[0], GREEDY)
+    outputs.update(drain(llm))
+    assert sorted(outputs) == [*ids, late]
+    assert [outputs[i].finish_reason for i in ids] == ["error", "error", "length"]
+    assert len(outputs[0].token_ids) == had  # what it had before the failed step
+    assert [outputs[2].token_ids, outputs[late].token_ids] == fresh([PROMPTS[2], PROMPTS[0]])
+    consistent(llm, idle=True)
+    assert llm.engine.stats.compared_steps == llm.engine.stats.steps
+
+
+def test_a_failed_chunk_is_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAULT-2: the second chunk of a prefill fails; only the first chunk's blocks stay cached, and a request with
+    the same prompt afterwards hits exactly those and generates exact tokens."""
+    llm = make(max_num_batched_tokens=6)
+    long = list(range(40, 54))
+    first = llm.add_request(long, GREEDY)
+    fail_on_call(monkeypatch, llm, 2)
+    assert llm.step() == []
+    with pytest.raises(ModelFault):
+        llm.step()
+    consistent(llm, idle=True)
+    hits = llm.engine.stats.prefix_cache_hit_tokens
+    again = llm.add_request(long, GREEDY)
+    outputs = drain(llm)
+    assert outputs[first].finish_reason == "error" and outputs[first].token_ids == []
+    assert llm.engine.stats.prefix_cache_hit_tokens == hits + 4  # block 0, filled by the first chunk
+    assert outputs[again].token_ids == fresh([long])[0]
+    consistent(llm, idle=True)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_generate_is_reusable_after_a_fault(monkeypatch: pytest.MonkeyPatch, k: int) -> None:
+    """FAULT-3: generate() re-raises, having aborted its own requests: the engine is idle, no block leaks, and the
+    next generate() (same prompts, so the prefix cache is in play) equals a fresh engine's, token for token."""
+    llm = make(num_kvcache_blocks=8)  # small enough that decode preempts
+    fail_on_call(monkeypatch, llm, k)
+    with pytest.raises(ModelFault):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert not llm.has_unfinished_requests()
+    consistent(llm, idle=True)
+    monkeypatch.undo()
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == fresh(PROMPTS, num_kvcache_blocks=8)
+    consistent(llm, idle=True)
+    assert llm.engine.stats.compared_steps == llm.engine.stats.steps
+
+
+def test_a_fault_in_generate_keeps_add_request_work_queued(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAULT-1, FAULT-3: a request added with add_request before generate() and outside the failed batch stays
+    queued through the fault and is served afterwards with exact tokens."""
+    llm = make(max_num_seqs=1)
+    pending = llm.add_request(PROMPTS[1], GREEDY)
+    failed = fail_on_call(monkeypatch, llm, 2)  # call 1 prefills `pending`, call 2 prefills generate's first
+    with pytest.raises(ModelFault):
+        llm.generate([PROMPTS[0], PROMPTS[2]], GREEDY, use_tqdm=False)
+    assert failed == [[1]]
+    consistent(llm)
+    assert llm.has_unfinished_requests()
+    outputs = drain(llm)
+    assert sorted(outputs) == [pending] and outputs[pending].token_ids == fresh([PROMPTS[1]])[0]
+    consistent(llm, idle=True)
+
+
+def test_an_error_outside_the_model_is_not_cleaned_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAULT-3: only model faults are handled; an exception from postprocess leaves the step unfinished and
+    reaches the caller as itself, with no cleanup attempted over the untrusted state."""
+    llm = make()
+
+    def broken(*args: Any) -> None:
+        raise KeyError("postprocess bug")
+
+    monkeypatch.setattr(llm.engine.scheduler, "postprocess", broken)
+    with pytest.raises(KeyError, match="postprocess bug"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.engine.in_step and len(llm.engine.live) == len(PROMPTS)
+    assert llm.engine.stats.aborted_requests == 0 and llm.engine.stats.failed_steps == 0
+
+
+def test_outputs_waiting_for_step_survive_a_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ABORT-7, FAULT-1: an add_request output that finished while generate() ran waits for step(); a failed
+    step() loses neither it nor the failed request's "error" output."""
+    llm = make()
+    early = llm.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=1))
+    mine = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    assert [o.request_id for o in mine] == [1] and llm.has_unfinished_requests()
+    doomed = llm.add_request(PROMPTS[2], GREEDY)
+    fail_on_call(monkeypatch, llm, 1)
+    with pytest.raises(ModelFault):
+        llm.step()
+    outputs = drain(llm)
+    assert sorted(outputs) == [early, doomed]
+    assert outputs[early].finish_reason == "length" and len(outputs[early].token_ids) == 1
+    assert outputs[doomed].finish_reason == "error"
+    consistent(llm, idle=True)
