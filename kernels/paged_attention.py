@@ -15,6 +15,8 @@ with context length 0 yields zeros, not NaN.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -99,20 +101,79 @@ def paged_decode(
     value of an unused slot reaches the output, the cache holding finite values) and their weights are zeroed after
     it, so a row with context length 0 — all masked, uniform before the zeroing — outputs zeros, not NaN.
     """
-    batch, heads, dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    rep = heads // kv_heads
-    width = block_tables.shape[1] * block_size
+    r = decode_range(0, q.shape[0], context_lens, block_tables, k_cache.shape[1], empty_rows=True)
+    return _decode_range(q, _gather_kv(k_cache, v_cache, r.blocks), r, scale)
+
+
+@dataclass(frozen=True)
+class DecodeRange:
+    """Rows ``start:end`` of a decode batch, the flat block ids they gather (``rows * columns``, -1 clamped to 0)
+    and the score mask (True past each row's context). Built once per step, used by every layer."""
+
+    start: int
+    end: int
+    blocks: torch.Tensor  # int64 [rows * columns]
+    masked: torch.Tensor  # bool [rows, 1, 1, columns * block_size]
+    empty_rows: bool  # some row may have context 0 (its weights are zeroed after the softmax)
+
+
+def decode_range(
+    start: int, end: int, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, empty_rows: bool
+) -> DecodeRange:
+    """The range of rows ``start:end`` whose contexts fit ``block_tables``' width (KERN-20, KERN-21)."""
+    rows, columns = block_tables.shape
+    width = columns * block_size
+    masked = torch.arange(width, device=block_tables.device) >= context_lens[:, None]
     blocks = block_tables.long().clamp(min=0).flatten()
-    k = k_cache.index_select(0, blocks).view(batch, width, kv_heads, dim)
-    v = v_cache.index_select(0, blocks).view(batch, width, kv_heads, dim)
+    return DecodeRange(start, end, blocks, masked.view(rows, 1, 1, width), empty_rows)
+
+
+def _kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+    """A contiguous ``[2, num_blocks, ...]`` view of both caches when v directly follows k in one allocation (the
+    engine's layout), so that one gather fetches both; None otherwise."""
+    same = k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr()
+    if not same or v_cache.storage_offset() != k_cache.storage_offset() + k_cache.numel():
+        return None
+    if k_cache.dtype != v_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    return k_cache.as_strided((2, *k_cache.shape), (k_cache.numel(), *k_cache.stride()), k_cache.storage_offset())
+
+
+def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pair = _kv_pair(k_cache, v_cache)
+    if pair is None:
+        return k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
+    both = pair.index_select(1, blocks)
+    return both[0], both[1]
+
+
+def _decode_range(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], r: DecodeRange, scale: float) -> torch.Tensor:
+    batch, heads, dim = q.shape
+    kv_heads = kv[0].shape[2]
+    rep = heads // kv_heads
+    width = r.masked.shape[-1]
+    k = kv[0].view(batch, width, kv_heads, dim)
+    v = kv[1].view(batch, width, kv_heads, dim)
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     groups = [slice(j * rep, (j + 1) * rep) for j in range(kv_heads)]
     # [B, kvh, rep, width]: query heads of group j against KV head j.
     scores = torch.stack([torch.bmm(q[:, g], k[:, :, j].transpose(1, 2)) for j, g in enumerate(groups)], 1) * scale
-    masked = (torch.arange(width, device=q.device) >= context_lens[:, None]).view(batch, 1, 1, width)
     # Masking in float32 (not the input dtype) keeps the fill finite, so an all-masked row is uniform, not NaN.
-    scores32 = scores.to(torch.float32).masked_fill_(masked, torch.finfo(torch.float32).min)
-    weights = torch.softmax(scores32, dim=-1).to(q.dtype).masked_fill_(masked, 0)
+    scores32 = scores.to(torch.float32).masked_fill_(r.masked, torch.finfo(torch.float32).min)
+    weights = torch.softmax(scores32, dim=-1).to(q.dtype)
+    if r.empty_rows:
+        # A row with some context gives its masked positions exp(min - max) = 0 already; only an all-masked row
+        # (context 0) needs the zeroing.
+        weights.masked_fill_(r.masked, 0)
     return torch.cat([torch.bmm(weights[:, j], v[:, :, j]) for j in range(kv_heads)], 1)
+
+
+def paged_decode_ranges(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ranges: tuple[DecodeRange, ...], scale: float
+) -> torch.Tensor:
+    """``paged_decode`` of each range of rows, concatenated: bit for bit the same as calling ``paged_decode`` on each
+    range with its trimmed table (KERN-21), with the masks and block ids made once per step and K and V fetched by
+    one gather when the caches share an allocation."""
+    parts = [_decode_range(q[r.start : r.end], _gather_kv(k_cache, v_cache, r.blocks), r, scale) for r in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

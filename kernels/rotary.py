@@ -28,21 +28,38 @@ def rotary_cos_sin(
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotary_rows(
+    positions: torch.Tensor, cos_sin: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of each position, ``[N, 1, head_dim // 2]`` in ``dtype``: one lookup per step, shared by all
+    layers and by q and k."""
+    half = cos_sin.shape[-1] // 2
+    rows = cos_sin[positions]
+    return rows[:, None, :half].to(dtype), rows[:, None, half:].to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x[N, heads, d]`` (KERN-9), into a new tensor.
+
+    ``rotate_half(x) = [-x2, x1]``, so the first half is ``x1 * cos + (-x2) * sin``, written ``x1 * cos - x2 * sin``:
+    ``a + (-b)`` and ``a - b`` are the same IEEE operation, so the result is bit-identical without the negation, and
+    each half is written in place of a concatenation."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    # Same operation order as transformers: (x * cos) + (rotate_half(x) * sin), rotate_half(x) = [-x2, x1].
-    first = x1 * cos + (-x2) * sin
-    second = x2 * cos + x1 * sin
-    return torch.cat((first, second), dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    first, second = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=first)
+    first.sub_(x2 * sin)
+    torch.mul(x2, cos, out=second)
+    second.add_(x1 * sin)
+    return out
 
 
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q[N,h,d]`` and ``k[N,kvh,d]`` by their positions ``int64[N]`` (KERN-9)."""
-    half = cos_sin.shape[-1] // 2
-    rows = cos_sin[positions]
-    cos = rows[:, None, :half]
-    sin = rows[:, None, half:]
-    return _rotate(q, cos.to(q.dtype), sin.to(q.dtype)), _rotate(k, cos.to(k.dtype), sin.to(k.dtype))
+    cos, sin = rotary_rows(positions, cos_sin, q.dtype)
+    if k.dtype != q.dtype:
+        return rotate(q, cos, sin), rotate(k, *rotary_rows(positions, cos_sin, k.dtype))
+    return rotate(q, cos, sin), rotate(k, cos, sin)

@@ -1,5 +1,5 @@
-"""The engine's fast paths change no token: length-sorted decode ranges, greedy rows without the random draw, the
-trimmed-table torch decode; and the throughput benchmark states how it was fair."""
+"""The engine's fast paths change no token: length-sorted decode ranges (planned once per step), greedy rows without
+the random draw, the trimmed-table torch decode, row slices; and the throughput benchmark states how it was fair."""
 
 from __future__ import annotations
 
@@ -119,6 +119,70 @@ def test_torch_decode_ignores_extra_table_columns() -> None:
     v_poked[table[0, 2], 1:] -= 1e3
     poked = paged_attention.paged_decode(q, k_poked, v_poked, lens, table, 0.4)
     assert torch.equal(poked[0], trimmed_out[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_planned_decode_ranges_equal_paged_decode(dtype: torch.dtype) -> None:
+    """KERN-21: paged_decode_ranges is bit for bit paged_decode over each range with its trimmed table, with k and v
+    adjacent in one allocation (one gather) and apart (two); a corrupted range plan is seen."""
+    gen = torch.Generator().manual_seed(5)
+    block_size, kv_heads, heads, dim, num_blocks = 4, 2, 6, 8, 40
+    both = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen, dtype=dtype)
+    lens = torch.tensor([1, 3, 4, 9, 13, 16, 17, 30], dtype=torch.int32)
+    table = torch.full((8, 8), -1, dtype=torch.int32)
+    ids = torch.randperm(num_blocks, generator=gen).int()
+    used = 0
+    for row, n in enumerate(lens.tolist()):
+        table[row, : -(-n // block_size)] = ids[used : used + -(-n // block_size)]
+        used += -(-n // block_size)
+    q = torch.randn(8, heads, dim, generator=gen, dtype=dtype)
+    splits = decode_splits(lens.numpy().astype(np.int64), block_size, 3, 2)
+    assert len(splits) == 3
+    expected = torch.cat(
+        [paged_attention.paged_decode(q[a:b], both[0], both[1], lens[a:b], table[a:b, :w], 0.3) for a, b, w in splits]
+    )
+    ranges = tuple(
+        paged_attention.decode_range(a, b, lens[a:b], table[a:b, :w], block_size, False) for a, b, w in splits
+    )
+    assert paged_attention._kv_pair(both[0], both[1]) is not None
+    assert paged_attention._kv_pair(both[0].clone(), both[1].clone()) is None
+    assert torch.equal(paged_attention.paged_decode_ranges(q, both[0], both[1], ranges, 0.3), expected)
+    apart = paged_attention.paged_decode_ranges(q, both[0].clone(), both[1].clone(), ranges, 0.3)
+    assert torch.equal(apart, expected)
+    a, b, w = splits[1]
+    wrong = (
+        *ranges[:1],
+        paged_attention.decode_range(a, b, lens[a:b] - 1, table[a:b, :w], block_size, False),
+        *ranges[2:],
+    )
+    assert not torch.equal(paged_attention.paged_decode_ranges(q, both[0], both[1], wrong, 0.3), expected)
+
+
+def _first_prefill_hidden(chunk: int) -> tuple[torch.Tensor, list[list[int]]]:
+    llm = make()
+    runner = llm.engine.runner
+    runner.row_chunk = chunk
+    seen: list[torch.Tensor] = []
+    original = runner.model.forward
+
+    def recording(*args: Any) -> torch.Tensor:
+        out: torch.Tensor = original(*args)
+        seen.append(out)
+        return out
+
+    runner.model.forward = recording
+    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS], use_tqdm=False)
+    return seen[0], [o.token_ids for o in outs]
+
+
+def test_row_slices_change_no_value() -> None:
+    """ENG-23: a forward in slices of 3 rows is bit for bit the whole-batch forward, and float64 greedy output with
+    slices of 2 rows (prefill and decode) still equals transformers'."""
+    whole, _ = _first_prefill_hidden(0)
+    sliced, _ = _first_prefill_hidden(3)
+    assert whole.shape[0] > 3 and torch.equal(whole, sliced)
+    _, tokens = _first_prefill_hidden(2)
+    assert tokens == hf_greedy(checkpoint("llama"), PROMPTS, MAX_TOKENS)
 
 
 def test_throughput_benchmark_states_its_fairness(

@@ -12,6 +12,7 @@ transformers' modeling code op for op so that float64 greedy output matches it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +21,11 @@ from torch import nn
 
 from kernels.backend import AttentionBackend
 from kernels.norm import add_rms_norm, rms_norm
-from kernels.rotary import apply_rotary
+from kernels.paged_attention import DecodeRange, paged_decode_ranges
+from kernels.rotary import rotary_rows, rotate
 from optimized.models.config import ModelConfig
+
+Rows = tuple[tuple[int, int], ...]
 
 
 @dataclass
@@ -38,6 +42,30 @@ class AttentionContext:
     # Decode only, optional: (first row, end row, table columns) of row ranges whose contexts all fit in that many
     # columns; each range attends on its own, gathering only that width (rows sorted by context length upstream).
     decode_splits: tuple[tuple[int, int, int], ...] = ()
+    # The torch backend's form of the same ranges (masks and block ids made once per step, ENG-23); when set, the
+    # torch backend's decode runs on them directly.
+    decode_ranges: tuple[DecodeRange, ...] = ()
+    # Rows per slice of the row-wise work (norms, projections, rotary, MLP) in a step of more tokens than this, so
+    # each slice's intermediates stay in the CPU cache (ENG-23); 0 = the whole batch at once.
+    row_chunk: int = 0
+
+
+def row_slices(n: int, chunk: int) -> Rows:
+    """``[0, n)`` cut into consecutive slices of ``chunk`` rows (the whole range when ``chunk`` is 0 or >= n)."""
+    if chunk <= 0 or n <= chunk:
+        return ((0, n),)
+    return tuple((a, min(a + chunk, n)) for a in range(0, n, chunk))
+
+
+def _by_rows(
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], rows: Rows, *args: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fn`` over each row slice of its tensor arguments (None passes through), outputs concatenated: the same
+    values as one call, since every op inside is row-wise."""
+    if len(rows) == 1:
+        return fn(*args)
+    parts = [fn(*(None if t is None else t[a:b] for t in args)) for a, b in rows]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 class Attention(nn.Module):
@@ -58,41 +86,50 @@ class Attention(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(c.head_dim))
             self.k_norm = nn.Parameter(torch.ones(c.head_dim))
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, kv: tuple[torch.Tensor, torch.Tensor]
+    def project(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        ctx: AttentionContext,
+        kv: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
+        """q (normed and rotated) of rows ``x``; their k and v are stored in the cache. q and k sit side by side in
+        the packed projection, so they are normed (per-head weights side by side) and rotated as one tensor: each
+        element sees the same operations as with q and k apart."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(n, self.num_heads, self.head_dim)
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        q, k = apply_rotary(q, k, positions, ctx.cos_sin)
+            weight = torch.cat([self.q_norm.expand(self.num_heads, -1), self.k_norm.expand(self.num_kv_heads, -1)])
+            qk = rms_norm(qk, weight, self.eps)
+        qk = rotate(qk, cos, sin)
+        ctx.backend.store_kv(qk[:, self.num_heads :], v, kv[0], kv[1], slots)
+        return qk[:, : self.num_heads]
+
+    def attend(self, q: torch.Tensor, ctx: AttentionContext, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Attention output ``[N, h * d]`` of queries ``q[N, h, d]`` over the cache (new KV stored already)."""
         k_cache, v_cache = kv
-        ctx.backend.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.is_prefill:
             o = ctx.backend.prefill(
                 q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, self.scale
             )
-        else:
-            o = self._decode(q, k_cache, v_cache, ctx)
-        out: torch.Tensor = self.o_proj(o.reshape(n, self.q_size))
-        return out
-
-    def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
-        if not ctx.decode_splits:
-            return ctx.backend.decode(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, self.scale)
-        parts = [
-            ctx.backend.decode(
-                q[a:b], k_cache, v_cache, ctx.context_lens[a:b], ctx.block_tables[a:b, :width], self.scale
+        elif ctx.decode_ranges:
+            o = paged_decode_ranges(q, k_cache, v_cache, ctx.decode_ranges, self.scale)
+        elif ctx.decode_splits:
+            o = torch.cat(
+                [
+                    ctx.backend.decode(
+                        q[a:b], k_cache, v_cache, ctx.context_lens[a:b], ctx.block_tables[a:b, :width], self.scale
+                    )
+                    for a, b, width in ctx.decode_splits
+                ]
             )
-            for a, b, width in ctx.decode_splits
-        ]
-        return torch.cat(parts)
+        else:
+            o = ctx.backend.decode(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, self.scale)
+        return o.reshape(q.shape[0], self.q_size)
 
 
 class MLP(nn.Module):
@@ -121,18 +158,28 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         ctx: AttentionContext,
         kv: tuple[torch.Tensor, torch.Tensor],
+        rows: Rows,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of the previous sublayer is fused into this norm.
-        if residual is None:
-            residual = x
-            h = rms_norm(x, self.input_layernorm, self.eps)
-        else:
-            h, residual = add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        h = self.self_attn(h, positions, ctx, kv)
-        h, residual = add_rms_norm(h, residual, self.post_attention_layernorm, self.eps)
+        """``(mlp output, residual)``; the row-wise halves before and after attention run slice by slice."""
+
+        def before(
+            x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            # The residual add of the previous sublayer is fused into this norm.
+            if residual is None:
+                residual, h = x, rms_norm(x, self.input_layernorm, self.eps)
+            else:
+                h, residual = add_rms_norm(x, residual, self.input_layernorm, self.eps)
+            return self.self_attn.project(h, cos, sin, slots, ctx, kv), residual
+
+        q, residual = _by_rows(before, rows, x, residual, rope[0], rope[1], ctx.slot_mapping)
+        return _by_rows(self._after, rows, self.self_attn.attend(q, ctx, kv), residual)
+
+    def _after(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = add_rms_norm(self.self_attn.o_proj(o), residual, self.post_attention_layernorm, self.eps)
         return self.mlp(h), residual
 
 
@@ -158,9 +205,11 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [N, hidden] (normed); logits are computed only for the rows sampled."""
         x = self.embed_tokens(input_ids)
+        rope = rotary_rows(positions, ctx.cos_sin, x.dtype)
+        rows = row_slices(x.shape[0], ctx.row_chunk)
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=False):
-            x, residual = layer(x, residual, positions, ctx, kv)
+            x, residual = layer(x, residual, rope, ctx, kv, rows)
         assert residual is not None
         out, _ = add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
         return out
