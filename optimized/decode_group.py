@@ -6,23 +6,20 @@ decode step (and of the next one, unless sequences join, finish or are
 preempted). ``now`` counts the decode steps the group has run; a member that
 joined at clock ``_since`` with ``_ntok`` tokens holds ``_ntok + now - _since``
 tokens. ``positions[j]`` is the arena index where member j's next token goes.
-Nothing about a member is written per step; what changes at a known step is
-booked on a calendar keyed by clock, in member order:
-
-* ``allocs[c]``: members whose length at step c is ``1 mod block_size`` (they
-  need a fresh block before running, the reference's ``may_append``);
-* ``fills[c]``: members whose length at step c is ``0 mod block_size`` (the
-  block holding their last token becomes full in postprocess: ``hash_blocks``);
-* ``finishes[c]``: members whose completion count reaches max_tokens at step c.
-
-Each member has exactly one entry of each kind at its next such step; an entry
-is removed when the member leaves (``settle``). Members are ordered by the
-``_gord`` they got on joining, which is their order in ``running``.
+Nothing about a member is written per step. Every member advances one token
+per step, so ``length - clock`` is fixed for a member: its *phase*, taken mod
+block_size. ``phases[r]`` lists the members of phase r, in member order, so the
+members whose length at clock c is ``1 mod block_size`` (they need a fresh
+block before running: the reference's ``may_append``, ``needs_new_block``) are
+``phases[(1 - c) % block_size]``, and those whose length is ``0 mod
+block_size`` (their last block fills in postprocess: ``hash_blocks``) are
+``phases[-c % block_size]``. ``finishes[c]`` lists, in member order, the
+members whose completion count reaches max_tokens at clock c. A member leaving
+(``settle``) is taken out of its phase and its finish entry. Members are
+ordered by the ``_gord`` they got on joining, which is their order in ``running``.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import numpy as np
 import numpy.typing as npt
@@ -30,23 +27,6 @@ import numpy.typing as npt
 from optimized.sequence import Sequence
 
 I64 = npt.NDArray[np.int64]
-Calendar = dict[int, list[Sequence]]
-
-
-def _book(calendar: Calendar, clock: int, seq: Sequence) -> None:
-    entry = calendar.get(clock)
-    if entry is None:
-        calendar[clock] = [seq]
-    else:
-        entry.append(seq)
-
-
-def _unbook(calendar: Calendar, clock: int, seq: Sequence) -> None:
-    entry = calendar.get(clock)
-    if entry is not None and seq in entry:
-        entry.remove(seq)
-        if not entry:
-            del calendar[clock]
 
 
 class DecodeGroup:
@@ -56,16 +36,23 @@ class DecodeGroup:
         self.inflight = False  # the members' batch was scheduled and awaits postprocess
         self.members: list[Sequence] = []
         self.positions: I64 = np.empty(0, dtype=np.int64)
-        self.allocs: Calendar = {}
-        self.fills: Calendar = {}
-        self.finishes: Calendar = {}
+        self.phases: list[list[Sequence]] = [[] for _ in range(block_size)]
+        self.finishes: dict[int, list[Sequence]] = {}
         self.eos_watchers = 0  # members with ignore_eos False
         self._next_gord = 0
 
     # --- clock arithmetic ----------------------------------------------------------------------
-    def _next_step(self, seq: Sequence, start: int, residue: int) -> int:
-        """The first clock >= start at which the member's length is ``residue`` mod block_size."""
-        return start + (residue - (seq._ntok + start - seq._since)) % self.block_size
+    def phase(self, seq: Sequence) -> int:
+        """``(length - clock) mod block_size``, fixed while the sequence is a member."""
+        return (seq._ntok - seq._since) % self.block_size
+
+    def needing_blocks(self, clock: int) -> list[Sequence]:
+        """Members whose length at ``clock`` is 1 mod block_size: ``needs_new_block`` is true for exactly these."""
+        return self.phases[(1 - clock) % self.block_size]
+
+    def filling(self, clock: int) -> list[Sequence]:
+        """Members whose length at ``clock`` is 0 mod block_size: postprocess fills their last block."""
+        return self.phases[-clock % self.block_size]
 
     def _finish_step(self, seq: Sequence, max_tokens: int) -> int:
         """The clock whose postprocess brings the completion count to ``max_tokens``."""
@@ -74,35 +61,42 @@ class DecodeGroup:
     # --- joining and leaving -------------------------------------------------------------------
     def join(self, seqs: list[Sequence]) -> None:
         """Running sequences that have finished their prefill enter the batch at the current clock."""
-        now = self.now
+        now, phases, finishes = self.now, self.phases, self.finishes
         for seq in seqs:
             seq._group = self
             seq._since = now
             seq._gord = self._next_gord
             self._next_gord += 1
             seq._is_prefill = False
-            _book(self.allocs, self._next_step(seq, now, 1), seq)
-            _book(self.fills, self._next_step(seq, now, 0), seq)
-            _book(self.finishes, self._finish_step(seq, seq._max_tokens), seq)
+            phases[self.phase(seq)].append(seq)
+            step = self._finish_step(seq, seq._max_tokens)
+            entry = finishes.get(step)
+            if entry is None:
+                finishes[step] = [seq]
+            else:
+                entry.append(seq)
             if not seq.ignore_eos:
                 self.eos_watchers += 1
         self.members.extend(seqs)
         fresh = np.fromiter((s.region_offset + s._ntok for s in seqs), dtype=np.int64, count=len(seqs))
         self.positions = np.concatenate((self.positions, fresh))
 
+    def _unbook_finish(self, seq: Sequence) -> None:
+        step = self._finish_step(seq, seq._max_tokens)
+        entry = self.finishes.get(step)
+        if entry is not None and seq in entry:
+            entry.remove(seq)
+            if not entry:
+                del self.finishes[step]
+
     def settle(self, seq: Sequence) -> None:
-        """Write the member's clock-derived values into its fields and forget its calendar entries.
+        """Write the member's clock-derived values into its fields and forget its bookings.
 
         The caller removes it from ``members`` (``truncate`` or ``remove_at``).
         """
-        now = self.now
-        for calendar, clock in (
-            (self.allocs, self._next_step(seq, now, 1)),
-            (self.fills, self._next_step(seq, now, 0)),
-            (self.finishes, self._finish_step(seq, seq._max_tokens)),
-        ):
-            _unbook(calendar, clock, seq)
-        seq._ntok += now - seq._since
+        self.phases[self.phase(seq)].remove(seq)
+        self._unbook_finish(seq)
+        seq._ntok += self.now - seq._since
         seq._ncached = seq._ntok - 1
         seq._nsched = int(self.inflight)
         seq._is_prefill = False
@@ -116,9 +110,6 @@ class DecodeGroup:
             self.settle(seq)
         self.members.clear()
         self.positions = np.empty(0, dtype=np.int64)
-        self.allocs.clear()
-        self.fills.clear()
-        self.finishes.clear()
         self.inflight = False
 
     def truncate(self, length: int) -> None:
@@ -127,8 +118,9 @@ class DecodeGroup:
 
     def remove_at(self, indices: list[int]) -> None:
         """Drop members at these (ascending) indices."""
+        members = self.members
         for j in reversed(indices):
-            del self.members[j]
+            del members[j]
         positions = self.positions
         if len(indices) == 1:
             j = indices[0]
@@ -145,18 +137,9 @@ class DecodeGroup:
             (s.region_offset + s.num_tokens for s in members), dtype=np.int64, count=len(members)
         )
 
-    # --- what is due --------------------------------------------------------------------------
-    def rebook(self, calendar: Calendar, clock: int, seqs: Iterable[Sequence]) -> None:
-        """The members handled at ``clock`` are due again one block later (still in member order)."""
-        later = clock + self.block_size
-        entry = calendar.get(later)
-        # Entries already there were booked by members that joined after clock - block_size + 1,
-        # so they come later in member order than every sequence rebooked here.
-        calendar[later] = list(seqs) if entry is None else [*seqs, *entry]
-
     def move_finish(self, seq: Sequence, max_tokens: int) -> None:
-        """A member's max_tokens changed: its finish step moves with it."""
-        _unbook(self.finishes, self._finish_step(seq, seq._max_tokens), seq)
+        """A member's max_tokens changed: its finish step moves with it (kept in member order)."""
+        self._unbook_finish(seq)
         seq._max_tokens = max_tokens
         step = self._finish_step(seq, max_tokens)
         if step >= self.now:

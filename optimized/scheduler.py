@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from invariants.state import BlockView, SchedulerState, seq_view
+from optimized.block_math import prefill_grant
 from optimized.decode_group import DecodeGroup
 from optimized.errors import EmptyDecodeError
 from optimized.kv_cache_manager import KVCacheManager
@@ -101,6 +102,56 @@ class Scheduler:
             self._postprocess_each(seqs, token_ids, is_prefill)
         self._last_batch = None
 
+    # --- beyond the lesson: abort (spec/abort.md, OPT-15..17) ---------------------------------------
+    def abort(self, seq: Sequence) -> None:
+        """Take a waiting or running sequence back between steps; its blocks are released as deallocate does.
+
+        ValueError (nothing changed) when ``seq`` is not waiting or running here; RuntimeError (nothing
+        changed) between schedule() and postprocess().
+        """
+        if not isinstance(seq, Sequence) or seq._arena is not self._arena or seq._status is FINISHED:
+            status = seq.status.name if isinstance(seq, Sequence) else type(seq).__name__
+            raise ValueError(f"abort: seq {getattr(seq, 'seq_id', '?')} is not waiting or running here ({status})")
+        if self._step_in_progress():
+            raise RuntimeError("abort: only between steps (a step is scheduled and not yet postprocessed)")
+        self._abort(seq)
+
+    def abort_step(self, batch: list[Sequence]) -> None:
+        """FAULT-2: the step that scheduled ``batch`` failed before postprocess; withdraw it, abort its members.
+
+        ValueError, and nothing changed, unless ``batch`` is exactly the scheduled sequences, each once.
+        """
+        scheduled = [s for s in (*self._waiting, *self._running) if s.num_scheduled_tokens]
+        ids = [id(s) for s in batch]
+        if len(set(ids)) != len(ids) or set(ids) != {id(s) for s in scheduled}:
+            raise ValueError("abort_step: batch must be exactly the sequences the last schedule() returned")
+        self._group.inflight = False  # the members' grant of one token is withdrawn
+        for seq in batch:
+            seq._nsched = 0
+        self._last_batch = None
+        for seq in batch:
+            self._abort(seq)
+
+    def _step_in_progress(self) -> bool:
+        if self._group.inflight:
+            return True
+        return any(s._nsched for s in self._waiting) or any(s._nsched for s in self._running if s._group is None)
+
+    def _abort(self, seq: Sequence) -> None:
+        if seq._status is WAITING:
+            self._waiting.remove(seq)  # deque.remove compares with ==, which for Sequence is identity
+        else:
+            running = self._running
+            j = running.index(seq)
+            if seq._group is not None:
+                group = self._group
+                group.settle(seq)
+                group.remove_at([j])  # members are running's prefix: the same index
+            del running[j]
+        self.block_manager.forget_walk(seq)
+        self._finish(seq)
+        seq._nsched = 0
+
     # --- lesson §2: the prefill loop, on cached hashes ------------------------------------------
     def _prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
@@ -119,12 +170,13 @@ class Scheduler:
                 num_tokens = seq._ntok - num_cached_blocks * block_size
             else:
                 num_tokens = seq._ntok - seq._ncached
-            if remaining < num_tokens and scheduled:
+            grant = prefill_grant(num_tokens, remaining, not scheduled)
+            if grant == 0:  # only the first sequence of a batch may be chunked
                 break
             if not seq.block_table:
                 bm.allocate(seq, num_cached_blocks)
-            seq._nsched = min(num_tokens, remaining)
-            num_batched_tokens += seq._nsched
+            seq._nsched = grant
+            num_batched_tokens += grant
             if seq._ncached + seq._nsched == seq._ntok:
                 seq._status = RUNNING
                 waiting.popleft()
@@ -139,14 +191,14 @@ class Scheduler:
         k = min(len(running), self.max_num_seqs)
         if len(members) < k:
             group.join(running[len(members) : k])
-        due = group.allocs.pop(group.now, None)
+        due = group.needing_blocks(group.now)
         if due:
-            if len(due) <= self.block_manager.free.count:  # OPT-6: nobody has to be preempted
-                for seq, block_id in zip(due, self.block_manager.take_fresh_many(len(due)), strict=True):
+            bm = self.block_manager
+            if len(due) <= bm.free.count:  # OPT-6: nobody has to be preempted
+                for seq, block_id in zip(due, bm.take_fresh_many(len(due)), strict=True):
                     seq.block_table.append(block_id)
-                group.rebook(group.allocs, group.now, due)
             else:
-                self._decode_with_preemption(due)
+                self._decode_with_preemption(due[:])
         if not members:
             raise EmptyDecodeError("schedule(): nothing fits and nothing is running (the reference's assert)")
         group.inflight = True
@@ -163,7 +215,6 @@ class Scheduler:
         group, running, bm = self._group, self._running, self.block_manager
         members, free = group.members, bm.free
         t = len(running)
-        served: list[Sequence] = []
         for seq in due:
             j = members.index(seq)
             if j >= t:
@@ -178,10 +229,8 @@ class Scheduler:
                     break
             else:
                 seq.block_table.append(bm.take_fresh())
-                served.append(seq)
                 continue
             break
-        group.rebook(group.allocs, group.now, served)
         del running[t:]
         group.truncate(min(t, len(members)))
 
@@ -197,33 +246,21 @@ class Scheduler:
     def _postprocess_group(self, token_ids: Any, count: int) -> None:
         group = self._group
         # One scatter appends a token to every member; the clock advances them all.
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        if tokens.shape[0] != count:
-            tokens = tokens[:count]
+        tokens = np.asarray(token_ids if len(token_ids) == count else token_ids[:count], dtype=np.int64)
         positions = group.positions
         self._arena.data[positions] = tokens
         positions += 1
         clock = group.now
         group.now = clock + 1
         group.inflight = False
-        filled = group.fills.pop(clock, None)
-        if filled:
-            self._register_filled(filled, clock)
-            group.rebook(group.fills, clock, filled)
+        filled = group.filling(clock)
+        if filled:  # hash_blocks for the members whose last block just filled (registered at the next flush)
+            self.block_manager.defer_fills(filled[:])
         finishing = group.finishes.pop(clock, None)
         if group.eos_watchers:
             finishing = self._eos_hits(tokens, finishing)
         if finishing:
             self._finish_members(finishing)
-
-    def _register_filled(self, filled: list[Sequence], clock: int) -> None:
-        """``hash_blocks`` for the members whose last block just filled (registered at the next flush)."""
-        pending, is_pending, block_size = self.block_manager.pending, self.block_manager._is_pending, self.block_size
-        for seq in filled:
-            i = (seq._ntok + clock - seq._since) // block_size - 1
-            block_id = seq.block_table[i]
-            pending.append((seq, i, [block_id]))
-            is_pending[block_id] = True
 
     def _eos_hits(self, tokens: Any, finishing: list[Sequence] | None) -> list[Sequence] | None:
         hits = np.flatnonzero(tokens == self.eos)
@@ -272,11 +309,12 @@ class Scheduler:
     def snapshot(self) -> SchedulerState:
         bm = self.block_manager
         bm.flush()
+        refs = bm.ref_counts
         return SchedulerState(
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            blocks=[BlockView(b, bm.ref_counts[b], bm.block_hash(b), bm.token_ids_of(b))
+            blocks=[BlockView(b, refs[b], bm.block_hash(b), bm.token_ids_of(b))
                     for b in range(bm.num_blocks)],
             free_block_ids=bm.free_block_ids,
             used_block_ids=bm.used_block_ids,

@@ -10,7 +10,7 @@ single scatter ``data[positions] = tokens``. When a region is needed and the
 array is full, the live regions are packed, in placement order, into a fresh
 array at least twice their size (amortised O(1) per token), and ``on_move``
 is called so that the scheduler recomputes the positions it cached. Tokens are stored little-endian,
-exactly the bytes the prefix-cache hash reads.
+exactly the bytes the prefix-cache hash reads; ``bytes_view`` is those bytes, always over the current ``data``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class Region(Protocol):
 class TokenArena:
     def __init__(self, on_move: Callable[[], None], capacity: int = 1 << 16) -> None:
         self.data: I64 = np.empty(capacity, dtype="<i8")
+        self.bytes_view = self.data.data.cast("B")  # the same memory as bytes: slices hash without a copy
         self.top = 0
         self.dead = 0
         self._owners: dict[int, Region] = {}
@@ -80,5 +81,6 @@ class TokenArena:
             owner.region_offset = top
             top += owner.region_capacity
         self.data = fresh
+        self.bytes_view = fresh.data.cast("B")
         self.top = top
         self.dead = 0
