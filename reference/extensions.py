@@ -25,14 +25,14 @@ def abort(scheduler: Scheduler, seq: Sequence) -> None:
     """ABORT-1..4: take ``seq`` out of ``waiting`` or ``running``, release its blocks, mark it FINISHED.
 
     Only between steps. ValueError, and nothing changed, when ``seq`` is neither waiting nor running in
-    ``scheduler`` (never added, already finished or aborted) or when a step is in progress (a sequence
-    is scheduled and not yet postprocessed).
+    ``scheduler`` (never added, already finished or aborted); RuntimeError, and nothing changed, when a
+    step is in progress (a sequence is scheduled and not yet postprocessed), as the optimized scheduler.
     """
     in_waiting = any(s is seq for s in scheduler.waiting)
     if not in_waiting and not any(s is seq for s in scheduler.running):
         raise ValueError(f"abort: seq {seq.seq_id} is not waiting or running (status {seq.status.name})")
     if any(s.num_scheduled_tokens for s in _live(scheduler)):
-        raise ValueError("abort: only between steps (a step is scheduled and not yet postprocessed)")
+        raise RuntimeError("abort: only between steps (a step is scheduled and not yet postprocessed)")
     # deque.remove compares with ==, which for Sequence is identity.
     (scheduler.waiting if in_waiting else scheduler.running).remove(seq)
     scheduler.block_manager.deallocate(seq)

@@ -205,9 +205,9 @@ def test_aborting_everything_leaves_the_cache_idle() -> None:
 
 # --- refusals -------------------------------------------------------------------------------------
 
-def refused(p: Pair, act: Callable[[], None], match: str) -> None:
+def refused(p: Pair, act: Callable[[], None], match: str, error: type[Exception] = ValueError) -> None:
     before = p.states()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         act()
     after = p.states()
     assert fields(before[0], p.ref_seqs) == fields(after[0], p.ref_seqs)
@@ -234,18 +234,20 @@ def test_refused_aborts_change_nothing() -> None:
     p.assert_agree()
 
 
-def test_reference_refuses_an_abort_mid_step() -> None:
-    """ABORT-4: between schedule() and postprocess() the reference refuses, and nothing changes."""
-    s = ref.Scheduler(config())
-    seqs = [ref.Sequence(prompt(start, 5), ref.SamplingParams(), BS) for start in (10, 20)]
-    for seq in seqs:
-        s.add(seq)
-    s.schedule()
-    before = snapshot(s)
-    for seq in seqs:
-        with pytest.raises(ValueError, match="between steps"):
-            abort(s, seq)
-    assert snapshot(s) == before
+@pytest.mark.parametrize("budget", [5, 64])  # mid-prefill (one waiting, one running); mid-decode
+def test_both_refuse_an_abort_mid_step(budget: int) -> None:
+    """ABORT-4: between schedule() and postprocess() both refuse with RuntimeError, and nothing changes."""
+    p = Pair(config(budget=budget))
+    p.add(prompt(10, 5))
+    p.add(prompt(20, 5))
+    if budget == 64:
+        p.step()
+    rb, _ = p.ref.schedule()
+    ob, _ = p.opt.schedule()
+    assert len(rb) == len(ob) >= 1
+    for r, o in zip(p.ref_seqs, p.opt_seqs, strict=True):
+        refused(p, lambda r=r: abort(p.ref, r), "between steps", RuntimeError)  # type: ignore[misc]
+        refused(p, lambda o=o: p.opt.abort(o), "between steps", RuntimeError)  # type: ignore[misc]
 
 
 # --- the failed step ------------------------------------------------------------------------------
