@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from engine_fixtures import checkpoint, one_thread, set_root
 
 from invariants import check_state, snapshot
 from optimized import LLM, RequestOutput, SamplingParams
+from tests.engine_fixtures import checkpoint, one_thread, set_root
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,10 +6,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from engine_fixtures import checkpoint, one_thread, set_root, with_config
 
 from optimized import LLM, SamplingParams
 from optimized.shadow import ShadowDivergence
+from tests.engine_fixtures import checkpoint, one_thread, set_root, with_config
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,11 +7,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_fixtures import hf_greedy, one_thread
 
 from optimized import LLM, SamplingParams
 from optimized.cli import main as cli_main
 from optimized.default_model import default_model_dir
+from tests.engine_fixtures import hf_greedy, one_thread
 
 
 @pytest.fixture(scope="module")

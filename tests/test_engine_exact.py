@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_fixtures import FAMILIES, VOCAB, checkpoint, hf_greedy, one_thread, set_root, with_config
 
 from optimized import LLM, SamplingParams
+from tests.engine_fixtures import FAMILIES, VOCAB, checkpoint, hf_greedy, one_thread, set_root, with_config
 
 
 @pytest.fixture(scope="module", autouse=True)

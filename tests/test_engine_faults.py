@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from engine_fixtures import checkpoint, one_thread, set_root
 
 from invariants import check_state, snapshot
 from optimized import LLM, RequestOutput, SamplingParams
+from tests.engine_fixtures import checkpoint, one_thread, set_root
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from engine_fixtures import VOCAB, checkpoint, one_thread, set_root
 
 from optimized import LLM, SamplingParams
 from optimized.graph_runner import EagerGraph
+from tests.engine_fixtures import VOCAB, checkpoint, one_thread, set_root
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from engine_fixtures import VOCAB, checkpoint, hf_greedy, one_thread, set_root
 
 import optimized.model_runner as model_runner
 from kernels import paged_attention
 from kernels.sampling import sample
 from optimized import LLM, SamplingParams
 from optimized.model_runner import decode_splits
+from tests.engine_fixtures import VOCAB, checkpoint, hf_greedy, one_thread, set_root
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from engine_fixtures import VOCAB, checkpoint, hf_greedy, one_thread, set_root
 
 from invariants import snapshot
 from optimized import LLM, SamplingParams
+from tests.engine_fixtures import VOCAB, checkpoint, hf_greedy, one_thread, set_root
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from engine_fixtures import VOCAB, checkpoint, one_thread, set_root
 
 from optimized import LLM, SamplingParams
+from tests.engine_fixtures import VOCAB, checkpoint, one_thread, set_root
 
 
 @pytest.fixture(scope="module", autouse=True)
