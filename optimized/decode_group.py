@@ -59,8 +59,11 @@ class DecodeGroup:
         return seq._since + max_tokens - 1 - (seq._ntok - seq.num_prompt_tokens)
 
     # --- joining and leaving -------------------------------------------------------------------
-    def join(self, seqs: list[Sequence]) -> None:
-        """Running sequences that have finished their prefill enter the batch at the current clock."""
+    def join(self, seqs: list[Sequence], keep_segments: bool) -> None:
+        """Running sequences that have finished their prefill enter the batch at the current clock.
+
+        ``keep_segments``: a logged decode fill may still need a member's earlier segments.
+        """
         now, phases, finishes = self.now, self.phases, self.finishes
         for seq in seqs:
             seq._group = self
@@ -68,6 +71,10 @@ class DecodeGroup:
             seq._gord = self._next_gord
             self._next_gord += 1
             seq._is_prefill = False
+            if not keep_segments:
+                seq._segments.clear()
+            # From this clock on, its length at clock c is anchor + c and its blocks are in this table list.
+            seq._segments.append((now, seq._ntok - now, seq.block_table))
             phases[self.phase(seq)].append(seq)
             step = self._finish_step(seq, seq._max_tokens)
             entry = finishes.get(step)
@@ -122,11 +129,13 @@ class DecodeGroup:
         for j in reversed(indices):
             del members[j]
         positions = self.positions
-        if len(indices) == 1:
+        n = positions.shape[0]
+        if len(indices) == 1:  # close the gap in place: one memmove, no new array
             j = indices[0]
-            self.positions = np.concatenate((positions[:j], positions[j + 1 :]))
+            positions[j : n - 1] = positions[j + 1 :]
+            self.positions = positions[: n - 1]
         else:
-            keep = np.ones(positions.shape[0], dtype=bool)
+            keep = np.ones(n, dtype=bool)
             keep[indices] = False
             self.positions = positions[keep]
 

@@ -63,21 +63,32 @@ class WalkMemo:
 
     The walk looked up the chain hashes ``hashes`` (hash -> first index; the
     hits and the one that missed) and compared the contents of ``blocks``
-    (block -> index); ``cached`` hits, ``held[i]`` says whether hit i is used.
+    (block -> index); the first ``cached`` of ``hits`` are the blocks it hit,
+    ``held[i]`` says whether hit i is used.
     Taking hit i (its table entry goes) cuts the walk to i hits; releasing a
     used hit makes it free; anything else that touches a hash or block named
     here drops the memo.
     """
 
-    __slots__ = ("blocks", "cached", "hashes", "held", "seq", "used")
+    __slots__ = ("blocks", "cached", "hashes", "held", "hits", "seq", "used")
 
-    def __init__(self, seq: Sequence) -> None:
+    def __init__(self, seq: Sequence, hits: list[int], held: list[bool], hashes: dict[int, int],
+                 blocks: dict[int, int]) -> None:
         self.seq = seq
-        self.cached = 0
-        self.used = 0
-        self.hashes: dict[int, int] = {}
-        self.blocks: dict[int, int] = {}
-        self.held: list[bool] = []
+        self.hits = hits
+        self.held = held
+        self.cached = len(hits)
+        self.used = sum(held)
+        self.hashes = hashes
+        self.blocks = blocks
+
+    def reads(self, h: int, block_id: int) -> bool:
+        """Whether mapping ``h`` or changing ``block_id`` could change the walk's answer.
+
+        Entries past the walk's end (left by ``cut``) are ignored: the walk no longer reaches them.
+        """
+        cached = self.cached
+        return self.hashes.get(h, cached + 1) <= cached or self.blocks.get(block_id, cached + 1) <= cached
 
     def cut(self, index: int) -> None:
         """Hit ``index`` lost its table entry: the walk now stops there."""
@@ -87,6 +98,9 @@ class WalkMemo:
             self.used = sum(self.held)
 
     def freed(self, block_ids: list[int]) -> None:
+        """These blocks went back to the free queue: a hit among them is no longer used."""
+        if self.blocks.keys().isdisjoint(block_ids):
+            return
         for block_id in block_ids:
             index = self.blocks.get(block_id, -1)
             if 0 <= index < self.cached and self.held[index]:
@@ -105,9 +119,10 @@ class KVCacheManager:
         self._table: dict[int, int] = {}
         self.free = FreeBlockQueue(num_blocks)
         self._clean_end = num_blocks
-        # (seq, first index, block ids) from prefill; (None, indices, block ids, seqs): one decode step's fills.
+        # (seq, first index, block ids) from hash_blocks; (None, clock, seqs): one decode step's fills.
         self.pending: list[tuple[Any, ...]] = []
         self._memo: WalkMemo | None = None
+        self._chain_source: Sequence | None = None  # the last sequence whose chain was hashed from its start
 
     # --- read-only views in the reference's vocabulary (each flushes first) --------------------------
     @property
@@ -154,26 +169,63 @@ class KVCacheManager:
 
     # --- hashes ---------------------------------------------------------------------------------------
     def extend_chain(self, seq: Sequence, end: int) -> None:
-        """Chain hashes of full blocks [len(seq._hashes), end) of ``seq``, each computed once (OPT-5)."""
-        chain = seq._hashes
+        """Chain hashes of full blocks [len(seq._hashes), end) of ``seq``, each computed once (OPT-5).
+
+        The blocks' bytes are kept beside the hashes (``seq._pieces``) for the registration to
+        store. A chain hash is a function of the bytes of the blocks up to its own, so when a
+        sequence starts with the same full blocks as the last one hashed from its start (a shared
+        system prompt), it takes those hashes instead of computing them (OPT-16).
+        """
+        chain, pieces = seq._hashes, seq._pieces
         i = len(chain)
         if i >= end:
             return
         width = 8 * self.block_size
         view, at = token_bytes(seq)
         raw = view[at + i * width : at + end * width].tobytes()
-        append = chain.append
-        first = 0
+        fresh = [raw[k : k + width] for k in range(0, len(raw), width)]
         if i == 0:
-            prev = xxh64_intdigest(raw[:width])
+            shared = self._shared_start(seq, raw, fresh[0])
+            if shared:
+                pieces.extend(fresh[:shared])
+                del fresh[:shared]
+                i = shared
+        pieces.extend(fresh)
+        append = chain.append
+        if i == 0:
+            prev = xxh64_intdigest(fresh[0])
             append(prev)
-            first = width
+            del fresh[0]
         else:
             prev = chain[i - 1]
         to_bytes = int.to_bytes
-        for k in range(first, len(raw), width):
-            prev = xxh64_intdigest(to_bytes(prev, 8, "little") + raw[k : k + width])
+        for piece in fresh:
+            prev = xxh64_intdigest(to_bytes(prev, 8, "little") + piece)
             append(prev)
+
+    def _shared_start(self, seq: Sequence, raw: bytes, first: bytes) -> int:
+        """Copy into ``seq``'s empty chain the hashes of its leading blocks equal to the last chained sequence's."""
+        source = self._chain_source
+        self._chain_source = seq
+        if source is None or source is seq or not source._pieces or source._pieces[0] != first:
+            return 0  # the usual case without a shared prefix: one block compared
+        known = source._hashes
+        m = min(len(raw) // len(first), len(known), len(source._pieces))
+        width = len(first)
+        theirs = b"".join(source._pieces[:m])
+        if raw[: m * width] == theirs:
+            k = m
+        else:  # the longest run of equal leading blocks: raw[:lo] equal, raw[:hi] not
+            lo, hi = 1, m
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if raw[: mid * width] == theirs[: mid * width]:
+                    lo = mid
+                else:
+                    hi = mid
+            k = lo
+        seq._hashes.extend(known[:k])
+        return k
 
     def chain_hash_of(self, seq: Sequence, i: int) -> int:
         """The chain hash of full block i of ``seq``, computed at most once per sequence (OPT-5)."""
@@ -184,10 +236,13 @@ class KVCacheManager:
         """Blocks start, start+1, ... of ``seq`` (held in ``block_ids``) just became full: register them later."""
         self.pending.append((seq, start, block_ids))
 
-    def defer_fills(self, seqs: list[Sequence]) -> None:
-        """One decode step filled the last block of each of ``seqs``: register those blocks later."""
-        tables = [s.block_table for s in seqs]
-        self.pending.append((None, [len(t) - 1 for t in tables], [t[-1] for t in tables], seqs))
+    def defer_fills(self, clock: int, seqs: list[Sequence]) -> None:
+        """Decode step ``clock`` filled the last block of each of ``seqs``: register those blocks later.
+
+        Only the step is logged: which block that was is read back at the flush from the member's
+        segment for that clock (``Sequence._segments``), whose table list deallocate leaves intact.
+        """
+        self.pending.append((None, clock, seqs))
 
     def flush(self) -> None:
         """Apply the pending registrations in order: store hash and contents, map the hash to the block.
@@ -201,17 +256,25 @@ class KVCacheManager:
             return
         for entry in pending:
             if entry[0] is None:
-                self._register_fills(*entry[1:])
+                self._register_fills(entry[1], entry[2])
             else:
                 self._register(*entry)
         pending.clear()
 
-    def _register_fills(self, indices: list[int], block_ids: list[int], seqs: list[Sequence]) -> None:
-        """One decode step's fills: block ``indices[k]`` of ``seqs[k]`` is ``block_ids[k]``, just filled."""
+    def _register_fills(self, clock: int, seqs: list[Sequence]) -> None:
+        """Decode step ``clock``'s fills: each member's block holding its token ``length - 1`` just filled."""
         hashes, contents, table, memo = self._hashes, self._contents, self._table, self._memo
-        width = 8 * self.block_size
+        block_size = self.block_size
+        width = 8 * block_size
         to_bytes = int.to_bytes
-        for seq, i, block_id in zip(seqs, indices, block_ids, strict=True):
+        for seq in seqs:
+            segments = seq._segments
+            k = len(segments) - 1
+            while segments[k][0] > clock:
+                k -= 1
+            _, anchor, block_table = segments[k]
+            i = (anchor + clock) // block_size - 1
+            block_id = block_table[i]
             chain = seq._hashes
             arena = seq._arena
             if arena is not None:
@@ -228,30 +291,33 @@ class KVCacheManager:
                     self.extend_chain(seq, i)
                 h = xxh64_intdigest(to_bytes(chain[i - 1], 8, "little") + piece) if i else xxh64_intdigest(piece)
                 chain.append(h)
+                seq._pieces.append(piece)
             hashes[block_id] = h
             contents[block_id] = piece
             table[h] = block_id
-            if memo is not None and (h in memo.hashes or block_id in memo.blocks):
+            if memo is not None and memo.reads(h, block_id):
                 memo = self._memo = None
 
     def _register(self, seq: Sequence, start: int, block_ids: list[int]) -> None:
-        hashes, contents, table = self._hashes, self._contents, self._table
-        width = 8 * self.block_size
+        hashes, contents = self._hashes, self._contents
         end = start + len(block_ids)
         self.extend_chain(seq, end)
         chain = seq._hashes[start:end]
-        view, at = token_bytes(seq)
-        raw = view[at + start * width : at + end * width].tobytes()
-        k = 0
-        for block_id, h in zip(block_ids, chain, strict=True):
+        pieces = seq._pieces[start:end]
+        for block_id, h, piece in zip(block_ids, chain, pieces, strict=True):
             hashes[block_id] = h
-            contents[block_id] = raw[k : k + width]
-            k += width
-        table.update(zip(chain, block_ids, strict=True))
+            contents[block_id] = piece
+        self._table.update(zip(chain, block_ids, strict=True))
         memo = self._memo
-        if memo is not None and not (memo.hashes.keys().isdisjoint(chain) and
-                                     memo.blocks.keys().isdisjoint(block_ids)):
+        if memo is not None and self._touches(memo, chain, block_ids):
             self._memo = None
+
+    @staticmethod
+    def _touches(memo: WalkMemo, chain: list[int], block_ids: list[int]) -> bool:
+        """Whether registering these hashes on these blocks could change the remembered walk."""
+        if memo.hashes.keys().isdisjoint(chain) and memo.blocks.keys().isdisjoint(block_ids):
+            return False
+        return any(map(memo.reads, chain, block_ids))
 
     # --- taking and releasing blocks ------------------------------------------------------------------
     def take_fresh(self) -> int:
@@ -286,19 +352,26 @@ class KVCacheManager:
                 hashes[block_id] = -1
 
     def release(self, table: list[int]) -> None:
-        """``deallocate``'s release: from the table's end to its start, freed ids join the queue in that order."""
+        """``deallocate``'s release: from the table's end to its start, freed ids join the queue in that order.
+
+        A block with ``_extra`` 0 is held by this table alone and goes back; the others lose one holder.
+        """
         extra = self._extra
-        if self._shared and any(map(extra.__getitem__, table)):
-            freed = []
-            for block_id in reversed(table):
-                if extra[block_id]:
+        freed = table[::-1]
+        if self._shared:
+            counts = list(map(extra.__getitem__, table))
+            shared = len(counts) - counts.count(0)
+            if shared:
+                if counts.index(0) == shared if shared < len(counts) else True:
+                    freed = freed[: len(counts) - shared]  # the usual shape: a shared prefix, then its own blocks
+                    held = table[:shared]
+                else:
+                    held = [b for b in table if extra[b]]
+                    freed = [b for b in freed if not extra[b]]
+                for block_id in held:
                     extra[block_id] -= 1
                     if not extra[block_id]:
                         self._shared -= 1
-                else:
-                    freed.append(block_id)
-        else:  # held by this table alone: every block goes back
-            freed = table[::-1]
         if freed:
             if self._memo is not None:
                 self._memo.freed(freed)
@@ -313,7 +386,7 @@ class KVCacheManager:
         """Release the table from its end to its start; the freed ids join the queue in that order."""
         self.release(seq.block_table)
         seq._ncached = 0
-        seq.block_table.clear()
+        seq.block_table = []  # a new list: a pending decode fill may still read the old one (defer_fills)
 
     # --- the reference's BlockManager API, on sequences outside the decode group ----------------------
     def can_allocate(self, seq: Sequence) -> int:
@@ -329,48 +402,56 @@ class KVCacheManager:
     def _walk(self, seq: Sequence) -> WalkMemo:
         """The reference's lookup walk over the sequence's full blocks but its last."""
         block_size = self.block_size
-        num_blocks = blocks_for(seq._ntok, block_size)
-        self.extend_chain(seq, num_blocks - 1)
-        table, contents = self._table, self._contents
-        slot, front = self.free.slots(), self.free.front
+        last = blocks_for(seq._ntok, block_size) - 1
+        self.extend_chain(seq, last)
+        table_get, contents = self._table.get, self._contents
         chain = seq._hashes
         width = 8 * block_size
         view, at = token_bytes(seq)
-        raw = view[at : at + (num_blocks - 1) * width].tobytes()
-        memo = WalkMemo(seq)
-        looked, compared, held = memo.hashes, memo.blocks, memo.held
-        for i in range(num_blocks - 1):
-            h = chain[i]
-            looked.setdefault(h, i)
-            block_id = table.get(h, -1)
-            if block_id == -1:
+        raw = view[at : at + last * width].tobytes()
+        hits: list[int] = []
+        missed = -1
+        for i in range(last):
+            block_id = table_get(chain[i], -1)
+            if block_id == -1 or contents[block_id] != raw[i * width : (i + 1) * width]:
+                missed = block_id
                 break
-            compared.setdefault(block_id, i)
-            if contents[block_id] != raw[i * width : (i + 1) * width]:
-                break
-            held.append(slot[block_id] < front)
-        memo.cached = len(held)
-        memo.used = sum(held)
-        self._memo = memo
+            hits.append(block_id)
+        m = len(hits)
+        if m == 0:  # the usual first walk of a new prompt: nothing cached
+            hashes = {chain[0]: 0} if last else {}
+            blocks = {missed: 0} if missed != -1 else {}
+            memo = self._memo = WalkMemo(seq, hits, [], hashes, blocks)
+            return memo
+        looked = chain[: m + 1] if m < last else chain[:m]
+        # Built backwards so that a repeated hash or block keeps its first index.
+        hashes = dict(zip(reversed(looked), range(len(looked) - 1, -1, -1), strict=True))
+        blocks = dict(zip(reversed(hits), range(m - 1, -1, -1), strict=True))
+        if missed != -1:
+            blocks.setdefault(missed, m)
+        slot, front = self.free.slots(), self.free.front
+        memo = self._memo = WalkMemo(seq, hits, [slot[b] < front for b in hits], hashes, blocks)
         return memo
 
     def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
+        """Take the walk's first ``num_cached_blocks`` hits (can_allocate just walked for ``seq``), then fresh ones."""
         assert not seq.block_table
-        table, extra, free = self._table, self._extra, self.free
-        chain = seq._hashes
-        block_table = seq.block_table
-        for i in range(num_cached_blocks):
-            block_id = table[chain[i]]  # can_allocate flushed and computed these hashes
-            if free.contains(block_id):
+        memo = self._memo
+        assert memo is not None and memo.seq is seq and num_cached_blocks <= memo.cached
+        hits = memo.hits[:num_cached_blocks]
+        extra, free = self._extra, self.free
+        slot, front = free.slots(), free.front
+        for block_id in hits:
+            if slot[block_id] >= front:  # free: revived where it stands
                 free.remove(block_id)
             else:
                 if not extra[block_id]:
                     self._shared += 1
                 extra[block_id] += 1
-            block_table.append(block_id)
         self._memo = None
-        num_blocks = blocks_for(seq._ntok, self.block_size)
-        block_table.extend(self.take_fresh_many(num_blocks - num_cached_blocks))
+        block_table = seq.block_table
+        block_table.extend(hits)
+        block_table.extend(self.take_fresh_many(blocks_for(seq._ntok, self.block_size) - num_cached_blocks))
         seq._ncached = num_cached_blocks * self.block_size
 
     def can_append(self, seq: Sequence) -> bool:

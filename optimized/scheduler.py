@@ -190,7 +190,7 @@ class Scheduler:
         members = group.members
         k = min(len(running), self.max_num_seqs)
         if len(members) < k:
-            group.join(running[len(members) : k])
+            group.join(running[len(members) : k], keep_segments=bool(self.block_manager.pending))
         due = group.needing_blocks(group.now)
         if due:
             bm = self.block_manager
@@ -255,7 +255,7 @@ class Scheduler:
         group.inflight = False
         filled = group.filling(clock)
         if filled:  # hash_blocks for the members whose last block just filled (registered at the next flush)
-            self.block_manager.defer_fills(filled[:])
+            self.block_manager.defer_fills(clock, filled[:])
         finishing = group.finishes.pop(clock, None)
         if group.eos_watchers:
             finishing = self._eos_hits(tokens, finishing)

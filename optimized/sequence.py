@@ -62,6 +62,8 @@ class Sequence:
         "_nsched",
         "_ntok",
         "_own",
+        "_pieces",
+        "_segments",
         "_since",
         "_status",
         "block_size",
@@ -93,6 +95,7 @@ class Sequence:
         self._nsched = 0
         self._is_prefill = True
         self._hashes: list[int] = []
+        self._pieces: list[bytes] = []  # the bytes of full block i, beside _hashes[i]
         self._own: I64 | None = tokens
         self._arena: TokenArena | None = None
         self.region_offset = 0
@@ -100,6 +103,9 @@ class Sequence:
         self._group: DecodeGroup | None = None
         self._since = 0
         self._gord = 0
+        # (since, anchor, block table list) per stay in the decode group: at clock c >= since its
+        # length was anchor + c and its blocks were in that list (read back by a deferred fill).
+        self._segments: list[tuple[int, int, list[int]]] = []
 
     # --- the reference's attributes -------------------------------------------------
     @property

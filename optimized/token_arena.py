@@ -8,7 +8,8 @@ the positions of released regions below ``top``. Because all tokens sit in one
 array, the decode step appends one token to every sequence of a batch with a
 single scatter ``data[positions] = tokens``. When a region is needed and the
 array is full, the live regions are packed, in placement order, into a fresh
-array at least twice their size (amortised O(1) per token), and ``on_move``
+array at least twice their size (amortised O(1) per token; released regions are never
+written again, so a released owner may keep a view of its tokens), and ``on_move``
 is called so that the scheduler recomputes the positions it cached. Tokens are stored little-endian,
 exactly the bytes the prefix-cache hash reads; ``bytes_view`` is those bytes, always over the current ``data``.
 """
@@ -61,11 +62,16 @@ class TokenArena:
         self._on_move()
 
     def release(self, owner: Region) -> I64:
-        """Free the owner's region and hand back a copy of its tokens."""
+        """Free the owner's region and hand back its tokens.
+
+        A view, not a copy: a released region is never written again (placement only moves ``top``
+        up, and packing writes a fresh array), so the view stays valid; it keeps the array it
+        points into alive after a packing, until the owner drops it.
+        """
         del self._owners[id(owner)]
         off = owner.region_offset
         self.dead += owner.region_capacity
-        return self.data[off : off + owner.stored_length()].copy()
+        return self.data[off : off + owner.stored_length()]
 
     def _make_room(self, capacity: int) -> None:
         live = self.top - self.dead
