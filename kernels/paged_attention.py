@@ -140,16 +140,20 @@ def _kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | Non
 
 
 def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Blocks are gathered as flat rows: torch's index_select of a 5-d tensor along dim 1 takes an element-wise path
+    # about 8x slower than the row copies it makes of the same data viewed as [2, num_blocks, row] (measured).
+    token = k_cache.shape[2:]  # [kvh, d]: the gathered caches are returned as [blocks * block_size, kvh, d]
     pair = _kv_pair(k_cache, v_cache)
     if pair is None:
-        return k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
-    both = pair.index_select(1, blocks)
-    return both[0], both[1]
+        k, v = k_cache.flatten(1).index_select(0, blocks), v_cache.flatten(1).index_select(0, blocks)
+        return k.view(-1, *token), v.view(-1, *token)
+    both = pair.flatten(2).index_select(1, blocks)
+    return both[0].view(-1, *token), both[1].view(-1, *token)
 
 
 def _decode_range(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], r: DecodeRange, scale: float) -> torch.Tensor:
     batch, heads, dim = q.shape
-    kv_heads = kv[0].shape[2]
+    kv_heads = kv[0].shape[1]
     rep = heads // kv_heads
     width = r.masked.shape[-1]
     k = kv[0].view(batch, width, kv_heads, dim)
