@@ -5,7 +5,9 @@ Invariants (OPT-2, OPT-3): ``members`` is always a prefix of the scheduler's
 decode step (and of the next one, unless sequences join, finish or are
 preempted). ``now`` counts the decode steps the group has run; a member that
 joined at clock ``_since`` with ``_ntok`` tokens holds ``_ntok + now - _since``
-tokens. ``positions[j]`` is the arena index where member j's next token goes.
+tokens. ``positions[j] + now - base_clock`` is the arena index where member j's
+next token goes (the step writes through a view of the arena shifted by
+``now - base_clock`` instead of adding 1 to every position).
 Nothing about a member is written per step. Every member advances one token
 per step, so ``length - clock`` is fixed for a member: its *phase*, taken mod
 block_size. ``phases[r]`` lists the members of phase r, in member order, so the
@@ -36,7 +38,9 @@ class DecodeGroup:
         self.inflight = False  # the members' batch was scheduled and awaits postprocess
         self.members: list[Sequence] = []
         self.positions: I64 = np.empty(0, dtype=np.int64)
+        self.base_clock = 0
         self.phases: list[list[Sequence]] = [[] for _ in range(block_size)]
+        self.tables: list[list[list[int]]] = [[] for _ in range(block_size)]
         self.finishes: dict[int, list[Sequence]] = {}
         self.eos_watchers = 0  # members with ignore_eos False
         self._next_gord = 0
@@ -46,9 +50,12 @@ class DecodeGroup:
         """``(length - clock) mod block_size``, fixed while the sequence is a member."""
         return (seq._ntok - seq._since) % self.block_size
 
-    def needing_blocks(self, clock: int) -> list[Sequence]:
-        """Members whose length at ``clock`` is 1 mod block_size: ``needs_new_block`` is true for exactly these."""
-        return self.phases[(1 - clock) % self.block_size]
+    def needing_blocks(self, clock: int) -> int:
+        """The phase of the members whose length at ``clock`` is 1 mod block_size.
+
+        Vectorises ``block_math.needs_new_block``: it is true for exactly the members of this phase.
+        """
+        return (1 - clock) % self.block_size
 
     def filling(self, clock: int) -> list[Sequence]:
         """Members whose length at ``clock`` is 0 mod block_size: postprocess fills their last block."""
@@ -64,7 +71,7 @@ class DecodeGroup:
 
         ``keep_segments``: a logged decode fill may still need a member's earlier segments.
         """
-        now, phases, finishes = self.now, self.phases, self.finishes
+        now, phases, tables, finishes = self.now, self.phases, self.tables, self.finishes
         for seq in seqs:
             seq._group = self
             seq._since = now
@@ -75,7 +82,9 @@ class DecodeGroup:
                 seq._segments.clear()
             # From this clock on, its length at clock c is anchor + c and its blocks are in this table list.
             seq._segments.append((now, seq._ntok - now, seq.block_table))
-            phases[self.phase(seq)].append(seq)
+            phase = self.phase(seq)
+            phases[phase].append(seq)
+            tables[phase].append(seq.block_table)
             step = self._finish_step(seq, seq._max_tokens)
             entry = finishes.get(step)
             if entry is None:
@@ -86,7 +95,8 @@ class DecodeGroup:
                 self.eos_watchers += 1
         self.members.extend(seqs)
         fresh = np.fromiter((s.region_offset + s._ntok for s in seqs), dtype=np.int64, count=len(seqs))
-        self.positions = np.concatenate((self.positions, fresh))
+        self.positions = np.concatenate((self.positions + (now - self.base_clock), fresh))
+        self.base_clock = now
 
     def _unbook_finish(self, seq: Sequence) -> None:
         step = self._finish_step(seq, seq._max_tokens)
@@ -101,7 +111,11 @@ class DecodeGroup:
 
         The caller removes it from ``members`` (``truncate`` or ``remove_at``).
         """
-        self.phases[self.phase(seq)].remove(seq)
+        phase = self.phase(seq)
+        members = self.phases[phase]
+        j = members.index(seq)
+        del members[j]
+        del self.tables[phase][j]
         self._unbook_finish(seq)
         seq._ntok += self.now - seq._since
         seq._ncached = seq._ntok - 1
@@ -117,6 +131,7 @@ class DecodeGroup:
             self.settle(seq)
         self.members.clear()
         self.positions = np.empty(0, dtype=np.int64)
+        self.base_clock = self.now
         self.inflight = False
 
     def truncate(self, length: int) -> None:
@@ -145,6 +160,7 @@ class DecodeGroup:
         self.positions = np.fromiter(
             (s.region_offset + s.num_tokens for s in members), dtype=np.int64, count=len(members)
         )
+        self.base_clock = self.now
 
     def move_finish(self, seq: Sequence, max_tokens: int) -> None:
         """A member's max_tokens changed: its finish step moves with it (kept in member order)."""

@@ -70,17 +70,37 @@ class WalkMemo:
     here drops the memo.
     """
 
-    __slots__ = ("blocks", "cached", "hashes", "held", "hits", "seq", "used")
+    __slots__ = ("_blocks", "_hashes", "cached", "held", "hits", "looked", "missed", "seq", "used")
 
-    def __init__(self, seq: Sequence, hits: list[int], held: list[bool], hashes: dict[int, int],
-                 blocks: dict[int, int]) -> None:
+    def __init__(self, seq: Sequence, hits: list[int], held: list[bool], looked: list[int], missed: int) -> None:
         self.seq = seq
         self.hits = hits
         self.held = held
         self.cached = len(hits)
         self.used = sum(held)
-        self.hashes = hashes
-        self.blocks = blocks
+        self.looked = looked
+        self.missed = missed
+        # Built on first use: most walks are followed at once by allocate, which drops the memo.
+        self._hashes: dict[int, int] | None = None
+        self._blocks: dict[int, int] | None = None
+
+    @property
+    def hashes(self) -> dict[int, int]:
+        if self._hashes is None:
+            looked = self.looked
+            # Built backwards so that a repeated hash keeps its first index.
+            self._hashes = dict(zip(reversed(looked), range(len(looked) - 1, -1, -1), strict=True))
+        return self._hashes
+
+    @property
+    def blocks(self) -> dict[int, int]:
+        if self._blocks is None:
+            hits = self.hits
+            blocks = dict(zip(reversed(hits), range(len(hits) - 1, -1, -1), strict=True))
+            if self.missed != -1:
+                blocks.setdefault(self.missed, len(hits))
+            self._blocks = blocks
+        return self._blocks
 
     def reads(self, h: int, block_id: int) -> bool:
         """Whether mapping ``h`` or changing ``block_id`` could change the walk's answer.
@@ -114,8 +134,10 @@ class KVCacheManager:
         self.block_size = block_size
         self._extra = [0] * num_blocks
         self._shared = 0  # blocks with _extra > 0
-        self._hashes = [-1] * num_blocks
-        self._contents = [b""] * num_blocks
+        # Registered blocks only (a block without an entry has hash -1 and no tokens): dicts, so that a
+        # registration of a run of blocks is three C-level updates.
+        self._hashes: dict[int, int] = {}
+        self._contents: dict[int, bytes] = {}
         self._table: dict[int, int] = {}
         self.free = FreeBlockQueue(num_blocks)
         self._clean_end = num_blocks
@@ -123,6 +145,7 @@ class KVCacheManager:
         self.pending: list[tuple[Any, ...]] = []
         self._memo: WalkMemo | None = None
         self._chain_source: Sequence | None = None  # the last sequence whose chain was hashed from its start
+        self._common: tuple[Sequence | None, bytes] = (None, b"")  # a sequence and bytes it starts with
 
     # --- read-only views in the reference's vocabulary (each flushes first) --------------------------
     @property
@@ -145,13 +168,13 @@ class KVCacheManager:
 
     def block_hash(self, block_id: int) -> int:
         self.flush()
-        return self._hashes[block_id]
+        return self._hashes.get(block_id, -1)
 
     def token_ids_of(self, block_id: int) -> list[int]:
         self.flush()
-        if self._hashes[block_id] == -1:
+        raw = self._contents.get(block_id)
+        if raw is None:
             return []
-        raw = self._contents[block_id]
         return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
 
     @property
@@ -171,10 +194,10 @@ class KVCacheManager:
     def extend_chain(self, seq: Sequence, end: int) -> None:
         """Chain hashes of full blocks [len(seq._hashes), end) of ``seq``, each computed once (OPT-5).
 
-        The blocks' bytes are kept beside the hashes (``seq._pieces``) for the registration to
-        store. A chain hash is a function of the bytes of the blocks up to its own, so when a
-        sequence starts with the same full blocks as the last one hashed from its start (a shared
-        system prompt), it takes those hashes instead of computing them (OPT-16).
+        The blocks' bytes are kept beside the hashes (``seq._pieces``) for the walk to compare and
+        the registration to store. A chain hash is a function of the bytes of the blocks up to its
+        own, so when a sequence starts with the same full blocks as the last one hashed from its
+        start (a shared system prompt), it takes those hashes instead of computing them (OPT-16).
         """
         chain, pieces = seq._hashes, seq._pieces
         i = len(chain)
@@ -183,13 +206,13 @@ class KVCacheManager:
         width = 8 * self.block_size
         view, at = token_bytes(seq)
         raw = view[at + i * width : at + end * width].tobytes()
-        fresh = [raw[k : k + width] for k in range(0, len(raw), width)]
+        skip = 0
         if i == 0:
-            shared = self._shared_start(seq, raw, fresh[0])
-            if shared:
-                pieces.extend(fresh[:shared])
-                del fresh[:shared]
-                i = shared
+            skip = self._shared_start(seq, raw, end)
+            i += skip
+        fresh = [raw[k : k + width] for k in range(skip * width, len(raw), width)]
+        if not fresh:
+            return
         pieces.extend(fresh)
         append = chain.append
         if i == 0:
@@ -203,28 +226,27 @@ class KVCacheManager:
             prev = xxh64_intdigest(to_bytes(prev, 8, "little") + piece)
             append(prev)
 
-    def _shared_start(self, seq: Sequence, raw: bytes, first: bytes) -> int:
-        """Copy into ``seq``'s empty chain the hashes of its leading blocks equal to the last chained sequence's."""
+    def _shared_start(self, seq: Sequence, raw: bytes, end: int) -> int:
+        """Give ``seq``'s empty chain the hashes and bytes of its leading blocks equal to the last chained one's."""
         source = self._chain_source
         self._chain_source = seq
-        if source is None or source is seq or not source._pieces or source._pieces[0] != first:
-            return 0  # the usual case without a shared prefix: one block compared
-        known = source._hashes
-        m = min(len(raw) // len(first), len(known), len(source._pieces))
-        width = len(first)
-        theirs = b"".join(source._pieces[:m])
-        if raw[: m * width] == theirs:
-            k = m
-        else:  # the longest run of equal leading blocks: raw[:lo] equal, raw[:hi] not
-            lo, hi = 1, m
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if raw[: mid * width] == theirs[: mid * width]:
-                    lo = mid
-                else:
-                    hi = mid
-            k = lo
-        seq._hashes.extend(known[:k])
+        if source is None or source is seq:
+            return 0
+        theirs = source._pieces
+        m = min(end, len(source._hashes), len(theirs))
+        width = 8 * self.block_size
+        owner, common = self._common
+        if owner is source and len(common) <= m * width and raw.startswith(common):
+            k = known = len(common) // width  # what the source shared with its own source, in one comparison
+        else:
+            k = known = 0
+        while k < m and raw.startswith(theirs[k], k * width):
+            k += 1
+        if k:
+            seq._hashes.extend(source._hashes[:k])
+            seq._pieces.extend(theirs[:k])
+            # The bytes ``seq`` is now known to start with, for the next sequence to compare at once.
+            self._common = (seq, common if k == known else raw[: k * width])
         return k
 
     def chain_hash_of(self, seq: Sequence, i: int) -> int:
@@ -299,14 +321,11 @@ class KVCacheManager:
                 memo = self._memo = None
 
     def _register(self, seq: Sequence, start: int, block_ids: list[int]) -> None:
-        hashes, contents = self._hashes, self._contents
         end = start + len(block_ids)
         self.extend_chain(seq, end)
         chain = seq._hashes[start:end]
-        pieces = seq._pieces[start:end]
-        for block_id, h, piece in zip(block_ids, chain, pieces, strict=True):
-            hashes[block_id] = h
-            contents[block_id] = piece
+        self._hashes.update(zip(block_ids, chain, strict=True))
+        self._contents.update(zip(block_ids, seq._pieces[start:end], strict=True))
         self._table.update(zip(chain, block_ids, strict=True))
         memo = self._memo
         if memo is not None and self._touches(memo, chain, block_ids):
@@ -338,10 +357,11 @@ class KVCacheManager:
         """Taken blocks lose their hash (and their table entry, if it still names them)."""
         if self.pending:
             self.flush()  # a taken block's pending registration must land first, as the reference's was eager
-        hashes, table, memo = self._hashes, self._table, self._memo
+        hashes, contents, table, memo = self._hashes, self._contents, self._table, self._memo
         for block_id in ids:
-            h = hashes[block_id]
+            h = hashes.pop(block_id, -1)
             if h != -1:
+                del contents[block_id]
                 # Distinct blocks carry distinct mapped hashes: the order of these deletions is immaterial.
                 if table.get(h) == block_id:
                     del table[h]
@@ -349,7 +369,6 @@ class KVCacheManager:
                         index = memo.hashes.get(h)
                         if index is not None:
                             memo.cut(index)
-                hashes[block_id] = -1
 
     def release(self, table: list[int]) -> None:
         """``deallocate``'s release: from the table's end to its start, freed ids join the queue in that order.
@@ -404,33 +423,30 @@ class KVCacheManager:
         block_size = self.block_size
         last = blocks_for(seq._ntok, block_size) - 1
         self.extend_chain(seq, last)
-        table_get, contents = self._table.get, self._contents
-        chain = seq._hashes
-        width = 8 * block_size
-        view, at = token_bytes(seq)
-        raw = view[at : at + last * width].tobytes()
+        table = self._table
+        chain, pieces = seq._hashes, seq._pieces
         hits: list[int] = []
         missed = -1
-        for i in range(last):
-            block_id = table_get(chain[i], -1)
-            if block_id == -1 or contents[block_id] != raw[i * width : (i + 1) * width]:
-                missed = block_id
-                break
-            hits.append(block_id)
+        if last and chain[0] in table:
+            # Every lookup at C speed; the walk ends at the first missing hash or the first other tokens.
+            found = list(map(table.get, chain[:last]))
+            m = found.index(None) if None in found else last
+            hit_ids: list[int] = found[:m]  # type: ignore[assignment]  # no None before m
+            stored = list(map(self._contents.get, hit_ids))
+            if stored == pieces[:m]:  # element by element; the same bytes object compares at once
+                hits = hit_ids
+            else:
+                j = next(j for j in range(m) if stored[j] != pieces[j])
+                hits = hit_ids[:j]
+                missed = hit_ids[j]
         m = len(hits)
-        if m == 0:  # the usual first walk of a new prompt: nothing cached
-            hashes = {chain[0]: 0} if last else {}
-            blocks = {missed: 0} if missed != -1 else {}
-            memo = self._memo = WalkMemo(seq, hits, [], hashes, blocks)
-            return memo
         looked = chain[: m + 1] if m < last else chain[:m]
-        # Built backwards so that a repeated hash or block keeps its first index.
-        hashes = dict(zip(reversed(looked), range(len(looked) - 1, -1, -1), strict=True))
-        blocks = dict(zip(reversed(hits), range(m - 1, -1, -1), strict=True))
-        if missed != -1:
-            blocks.setdefault(missed, m)
-        slot, front = self.free.slots(), self.free.front
-        memo = self._memo = WalkMemo(seq, hits, [slot[b] < front for b in hits], hashes, blocks)
+        if m:
+            slot, front = self.free.slots(), self.free.front
+            held = [slot[b] < front for b in hits]
+        else:
+            held = []
+        memo = self._memo = WalkMemo(seq, hits, held, looked, missed)
         return memo
 
     def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
