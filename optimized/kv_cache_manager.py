@@ -28,6 +28,7 @@ reference (spec/optimized-scheduler.md):
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -289,6 +290,8 @@ class KVCacheManager:
         block_size = self.block_size
         width = 8 * block_size
         to_bytes = int.to_bytes
+        new_hashes: list[int] = []
+        new_blocks: list[int] = []
         for seq in seqs:
             segments = seq._segments
             k = len(segments) - 1
@@ -317,8 +320,10 @@ class KVCacheManager:
             hashes[block_id] = h
             contents[block_id] = piece
             table[h] = block_id
-            if memo is not None and memo.reads(h, block_id):
-                memo = self._memo = None
+            new_hashes.append(h)
+            new_blocks.append(block_id)
+        if memo is not None and self._touches(memo, new_hashes, new_blocks):
+            self._memo = None
 
     def _register(self, seq: Sequence, start: int, block_ids: list[int]) -> None:
         end = start + len(block_ids)
@@ -357,7 +362,8 @@ class KVCacheManager:
         """Taken blocks lose their hash (and their table entry, if it still names them)."""
         if self.pending:
             self.flush()  # a taken block's pending registration must land first, as the reference's was eager
-        hashes, contents, table, memo = self._hashes, self._contents, self._table, self._memo
+        hashes, contents, table = self._hashes, self._contents, self._table
+        unmapped = []
         for block_id in ids:
             h = hashes.pop(block_id, -1)
             if h != -1:
@@ -365,10 +371,10 @@ class KVCacheManager:
                 # Distinct blocks carry distinct mapped hashes: the order of these deletions is immaterial.
                 if table.get(h) == block_id:
                     del table[h]
-                    if memo is not None:
-                        index = memo.hashes.get(h)
-                        if index is not None:
-                            memo.cut(index)
+                    unmapped.append(h)
+        memo = self._memo
+        if memo is not None and unmapped and not memo.hashes.keys().isdisjoint(unmapped):
+            memo.cut(min(memo.hashes.get(h, memo.cached) for h in unmapped))
 
     def release(self, table: list[int]) -> None:
         """``deallocate``'s release: from the table's end to its start, freed ids join the queue in that order.
@@ -378,19 +384,27 @@ class KVCacheManager:
         extra = self._extra
         freed = table[::-1]
         if self._shared:
-            counts = list(map(extra.__getitem__, table))
+            counts = itemgetter(*table)(extra) if len(table) > 1 else tuple(extra[b] for b in table)
             shared = len(counts) - counts.count(0)
             if shared:
-                if counts.index(0) == shared if shared < len(counts) else True:
-                    freed = freed[: len(counts) - shared]  # the usual shape: a shared prefix, then its own blocks
-                    held = table[:shared]
-                else:
-                    held = [b for b in table if extra[b]]
-                    freed = [b for b in freed if not extra[b]]
-                for block_id in held:
-                    extra[block_id] -= 1
-                    if not extra[block_id]:
-                        self._shared -= 1
+                # A block twice in one table (only after a hash collision) has extra >= 1 and is in held.
+                prefix = shared == len(counts) or counts.index(0) == shared
+                held = table[:shared] if prefix else [b for b in table if extra[b]]
+                if len(set(held)) == len(held):
+                    # The usual shape: a shared prefix, then the table's own blocks.
+                    freed = freed[: len(counts) - shared] if prefix else [b for b in freed if not extra[b]]
+                    for block_id in held:
+                        extra[block_id] -= 1
+                    self._shared -= counts.count(1)  # those that had one other holder are now its alone
+                else:  # the reference's loop, one holder at a time
+                    freed = []
+                    for block_id in reversed(table):
+                        if extra[block_id]:
+                            extra[block_id] -= 1
+                            if not extra[block_id]:
+                                self._shared -= 1
+                        else:
+                            freed.append(block_id)
         if freed:
             if self._memo is not None:
                 self._memo.freed(freed)
@@ -456,14 +470,20 @@ class KVCacheManager:
         assert memo is not None and memo.seq is seq and num_cached_blocks <= memo.cached
         hits = memo.hits[:num_cached_blocks]
         extra, free = self._extra, self.free
-        slot, front = free.slots(), free.front
-        for block_id in hits:
-            if slot[block_id] >= front:  # free: revived where it stands
-                free.remove(block_id)
-            else:
-                if not extra[block_id]:
-                    self._shared += 1
+        if num_cached_blocks == memo.cached and memo.used == len(hits) == len(set(hits)):
+            # Every hit is held already (a shared prefix): extra += 1 for each.
+            for block_id in hits:
                 extra[block_id] += 1
+            self._shared += sum(1 for b in hits if extra[b] == 1)
+        else:
+            slot, front = free.slots(), free.front
+            for block_id in hits:
+                if slot[block_id] >= front:  # free: revived where it stands
+                    free.remove(block_id)
+                else:
+                    if not extra[block_id]:
+                        self._shared += 1
+                    extra[block_id] += 1
         self._memo = None
         block_table = seq.block_table
         block_table.extend(hits)
