@@ -7,20 +7,22 @@ b carries hash h; a lookup hit also needs equal token bytes; a released block
 keeps its hash and contents until it is taken again. What differs from the
 reference (spec/optimized-scheduler.md):
 
-* per-block state is flat lists, the free queue is FreeBlockQueue (OPT-4);
-  ``_extra[b]`` is a used block's ref count minus one and 0 for every free
-  block, so taking a fresh block writes no count and releasing a block held
-  once writes none either; a block's contents are empty exactly when its hash
-  is -1, so taking a block only resets its hash;
+* the free queue is FreeBlockQueue (OPT-4); ``_extra[b]`` (a list) is a used
+  block's ref count minus one and 0 for every free block, so taking a fresh
+  block writes no count and releasing a block held once writes none either;
+  ``_shared`` counts the blocks with ``_extra > 0``; ``_hashes`` and
+  ``_contents`` (dicts) hold the registered blocks only, so a registration is
+  three dict updates and taking a block pops its entries;
 * every free-queue entry before absolute position ``_clean_end`` is a block
   that was never used, so it has no hash and no pending registration: takes
   from there touch nothing but the queue's front (OPT-13);
 * chain hashes come from the sequence's own cache, so each full block of a
   sequence is hashed at most once (OPT-5);
 * registering full blocks (``hash_blocks``) only appends (sequence, first
-  index, block ids) to ``pending``; the log is applied in order (``flush``) before anything
+  index, block ids) to ``pending``, and a decode step's fills only (clock,
+  members) (OPT-16); the log is applied in order (``flush``) before anything
   reads the table or a block's hash: a lookup (``can_allocate``), taking a block
-  that has a pending registration, any inspection. The table then holds exactly
+  from beyond ``_clean_end``, any inspection. The table then holds exactly
   what the reference's eager registrations would have left (OPT-8);
 * ``can_allocate`` remembers the walk it made for a waiting sequence and reuses
   it while nothing the walk read has changed (OPT-14).
@@ -198,7 +200,7 @@ class KVCacheManager:
         The blocks' bytes are kept beside the hashes (``seq._pieces``) for the walk to compare and
         the registration to store. A chain hash is a function of the bytes of the blocks up to its
         own, so when a sequence starts with the same full blocks as the last one hashed from its
-        start (a shared system prompt), it takes those hashes instead of computing them (OPT-16).
+        start (a shared system prompt), it takes those hashes instead of computing them (OPT-15).
         """
         chain, pieces = seq._hashes, seq._pieces
         i = len(chain)

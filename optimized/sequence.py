@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from optimized.block_math import blocks_for
 from reference.sequence import SequenceStatus
 
 if TYPE_CHECKING:
@@ -161,7 +162,7 @@ class Sequence:
 
     @property
     def num_blocks(self) -> int:
-        return (self.num_tokens + self.block_size - 1) // self.block_size
+        return blocks_for(self.num_tokens, self.block_size)
 
     def stored_tokens(self) -> I64:
         """A read-only view of the tokens (valid until the next step)."""

@@ -311,3 +311,369 @@ def test_arena_compaction_and_free_queue_trimming_keep_the_decisions() -> None:
     assert r_state.hash_to_block_id == o_state.hash_to_block_id
     assert [b.token_ids for b in r_state.blocks] == [b.token_ids for b in o_state.blocks]
     assert opt.block_manager.free._base > 0  # the front of the free list was trimmed at least once
+
+
+# --- doing less per event (OPT-13..17) ------------------------------------------------------------
+
+class Pair:
+    """The reference and the optimized scheduler on one configuration, fed the same requests and tokens."""
+
+    def __init__(self, **config: int) -> None:
+        config.setdefault("eos", 0)
+        self.block_size = config["block_size"]
+        self.ref = reference.Scheduler(reference.SchedulerConfig(**config))
+        self.opt = Scheduler(SchedulerConfig(**config))
+        self.ref_seqs: list[reference.Sequence] = []
+        self.opt_seqs: list[Sequence] = []
+
+    def add(self, prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> int:
+        r = reference.Sequence(prompt, reference.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                               self.block_size)
+        o = Sequence(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), self.block_size)
+        self.ref.add(r)
+        self.opt.add(o)
+        self.ref_seqs.append(r)
+        self.opt_seqs.append(o)
+        return len(self.ref_seqs) - 1
+
+    def step(self, tokens: Any = None) -> bool:
+        """One schedule()+postprocess() on both; the batches must agree. False once both are idle."""
+        if self.ref.is_finished():
+            assert self.opt.is_finished()
+            return False
+        (rb, rp), (ob, op) = self.ref.schedule(), self.opt.schedule()
+        assert rp == op
+        assert [self.ref_seqs.index(s) for s in rb] == [self.opt_seqs.index(s) for s in ob]
+        assert [(s.num_scheduled_tokens, s.block_table) for s in rb] == \
+               [(s.num_scheduled_tokens, s.block_table) for s in ob]
+        model = [1 + (len(s) * 7) % 5 for s in rb]
+        self.ref.postprocess(rb, model, rp)
+        self.opt.postprocess(ob, model if tokens is None else tokens(model), op)
+        return True
+
+    def agree(self) -> None:
+        """OPT-1: the same queues, sequences and block-manager state; every invariant holds."""
+        r, o = snapshot(self.ref), snapshot(self.opt)
+        assert check_state(o) == []
+        assert (r.free_block_ids, r.used_block_ids, r.hash_to_block_id) == \
+               (o.free_block_ids, o.used_block_ids, o.hash_to_block_id)
+        assert [(b.ref_count, b.hash, b.token_ids) for b in r.blocks] == \
+               [(b.ref_count, b.hash, b.token_ids) for b in o.blocks]
+        for attr in ("waiting", "running"):
+            assert [self.ref_seqs.index(s) for s in getattr(self.ref, attr)] == \
+                   [self.opt_seqs.index(s) for s in getattr(self.opt, attr)]
+        for rs, os_ in zip(self.ref_seqs, self.opt_seqs, strict=True):
+            assert (rs.status.name, rs.token_ids, rs.num_cached_tokens, rs.num_scheduled_tokens, rs.block_table) == \
+                   (os_.status.name, os_.token_ids, os_.num_cached_tokens, os_.num_scheduled_tokens,
+                    os_.block_table)
+
+
+def test_takes_from_never_used_blocks_forget_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OPT-13: while the free queue's front is in its never-used part, a take touches no hash and no log."""
+    def forbidden(self: kvm.KVCacheManager, ids: list[int]) -> None:
+        raise AssertionError(f"forgot hashes of never-used blocks {ids}")
+
+    monkeypatch.setattr(kvm.KVCacheManager, "_forget", forbidden)
+    p = Pair(block_size=2, num_blocks=400, max_num_seqs=4, max_num_batched_tokens=16)
+    for i in range(6):
+        p.add([i + 1] * 5, 9)
+    while p.step():
+        pass
+    p.agree()
+    assert p.opt.block_manager.free.front <= p.opt.block_manager._clean_end
+
+
+def test_takes_past_the_never_used_blocks_forget_their_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OPT-13, OPT-8: once takes reach recycled blocks, their hashes leave the table as the reference's do."""
+    forgotten: list[int] = []
+    real = kvm.KVCacheManager._forget
+
+    def counting(self: kvm.KVCacheManager, ids: list[int]) -> None:
+        forgotten.extend(ids)
+        real(self, ids)
+
+    monkeypatch.setattr(kvm.KVCacheManager, "_forget", counting)
+    p = Pair(block_size=2, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=16)
+    for i in range(6):
+        p.add([i + 1] * 5, 6)
+    while p.step():
+        p.agree()
+    assert forgotten
+
+
+def test_the_remembered_walk_is_always_the_walk_the_reference_would_make() -> None:
+    """OPT-14: after every call the memo (cut, freed or dropped as events came) equals a fresh walk."""
+    p = Pair(block_size=2, num_blocks=14, max_num_seqs=6, max_num_batched_tokens=12)
+    for i in range(8):
+        p.add([1, 2, 3, 4] + [i + 5] * (3 + i % 4), 8 + i % 3)
+    bm = p.opt.block_manager
+    walks = asks = checked = 0
+    real_walk, real_ask = bm._walk, bm.can_allocate
+
+    def walk(seq: Sequence) -> kvm.WalkMemo:
+        nonlocal walks
+        walks += 1
+        return real_walk(seq)
+
+    def ask(seq: Sequence) -> int:
+        nonlocal asks
+        asks += 1
+        return real_ask(seq)
+
+    bm._walk, bm.can_allocate = walk, ask  # type: ignore[method-assign]
+    while p.step():
+        bm.flush()
+        memo = bm._memo
+        if memo is not None:
+            kept = (memo.cached, memo.used, memo.hits[: memo.cached])
+            fresh = real_walk(memo.seq)
+            assert kept == (fresh.cached, fresh.used, fresh.hits)
+            checked += 1
+        p.agree()
+    assert checked and walks < asks  # the head that waited was not walked again on every step
+
+
+def expected_chain(prompt: list[int], block_size: int) -> list[int]:
+    chain, h = [], -1
+    for i in range(len(prompt) // block_size):
+        h = reference.compute_hash(prompt[i * block_size : (i + 1) * block_size], h)
+        chain.append(h)
+    return chain
+
+
+def test_shared_leading_blocks_take_the_last_chain_and_stay_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OPT-15: equal leading blocks reuse the previous chain's hashes; every chain equals the reference's."""
+    a, b, c = [1] * 4, [2] * 4, [3] * 4
+    # Shares of one and two blocks, none, and a sequence whose source shares as many blocks as an older,
+    # unrelated pair did (the remembered common prefix must not be taken for its own).
+    prompts = [[*a, *c, 9], [*a, *b, 9], [*b, *a, 9], [*b, *c, 9], [*a, *c, *b, 9], [*a, *a, *c, *b, 9],
+               [*a, *a, *c, 9], [*c, 9]]
+    calls: list[bytes] = []
+    real = xxhash.xxh64_intdigest
+
+    def counting(data: bytes) -> int:
+        calls.append(data)
+        return real(data)
+
+    monkeypatch.setattr(kvm, "xxh64_intdigest", counting)
+    opt = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_batched_tokens=4))
+    seqs = [Sequence(prompt, SamplingParams(max_tokens=2), 4) for prompt in prompts]
+    for seq in seqs:
+        opt.add(seq)
+        opt.block_manager.extend_chain(seq, len(seq) // 4)
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq._hashes == expected_chain(prompt, 4)
+        assert [bytes(p) for p in seq._pieces] == [np.array(prompt[i : i + 4], "<i8").tobytes()
+                                                   for i in range(0, len(prompt) - 4, 4)]
+    assert len(calls) < sum(len(p) // 4 for p in prompts)
+
+
+def test_a_logged_decode_fill_lands_after_its_sequence_finished() -> None:
+    """OPT-16: fills logged by step are registered from the member's segment even after its table was released."""
+    p = Pair(block_size=4, num_blocks=40, max_num_seqs=4, max_num_batched_tokens=64)
+    p.add([5, 6, 7], 14)
+    p.add([8, 9, 1, 2, 3], 6)
+    while p.step():
+        pass
+    bm = p.opt.block_manager
+    assert any(entry[0] is None for entry in bm.pending)  # decode fills waited: nobody read the table
+    assert all(not s.block_table for s in p.opt_seqs)
+    again = p.add(p.ref_seqs[0].token_ids[:13], 3)  # its blocks 0..2 all filled while decoding
+    (rb, rp), (ob, op) = p.ref.schedule(), p.opt.schedule()
+    assert rb == [p.ref_seqs[again]] and ob == [p.opt_seqs[again]]
+    assert ob[0].num_cached_tokens == rb[0].num_cached_tokens == 12
+    assert ob[0].block_table == rb[0].block_table
+    p.ref.postprocess(rb, [1], rp)
+    p.opt.postprocess(ob, [1], op)
+    while p.step():
+        pass
+    p.agree()
+
+
+def test_a_preempted_member_segments_resolve_each_fill_to_its_own_table() -> None:
+    """OPT-16: a member preempted and rejoined has two segments; fills of both register the right blocks."""
+    p = Pair(block_size=2, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=32)
+    for i in range(3):
+        p.add([i + 1, i + 2, i + 3], 9)
+    while p.step():
+        p.agree()
+
+
+def test_model_tokens_as_a_list_or_an_array_decide_the_same() -> None:
+    """OPT-17: the struct path (lists) and the numpy path (arrays, tuples) append the same tokens."""
+    for convert in (None, lambda t: np.array(t, dtype=np.int64), tuple, lambda t: [*t, 99, 98]):
+        p = Pair(block_size=2, num_blocks=60, max_num_seqs=5, max_num_batched_tokens=16)
+        for i in range(5):
+            p.add([i + 1] * (3 + i), 7 + i, ignore_eos=i % 2 == 0)
+        steps = 0
+        while p.step(convert):
+            steps += 1
+            if steps == 6:
+                group = p.opt._group
+                assert group.now > group.base_clock  # the arena is shifted, positions untouched
+        p.agree()
+
+
+# --- abort (OPT-18..20) ---------------------------------------------------------------------------
+
+def aborted(p: Pair, index: int) -> None:
+    from reference.extensions import abort
+
+    abort(p.ref, p.ref_seqs[index])
+    p.opt.abort(p.opt_seqs[index])
+    p.agree()
+
+
+def test_abort_a_waiting_sequence_then_run_on() -> None:
+    """OPT-18, OPT-19: a waiting request leaves; the rest run as on the reference."""
+    p = Pair(block_size=4, num_blocks=30, max_num_seqs=2, max_num_batched_tokens=16)
+    for i in range(4):
+        p.add([i + 1] * 6, 5)
+    p.step()
+    aborted(p, 3)
+    assert p.opt_seqs[3].status.name == "FINISHED" and p.opt_seqs[3].token_ids == [4] * 6
+    while p.step():
+        p.agree()
+
+
+def test_abort_mid_chunk_keeps_the_filled_blocks_for_a_later_hit() -> None:
+    """OPT-19: waiting[0] aborted between chunks releases its table in reverse; its filled blocks are hit later."""
+    p = Pair(block_size=4, num_blocks=30, max_num_seqs=4, max_num_batched_tokens=6)
+    prompt = list(range(1, 15))
+    p.add(prompt, 4)
+    p.step()
+    p.step()
+    head = p.opt_seqs[0]
+    assert head.status.name == "WAITING" and head.block_table and head.num_cached_tokens == 12
+    table = list(head.block_table)
+    free_before = p.opt.block_manager.free_block_ids
+    aborted(p, 0)
+    assert p.opt.block_manager.free_block_ids == [*free_before, *reversed(table)]
+    again = p.add(prompt, 3)
+    p.step()
+    assert p.opt_seqs[again].block_table[:3] == p.ref_seqs[again].block_table[:3] == table[:3]  # three hits
+    while p.step():
+        p.agree()
+
+
+@pytest.mark.parametrize("position", [0, 2, 4])
+def test_abort_a_decode_group_member_at_any_position(position: int) -> None:
+    """OPT-19: a member leaves the group and running at its index; later requests hit its cached blocks."""
+    p = Pair(block_size=2, num_blocks=80, max_num_seqs=8, max_num_batched_tokens=64)
+    prompts = [[i + 1] * 5 for i in range(5)]
+    for prompt in prompts:
+        p.add(prompt, 12)
+    for _ in range(4):
+        p.step()
+    group = p.opt._group
+    victim = p.opt.running[position]
+    assert victim in group.members and group.members == p.opt.running[: len(group.members)]
+    held = list(victim.block_table)
+    aborted(p, position)
+    assert victim not in group.members and group.members == p.opt.running[: len(group.members)]
+    later = p.add(p.ref_seqs[position].token_ids, 3)  # 9 tokens: its first 4 blocks are full and cached
+    p.step()
+    assert p.opt_seqs[later].block_table[:4] == p.ref_seqs[later].block_table[:4] == held[:4]
+    while p.step():
+        p.agree()
+
+
+def test_abort_refuses_mid_step_and_strangers_changing_nothing() -> None:
+    """OPT-18: RuntimeError between schedule and postprocess; ValueError for a sequence not waiting or running."""
+    p = Pair(block_size=4, num_blocks=20, max_num_seqs=4, max_num_batched_tokens=32)
+    for i in range(2):
+        p.add([i + 1] * 5, 3)
+    p.step()
+    batch, is_prefill = p.opt.schedule()
+    before = snapshot(p.opt)
+    with pytest.raises(RuntimeError, match="between steps"):
+        p.opt.abort(batch[0])
+    assert snapshot(p.opt) == before
+    p.opt.postprocess(batch, [1] * len(batch), is_prefill)
+    other = Scheduler(SchedulerConfig(num_blocks=4, block_size=4))
+    elsewhere = Sequence([1, 2], SamplingParams(), 4)
+    other.add(elsewhere)
+    before = snapshot(p.opt)
+    for stranger in (Sequence([1], SamplingParams(), 4), elsewhere):
+        with pytest.raises(ValueError, match="not waiting or running"):
+            p.opt.abort(stranger)
+    assert snapshot(p.opt) == before and list(other.waiting) == [elsewhere]
+    while not p.opt.is_finished():
+        b, pf = p.opt.schedule()
+        p.opt.postprocess(b, [1] * len(b), pf)
+    before = snapshot(p.opt)
+    with pytest.raises(ValueError, match="not waiting or running"):
+        p.opt.abort(p.opt_seqs[0])
+    assert snapshot(p.opt) == before
+
+
+def test_abort_step_withdraws_a_failed_decode_batch_like_the_reference() -> None:
+    """OPT-20: a failed decode step's members are aborted in batch order; the run goes on identically."""
+    from reference.extensions import abort_step
+
+    p = Pair(block_size=2, num_blocks=9, max_num_seqs=4, max_num_batched_tokens=32)
+    for i in range(3):
+        p.add([i + 1] * 3, 6)
+    for _ in range(3):
+        p.step()
+    rb, _ = p.ref.schedule()
+    ob, _ = p.opt.schedule()
+    with pytest.raises(ValueError, match="exactly the sequences"):
+        p.opt.abort_step(ob[:-1])
+    abort_step(p.ref, rb)
+    p.opt.abort_step(ob)
+    p.agree()
+    p.add([7, 7, 7], 4)
+    while p.step():
+        p.agree()
+
+
+# --- the contracts, used (OPT-21) -----------------------------------------------------------------
+
+def test_the_phase_rule_is_needs_new_block_for_every_member_on_every_step() -> None:
+    """OPT-21, OPT-3: the phase the group serves fresh blocks to is exactly block_math.needs_new_block's set."""
+    from optimized.block_math import needs_new_block
+
+    p = Pair(block_size=3, num_blocks=200, max_num_seqs=6, max_num_batched_tokens=64)
+    for i in range(6):
+        p.add([i + 1] * (2 + i), 10 + 2 * i)
+    seen = 0
+    while not p.opt.is_finished():
+        batch, is_prefill = p.opt.schedule()
+        group = p.opt._group
+        if not is_prefill:
+            needy = group.phases[group.needing_blocks(group.now)]
+            filling = group.filling(group.now)
+            for seq in group.members:
+                assert (seq in needy) == needs_new_block(seq.num_tokens, 3)
+                assert (seq in filling) == (seq.num_tokens % 3 == 0)
+                seen += 1
+        p.opt.postprocess(batch, [1] * len(batch), is_prefill)
+    assert seen > 50
+
+
+def test_the_block_math_rules_are_the_ones_the_code_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OPT-21: replacing prefill_grant, blocks_for or needs_new_block with a wrong rule changes what happens."""
+    import optimized.scheduler as sched_module
+    import optimized.sequence as seq_module
+
+    def replay_all() -> list[Any]:
+        return [replay(parse_workload(s["workload"]), opt_impl()) for s in SAMPLES[:40]]
+
+    baseline = replay_all()
+    with monkeypatch.context() as m:
+        m.setattr(sched_module, "prefill_grant", lambda n, r, first: min(n, r))  # chunks every sequence
+        assert replay_all() != baseline
+    with monkeypatch.context() as m:
+        m.setattr(kvm, "blocks_for", lambda n, b: n // b + 1)
+        assert replay_all() != baseline
+    seq = Sequence([1, 2, 3, 4, 5], SamplingParams(), 4)
+    bm = kvm.KVCacheManager(1, 4)
+    bm.free.take(1)
+    assert not bm.can_append(seq)  # 5 % 4 == 1: a fresh block is needed and none is free
+    with monkeypatch.context() as m:
+        m.setattr(kvm, "needs_new_block", lambda n, b: False)
+        assert bm.can_append(seq)
+    with monkeypatch.context() as m:
+        m.setattr(seq_module, "blocks_for", lambda n, b: 0)
+        assert seq.num_blocks == 0
