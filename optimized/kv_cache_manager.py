@@ -208,14 +208,18 @@ class KVCacheManager:
             return
         width = 8 * self.block_size
         view, at = token_bytes(seq)
-        raw = view[at + i * width : at + end * width].tobytes()
-        skip = 0
         if i == 0:
-            skip = self._shared_start(seq, raw, end)
-            i += skip
-        fresh = [raw[k : k + width] for k in range(skip * width, len(raw), width)]
-        if not fresh:
-            return
+            # The shared run is looked for over every full block the sequence had when it was added (it
+            # may be longer than ``end``); only what is past it is hashed, up to ``end``.
+            full = max(end, seq._ntok // self.block_size)
+            raw = view[at : at + full * width].tobytes()
+            i = self._shared_start(seq, raw, full)
+            if i >= end:
+                return
+            raw = raw[i * width : end * width]
+        else:
+            raw = view[at + i * width : at + end * width].tobytes()
+        fresh = [raw[k : k + width] for k in range(0, len(raw), width)]
         pieces.extend(fresh)
         append = chain.append
         if i == 0:
@@ -438,12 +442,15 @@ class KVCacheManager:
         """The reference's lookup walk over the sequence's full blocks but its last."""
         block_size = self.block_size
         last = blocks_for(seq._ntok, block_size) - 1
-        self.extend_chain(seq, last)
+        # Hash only what the walk reads: the first block, and the rest once the first one hits (the
+        # registration hashes the others later, if anything ever reads them).
+        self.extend_chain(seq, min(last, 1))
         table = self._table
         chain, pieces = seq._hashes, seq._pieces
         hits: list[int] = []
         missed = -1
         if last and chain[0] in table:
+            self.extend_chain(seq, last)
             # Every lookup at C speed; the walk ends at the first missing hash or the first other tokens.
             found = list(map(table.get, chain[:last]))
             m = found.index(None) if None in found else last

@@ -106,7 +106,7 @@ class Scheduler:
             self._postprocess_each(seqs, token_ids, is_prefill)
         self._last_batch = None
 
-    # --- beyond the lesson: abort (spec/abort.md, OPT-15..17) ---------------------------------------
+    # --- beyond the lesson: abort (spec/abort.md, OPT-18..20) ---------------------------------------
     def abort(self, seq: Sequence) -> None:
         """Take a waiting or running sequence back between steps; its blocks are released as deallocate does.
 
