@@ -109,6 +109,22 @@ def test_exercise_c1_self_preemption_with_a_non_empty_batch_is_no_error() -> Non
     assert list(s.waiting) == [b, newcomer] and b.block_table == [] and list(s.running) == [a]
 
 
+def test_a_sequence_beyond_max_num_seqs_can_be_the_victim() -> None:
+    """DECODE-2, PREEMPT-2: the tail is preempted for a visited sequence though max_num_seqs leaves it unscheduled."""
+    s = make(num_blocks=3, max_num_seqs=1)
+    a, b, c = request(s, 4), request(s, 4), request(s, 4)
+    for expected in (a, b, c):  # max_num_seqs 1: one prefill per step, each taking one block
+        batch, is_prefill = step(s)
+        assert is_prefill and batch == [expected]
+    assert [len(x) for x in (a, b, c)] == [5, 5, 5] and not s.block_manager.free_block_ids
+
+    batch, is_prefill = s.schedule()  # a needs a block, none is free: c, beyond max_num_seqs, is the victim
+
+    assert not is_prefill and batch == [a]
+    assert list(s.waiting) == [c] and c.block_table == [] and c.status is SequenceStatus.WAITING
+    assert list(s.running) == [a, b]
+
+
 def test_exercise_c2_extendleft_reversed_keeps_running_in_fifo_order() -> None:
     """Exercise C.2; DECODE-3, KNOB-1: with max_num_seqs 2 of 3 running, the same oldest two run each step."""
     s = make(num_blocks=16, max_num_seqs=2)
