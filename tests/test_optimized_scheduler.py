@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -179,29 +180,79 @@ def test_the_free_queue_keeps_the_reference_deque_order(ops: list[tuple[str, int
         assert all(queue.contains(b) == (b in model) for b in range(8))
 
 
+class RecordedChain(list[int]):
+    """A sequence's chain-hash cache that logs, per slot, whether it was hashed (append) or taken (extend)."""
+
+    def __init__(self, order: int, hashed: list[tuple[int, int]], taken: list[tuple[int, int]]) -> None:
+        super().__init__()
+        self.order, self.hashed, self.taken = order, hashed, taken
+
+    def append(self, h: int) -> None:
+        self.hashed.append((self.order, len(self)))
+        super().append(h)
+
+    def extend(self, hs: Iterable[int]) -> None:
+        hs = list(hs)
+        self.taken.extend((self.order, len(self) + k) for k in range(len(hs)))
+        super().extend(hs)
+
+
 def test_each_full_block_is_hashed_at_most_once_per_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
-    """OPT-5: prefix hits, preemptions and re-prefills never hash a sequence's block twice."""
+    """OPT-5, OPT-15: prefix hits, preemptions and re-prefills never hash a sequence's block twice.
+
+    Every xxh64 call is counted, and every hash that lands in a sequence's chain cache is logged as
+    (request, block index): the calls must equal the logged slots, so no computation goes unattributed.
+    """
     calls: list[bytes] = []
-    real = xxhash.xxh64_intdigest
-    real_chain = kvm.chain_hash
+    hashed: list[tuple[int, int]] = []
+    taken: list[tuple[int, int]] = []
+    seqs: list[Sequence] = []
+    preempted: list[int] = []
+    real_hash, real_add, real_preempt = xxhash.xxh64_intdigest, Scheduler.add, Scheduler._preempt
 
     def counting(data: bytes) -> int:
         calls.append(data)
-        return real(data)
+        return real_hash(data)
 
-    def counting_chain(contents: bytes, prefix: int) -> int:
-        calls.append(contents)
-        return real_chain(contents, prefix)
+    def add(self: Scheduler, seq: Sequence) -> None:
+        seq._hashes = RecordedChain(len(seqs), hashed, taken)
+        seqs.append(seq)
+        real_add(self, seq)
+
+    def preempt(self: Scheduler, seq: Sequence) -> None:
+        preempted.append(seqs.index(seq))
+        real_preempt(self, seq)
 
     monkeypatch.setattr(kvm, "xxh64_intdigest", counting)
-    monkeypatch.setattr(kvm, "chain_hash", counting_chain)
-    workload = {"config": {"block_size": 2, "num_blocks": 12, "max_num_seqs": 8, "max_num_batched_tokens": 16,
-                           "eos": 0}, "requests": requests(4, 5, 10, shared=4)}
+    monkeypatch.setattr(Scheduler, "add", add)
+    monkeypatch.setattr(Scheduler, "_preempt", preempt)
+    block_size, shared, prompt, max_tokens = 2, 4, 5, 10
+    workload = {"config": {"block_size": block_size, "num_blocks": 12, "max_num_seqs": 8, "max_num_batched_tokens": 16,
+                           "eos": 0}, "requests": requests(4, prompt, max_tokens, shared=shared)}
     ref, opt = twin_run(workload, 400)
     assert ref.is_finished() and opt.is_finished()
     snapshot(opt)  # flushes every pending registration
-    full_blocks = sum((5 + 4 + 10 - 1) // 2 for _ in range(4))  # every full block each sequence ever had
-    assert 0 < len(calls) <= full_blocks
+    assert preempted  # the chains must survive preemptions and re-prefills
+    # Each request ends at 9 + 10 tokens; the KV of all but the last was computed, so full blocks 0..8 were each
+    # looked up or registered, hence needed once. The 4 shared tokens are blocks 0 and 1, byte-equal across requests.
+    full = (shared + prompt + max_tokens - 1) // block_size
+    common = shared // block_size
+    # Step 1 (16-token budget): request 0's walk hashes its block 0 only (nothing registered yet, so it misses);
+    # request 1 is walked beside it (7 tokens left, the walk precedes the chunk check) and takes request 0's only
+    # hash. Step 2 applies request 0's registration first; requests 2 and 3, first chained from 1 and from 2, then
+    # find both common blocks hashed (OPT-15).
+    taken_first = {0: 0, 1: 1, 2: common, 3: common}
+    assert sorted(taken) == [(r, i) for r in range(4) for i in range(taken_first[r])]
+    assert len(set(hashed)) == len(hashed)
+    assert sorted(hashed) == [(r, i) for r in range(4) for i in range(taken_first[r], full)]
+    assert len(calls) == len(hashed) == 4 * full - sum(taken_first.values()) == 31
+    for seq in seqs:  # and what was taken or hashed is the chain the reference would compute
+        tokens, prev, chain = seq.token_ids, -1, []
+        for i in range(full):
+            piece = np.array(tokens[i * block_size:(i + 1) * block_size], dtype="<i8").tobytes()
+            prev = real_hash(piece if prev == -1 else prev.to_bytes(8, "little") + piece)
+            chain.append(prev)
+        assert list(seq._hashes) == chain
 
 
 def test_registrations_wait_until_the_table_is_read() -> None:
