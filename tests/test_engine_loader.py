@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from optimized import LLM, SamplingParams
-from tests.engine_fixtures import checkpoint, hf_greedy, one_thread, set_root
+from optimized.loader import load_model
+from tests.engine_fixtures import FAMILIES, checkpoint, hf_greedy, one_thread, set_root
 
 Tensors = dict[str, torch.Tensor]
 
@@ -118,6 +119,22 @@ def test_bad_tensor_is_refused_by_name(case: str, tmp_path: Path) -> None:
     edit_tensors(folder, edit)
     with pytest.raises(ValueError, match=re.escape(name)):
         build(folder)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_missing_tensor_is_named(family: str, tmp_path: Path) -> None:
+    """ENG-1: whichever single tensor a checkpoint lacks (a packed shard, a norm, a bias, the embedding...), the
+    refusal names that tensor as the checkpoint spells it."""
+    source = checkpoint(family) / "model.safetensors"
+    names = sorted(load_file(str(source)))
+    assert len(names) > 20
+    for name in names:
+        folder = tmp_path / name
+        folder.mkdir()
+        shutil.copy(checkpoint(family) / "config.json", folder)
+        save_file({k: v for k, v in load_file(str(source)).items() if k != name}, str(folder / "model.safetensors"))
+        with pytest.raises(ValueError, match=rf"lacks tensors for: {re.escape(name)}$"):
+            load_model(folder, torch.float64, torch.device("cpu"))
 
 
 def test_untouched_copy_and_split_files_load(tmp_path: Path) -> None:
