@@ -72,16 +72,35 @@ def _copy(param: torch.Tensor, tensor: torch.Tensor, rows: tuple[int, int] | Non
     dest.copy_(tensor)
 
 
-def _expected_pieces(model: CausalLM) -> set[tuple[str, tuple[int, int] | None]]:
+Piece = tuple[str, tuple[int, int] | None]  # a parameter, or a packed parameter's row range
+
+
+def _checkpoint_name(pname: str, packed_module: str | None = None) -> str:
+    """The checkpoint's name for parameter ``pname`` (``packed_module``: the shard's own module, e.g. k_proj)."""
+    if pname == "lm_head.weight":
+        return pname
+    if pname == "norm":
+        return "model.norm.weight"
+    head, _, kind = pname.rpartition(".")
+    if packed_module is not None:
+        layer_prefix = head.rsplit(".", 2)[0]  # "layers.N"
+        return f"model.{layer_prefix}.{packed_module}.{kind}"
+    if pname.endswith(_BARE):
+        return f"model.{pname}.weight"
+    return f"model.{pname}"
+
+
+def _expected_pieces(model: CausalLM) -> dict[Piece, str]:
+    """Every piece the checkpoint must fill, with the checkpoint tensor that fills it (named in refusals)."""
     c = model.config
-    pieces: set[tuple[str, tuple[int, int] | None]] = set()
+    pieces: dict[Piece, str] = {}
     for pname, _ in model.named_parameters():  # tied lm_head is listed once, as embed_tokens
-        if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-            pieces.update((pname, _shard_rows(c, "qkv_proj", s)) for s in range(3))
-        elif pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
-            pieces.update((pname, _shard_rows(c, "gate_up_proj", s)) for s in range(2))
-        else:
-            pieces.add((pname, None))
+        kind_free = pname.rpartition(".")[0]
+        shards = [(m, packed, s) for m, (packed, s) in _PACKED.items() if kind_free.endswith(packed)]
+        for module, packed, shard in shards:
+            pieces[(pname, _shard_rows(c, packed, shard))] = _checkpoint_name(pname, module)
+        if not shards:
+            pieces[(pname, None)] = _checkpoint_name(pname)
     return pieces
 
 
@@ -91,7 +110,7 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         raise ValueError(f"model: {model_dir} has no *.safetensors files")
     params = dict(model.named_parameters())
     expected = _expected_pieces(model)
-    loaded: set[tuple[str, tuple[int, int] | None]] = set()
+    loaded: set[Piece] = set()
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -104,7 +123,7 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
                     raise ValueError(f"checkpoint tensor {name!r} appears twice")
                 _copy(params[target[0]].data, f.get_tensor(name), target[1], name)
                 loaded.add(target)
-    missing = sorted(p for p, _ in expected - loaded)
+    missing = sorted(name for piece, name in expected.items() if piece not in loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors for: {', '.join(missing[:8])}")
 
