@@ -167,6 +167,8 @@ BAD_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
     "older rope_scaling type": ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope"),
     # transformers reads rope_scaling before rope_parameters: the scaled type wins there, so it must be refused here.
     "rope_scaling beside default rope_parameters": ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope"),
+    # Per-layer-type RoPE (keyed by layer_types) is not one RoPE; the scaled type inside must not slip through.
+    "per layer type rope_parameters": ({"rope_parameters": {"full_attention": LINEAR}}, "rope_parameters"),
     "sliding window": ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
 }
 
