@@ -58,15 +58,23 @@ def _float(d: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-def _rope_theta(d: dict[str, Any]) -> float:
-    """RoPE base from ``rope_parameters`` (transformers 5) or the older top-level ``rope_theta``."""
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"config.json: rope_parameters must be an object, got {params!r}")
+def _rope_params(d: dict[str, Any], key: str) -> dict[str, Any]:
+    """``d[key]`` (``rope_parameters`` or ``rope_scaling``) as a flat, unscaled RoPE description; {} when absent."""
+    params = d.get(key) or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"config.json: {key} must be one flat object (not per layer type), got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in (None, "default"):
-        raise ValueError(f"config.json: rope_type {rope_type!r} is not supported (only 'default')")
-    merged = {"rope_theta": d.get("rope_theta", 10000.0), **params}
+        raise ValueError(f"config.json: {key}.rope_type {rope_type!r} is not supported (only 'default')")
+    return params
+
+
+def _rope_theta(d: dict[str, Any]) -> float:
+    """RoPE base as transformers resolves it: a present ``rope_scaling`` replaces ``rope_parameters``, and a base
+    missing from the chosen object comes from the top-level ``rope_theta`` (the older form), else 10000. A scaled
+    type in either object is refused, whichever of the two would be read."""
+    parameters, scaling = _rope_params(d, "rope_parameters"), _rope_params(d, "rope_scaling")
+    merged = {"rope_theta": d.get("rope_theta", 10000.0), **(scaling or parameters)}
     return _float(merged, "rope_theta", 10000.0)
 
 
