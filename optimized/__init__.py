@@ -7,10 +7,18 @@ engine (torch) are loaded on first use of their names.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optimized.errors import EmptyDecodeError
 from optimized.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the lazy names, as mypy should see them
+    from optimized.llm import LLM as LLM
+    from optimized.llm import RequestOutput as RequestOutput
+    from optimized.scheduler import Scheduler as Scheduler
+    from optimized.scheduler import SchedulerConfig as SchedulerConfig
+    from optimized.scheduler import Sequence as Sequence
+    from optimized.scheduler import SequenceStatus as SequenceStatus
 
 _LAZY = {
     "Scheduler": "optimized.scheduler",

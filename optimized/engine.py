@@ -109,13 +109,28 @@ class Engine:
         self.stats = EngineStats()
         self._arrivals = 0
 
+    def require_trusted(self) -> None:
+        """ENG-24: after a failure inside a step that was not the model's, the state is not to be trusted."""
+        if self.in_step:
+            raise RuntimeError("the engine failed inside a step (not in the model) and its state is undefined: "
+                               "make a new LLM")
+
     def add(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
+        self.require_trusted()
         validate_request(token_ids, params, self.limits)
+        return self.add_validated(token_ids, params, seed)
+
+    def add_validated(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
+        """``add`` for a request the caller has already passed through ``validate_request``."""
+        self.require_trusted()
         seq = Sequence(list(token_ids), params, self.limits.block_size)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.limits.eos_token_ids[1:])  # the first is the scheduler's own eos
-        draw = DrawParams(params.temperature, params.top_k, params.top_p, seed % (1 << 63))
+        # ENG-25: a tiny temperature is greedy, and top_k at or past the vocabulary keeps every token (off).
+        temperature = 0.0 if params.greedy else params.temperature
+        top_k = -1 if params.top_k >= self.limits.vocab_size else params.top_k
+        draw = DrawParams(temperature, top_k, params.top_p, seed % (1 << 63))
         request = Request(self._arrivals, seq, params, draw, frozenset(stops))
         self._arrivals += 1
         self.scheduler.add(seq)
@@ -130,6 +145,7 @@ class Engine:
 
         ValueError for an arrival the engine never issued.
         """
+        self.require_trusted()
         if isinstance(arrival, bool) or not isinstance(arrival, int) or not 0 <= arrival < self._arrivals:
             raise ValueError(f"request_id {arrival!r} is unknown (issued so far: 0..{self._arrivals - 1})")
         request = self.by_arrival.get(arrival)
@@ -153,6 +169,7 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One scheduler step; the requests that finished in it."""
+        self.require_trusted()
         holding = [r for r in self.live.values() if r.seq.block_table]
         held = {r.seq.seq_id for r in holding}
         seqs, is_prefill = self.scheduler.schedule()
@@ -209,7 +226,7 @@ class Engine:
         return cuts
 
     def _finish_reason(self, r: Request) -> str:
-        last = r.seq.token_ids[-1]
+        last = r.seq.last_token
         if last in r.stop_ids or (not r.params.ignore_eos and last == self._eos):
             return "stop"
         return "length"

@@ -18,6 +18,8 @@ re-raising (FAULT-3), so the engine is reusable.
 
 from __future__ import annotations
 
+import math
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +44,14 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" (eos or a stop token), "length", "abort" (ABORT-8) or "error" (FAULT-1)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _positive(name: str, value: object, minimum: int = 1) -> int:
@@ -105,10 +115,10 @@ class LLM:
         _positive("max_num_batched_tokens", max_num_batched_tokens)
         if num_kvcache_blocks is not None:
             _positive("num_kvcache_blocks", num_kvcache_blocks)
-        if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+        if not _number(gpu_memory_utilization) or not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        if not isinstance(cpu_kvcache_gib, (int, float)) or not cpu_kvcache_gib > 0:
-            raise ValueError(f"cpu_kvcache_gib must be a positive number, got {cpu_kvcache_gib!r}")
+        if not _number(cpu_kvcache_gib) or not 0 < cpu_kvcache_gib < math.inf:
+            raise ValueError(f"cpu_kvcache_gib must be a positive finite number, got {cpu_kvcache_gib!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         dev = _device(device)
@@ -132,6 +142,9 @@ class LLM:
         per_block = ModelRunner.kv_bytes_per_block(net, block_size)
         if num_kvcache_blocks is None:
             num_kvcache_blocks = self._budget_blocks(dev, per_block, gpu_memory_utilization, cpu_kvcache_gib)
+        elif dev.type == "cpu" and num_kvcache_blocks * per_block > _physical_memory():
+            raise ValueError(f"num_kvcache_blocks={num_kvcache_blocks} needs {num_kvcache_blocks * per_block} bytes, "
+                             f"more than this machine's {_physical_memory()}")
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
         if enforce_eager is None:
@@ -165,6 +178,8 @@ class LLM:
             from optimized.default_model import default_model_dir
 
             return default_model_dir()
+        if not isinstance(model, (str, Path)):
+            raise ValueError(f"model must be a checkpoint folder path or None, got {type(model).__name__}")
         path = Path(model)
         if not path.is_dir():
             raise ValueError(f"model must be a checkpoint folder, got {str(model)!r}")
@@ -201,10 +216,11 @@ class LLM:
 
     def _add(self, ids: list[int], params: SamplingParams) -> Request:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        return self.engine.add(ids, params, seed)
+        return self.engine.add_validated(ids, params, seed)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
         """ABORT-7: validate and queue one request (as generate would); its request_id. Refused: ValueError."""
+        self.engine.require_trusted()
         ids, params = self._validated(prompt, sampling_params)
         request = self._add(ids, params)
         self._stepped[request.arrival] = prompt if isinstance(prompt, str) else None
@@ -258,10 +274,16 @@ class LLM:
 
         FAULT-3: when a step raises, this call's live requests are aborted before the exception propagates.
         """
+        self.engine.require_trusted()
         if isinstance(prompts, str):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a list of strings or of token-id lists, got {type(prompts).__name__}")
         if sampling_params is None:
             sampling_params = SamplingParams()
+        if not isinstance(sampling_params, (SamplingParams, list, tuple)):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them, "
+                             f"got {type(sampling_params).__name__}")
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else sampling_params
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")

@@ -3,7 +3,8 @@
 A superset of the reference's ``SamplingParams`` (temperature, max_tokens,
 ignore_eos), with the vLLM-style fields the engine honours. Every bad value
 raises ValueError naming the field, so a request that reaches the scheduler is
-well-formed. ``temperature == 0`` means greedy. ``seed`` makes the draw a pure
+well-formed. A temperature below ``GREEDY_BELOW`` (1e-5, vLLM's threshold too)
+means greedy: dividing float32 logits by a tinier one overflows to inf. ``seed`` makes the draw a pure
 function of (seed, position): the same tokens alone or batched, chunked or
 preempted.
 """
@@ -12,6 +13,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+GREEDY_BELOW = 1e-5
+INT64_MAX = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -35,13 +39,18 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
             raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if self.top_k > INT64_MAX:
+            raise ValueError(f"top_k must be at most {INT64_MAX}, got {self.top_k}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        stops = tuple(self.stop_token_ids)
+        try:
+            stops = tuple(self.stop_token_ids)
+        except TypeError:
+            raise ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}") from None
         for t in stops:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
@@ -49,4 +58,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW

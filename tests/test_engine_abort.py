@@ -83,7 +83,7 @@ def test_add_request_refuses_like_generate_and_changes_nothing() -> None:
         with pytest.raises(ValueError, match=field):
             llm.add_request(prompt, params)
     with pytest.raises(ValueError, match="sampling_params"):
-        llm.add_request(PROMPTS[1], "greedy")
+        llm.add_request(PROMPTS[1], "greedy")  # type: ignore[arg-type]
     after = (snapshot(llm.engine.scheduler), snapshot(llm.engine.shadow.ref), sorted(llm.engine.live),
              llm._rng.getstate())
     assert after == before
@@ -153,7 +153,7 @@ def test_abort_refusals_and_no_ops() -> None:
     assert [o.request_id for o in finished] == [done]
     for bad in (2, -1, "0", True):
         with pytest.raises(ValueError, match="request_id"):
-            llm.abort(bad)
+            llm.abort(bad)  # type: ignore[arg-type]
     assert llm.engine.shadow is not None
     before = snapshot(llm.engine.scheduler), snapshot(llm.engine.shadow.ref)
     assert llm.abort(done) is None

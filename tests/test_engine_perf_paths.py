@@ -170,7 +170,7 @@ def _first_prefill_hidden(chunk: int) -> tuple[torch.Tensor, list[list[int]]]:
         seen.append(out)
         return out
 
-    runner.model.forward = recording
+    runner.model.forward = recording  # type: ignore[method-assign, assignment]
     outs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS], use_tqdm=False)
     return seen[0], [o.token_ids for o in outs]
 

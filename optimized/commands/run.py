@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 
 HELP = "serve a few hundred requests on the default model in check mode and report"
 
@@ -40,10 +41,21 @@ def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], lis
 
 
 def main(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ValueError as e:
+        print(f"nanoverify run: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     import time
 
     from optimized import LLM, SamplingParams
 
+    for name, least in (("num_requests", 1), ("max_input_len", 2), ("max_output_len", 1)):
+        if getattr(args, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
     llm = LLM(
         args.model,
         check=not args.no_check,
