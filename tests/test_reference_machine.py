@@ -28,7 +28,7 @@ from optimized.machines.step_contract import (
     check_postprocess,
     check_schedule,
 )
-from reference import SamplingParams, Scheduler, SchedulerConfig, Sequence
+from reference import BlockManager, SamplingParams, Scheduler, SchedulerConfig, Sequence
 
 TestReferenceMachine = Machine.TestCase
 
@@ -253,6 +253,23 @@ def test_the_wrong_victim_is_reported() -> None:
     def untouched_with_room(st: Step) -> None:
         st.before.max_num_seqs = st.scheduled.max_num_seqs = 3
     assert "DECODE-2" in schedule_clauses(corrupt(step, untouched_with_room))
+
+
+def test_a_preemption_while_a_block_is_free_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DECODE-2: preemption happens only when a block is needed and none is free."""
+    def greedy_can_append(self: BlockManager, seq: Sequence) -> bool:
+        return len(self.free_block_ids) >= 2 * (len(seq) % self.block_size == 1)  # one block is not enough
+
+    s = make(num_blocks=4)
+    add(s, [1, 2, 3, 4])
+    add(s, [5, 6, 7, 8])
+    take_step(s)  # a and b have length 5 and one block each; two blocks are free
+    honest = take_step(copy.deepcopy(s))  # a and b take one free block each; nobody is preempted
+    assert not honest.scheduled.waiting and schedule_clauses(honest) == set()
+    monkeypatch.setattr(BlockManager, "can_append", greedy_can_append)
+    step = take_step(s)  # a takes one of two; b, alone, finds one free but wants two: it preempts itself
+    assert [x.seq_id for x in step.scheduled.waiting] == [step.before.running[1].seq_id]
+    assert "DECODE-2" in schedule_clauses(step)
 
 
 # Postprocess.

@@ -16,6 +16,7 @@ import struct
 import xxhash
 
 from invariants import SchedulerState, SeqView, Violation
+from optimized.block_math import needs_new_block
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -158,7 +159,7 @@ def check_decode(before: SchedulerState, after: SchedulerState, batch: list[SeqV
     if untouched and k < before.max_num_seqs:
         found.append(Violation("DECODE-2", f"{untouched} were neither scheduled nor preempted with room for "
                                            f"{before.max_num_seqs - k} more"))
-    found += check_preempted(before, after, preempted, batch)
+    found += check_preempted(before, after, preempted)
     return found
 
 
@@ -172,9 +173,8 @@ def check_prefill_first(before: SchedulerState) -> list[Violation]:
     return []
 
 
-def check_preempted(before: SchedulerState, after: SchedulerState, preempted: list[int],
-                    batch: list[SeqView]) -> list[Violation]:
-    """PREEMPT-1 (discard and recompute) and DECODE-2 (only a sequence that needs a block preempts)."""
+def check_preempted(before: SchedulerState, after: SchedulerState, preempted: list[int]) -> list[Violation]:
+    """PREEMPT-1 (discard and recompute) and DECODE-2 (preemption only when a block is needed and none is free)."""
     found: list[Violation] = []
     prior = {s.seq_id: s for s in before.running}
     now = {s.seq_id: s for s in after.waiting}
@@ -184,11 +184,44 @@ def check_preempted(before: SchedulerState, after: SchedulerState, preempted: li
         if seq.status != "WAITING" or not seq.is_prefill or seq.block_table or seq.num_cached_tokens or not kept:
             found.append(Violation("PREEMPT-1", f"preempted seq {seq_id} is not a fresh WAITING prefill with its "
                                                 f"tokens kept: {seq}"))
-    # The sequence whose append forced the preemption is scheduled or, alone, preempted itself.
-    appenders = [*batch, *(now[i] for i in preempted[:1])]
-    if preempted and not any(s.num_tokens % before.block_size == 1 for s in appenders):
-        found.append(Violation("DECODE-2", f"{preempted} were preempted though no sequence needed a new block"))
+    victims = predicted_victims(before)
+    expected = [i for i in ids(before.running) if i in victims]  # `preempted` is in running order too
+    if preempted != expected:
+        found.append(Violation("DECODE-2", f"preempted {preempted}; the decode loop's block arithmetic from the "
+                                           f"state before preempts {expected}"))
     return found
+
+
+def predicted_victims(before: SchedulerState) -> list[int]:
+    """DECODE-2 replayed on block counts alone: a sequence that needs a block takes a free one, else victims
+    from the tail of running (or, alone, itself) release theirs until one is free."""
+    running = list(before.running)
+    free = len(before.free_block_ids)
+    ref_counts = {b.block_id: b.ref_count for b in before.blocks}
+    victims: list[int] = []
+    scheduled = 0
+    while running and scheduled < before.max_num_seqs:
+        seq = running.pop(0)
+        needs = needs_new_block(seq.num_tokens, before.block_size)
+        while needs and free == 0:
+            victim = running.pop() if running else seq
+            victims.append(victim.seq_id)
+            free += released(victim, ref_counts)
+            if victim is seq:
+                break
+        else:
+            free -= needs
+            scheduled += 1
+    return victims
+
+
+def released(seq: SeqView, ref_counts: dict[int, int]) -> int:
+    """PREEMPT-1: deallocating ``seq`` frees the blocks no other table still holds."""
+    freed = 0
+    for block_id in seq.block_table:
+        ref_counts[block_id] -= 1
+        freed += ref_counts[block_id] == 0
+    return freed
 
 
 def check_postprocess(scheduled: SchedulerState, after: SchedulerState, batch: list[SeqView], tokens: list[int],
