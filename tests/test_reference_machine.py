@@ -188,6 +188,41 @@ def test_missed_prefix_hits_are_reported() -> None:
     assert "BM-4" in schedule_clauses(corrupt(step, miss))
 
 
+def test_missed_prefix_hits_of_a_later_sequence_are_reported() -> None:
+    """BM-4: every fresh sequence of the batch starts with its hits, not only the first."""
+    s = make(num_blocks=16)
+    add(s, list(range(10, 19)))
+    take_step(s)
+    add(s, list(range(40, 45)))
+    add(s, list(range(10, 19)))
+    step = take_step(s)
+    assert [x.num_cached_tokens for x in step.batch] == [0, 8] and schedule_clauses(step) == set()
+
+    def under_report(st: Step) -> None:
+        st.batch[1].num_cached_tokens = 4  # a multiple of block_size: only the recomputed lookup can tell
+        st.batch[1].num_scheduled_tokens = 5
+    assert "BM-4" in schedule_clauses(corrupt(step, under_report))
+
+
+def test_hits_are_looked_up_after_the_earlier_allocations_of_the_scan() -> None:
+    """BM-4, CACHE-3: a block the first sequence takes fresh is no longer a hit for the second."""
+    s = make(num_blocks=4)
+    add(s, [1, 2, 3, 4], max_tokens=1)  # block 0, hashed, then released
+    add(s, list(range(20, 28)), max_tokens=1)  # blocks 1 and 2
+    take_step(s)
+    assert list(s.block_manager.free_block_ids) == [3, 0, 2, 1]
+    add(s, list(range(40, 48)))  # takes 3 and 0: block 0 is overwritten
+    add(s, [1, 2, 3, 4, 5])  # a hit on block 0 in the state before the step, none after the first allocation
+    assert can_allocate(snapshot(s), [1, 2, 3, 4, 5]) == 1
+    step = take_step(s)
+    assert [x.num_cached_tokens for x in step.batch] == [0, 0] and schedule_clauses(step) == set()
+
+    def stale_hit(st: Step) -> None:
+        st.batch[1].num_cached_tokens = 4
+        st.batch[1].num_scheduled_tokens = 1
+    assert "BM-4" in schedule_clauses(corrupt(step, stale_hit))
+
+
 def test_prefilled_sequences_in_the_wrong_queue_are_reported() -> None:
     """PREFILL-6: a completed prefill moves to the tail of running as RUNNING."""
     def stay(st: Step) -> None:
