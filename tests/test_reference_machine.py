@@ -331,6 +331,20 @@ def test_postprocess_corruptions_are_reported() -> None:
     assert "POST-3" in post_clauses(eos_step)
 
 
+def test_a_running_sequence_lost_outside_the_batch_is_reported() -> None:
+    """POST-3: postprocess changes no other queue position; a running sequence outside the batch stays."""
+    s = make(num_blocks=16)
+    add(s, [1, 2, 3])
+    take_step(s)
+    add(s, [4, 5, 6])
+    step = take_step(s)  # prefill b while a, running, is not in the batch
+    assert len(step.batch) == 1 and len(step.after.running) == 2 and post_clauses(step) == set()
+
+    def lose_a(st: Step) -> None:
+        st.after.running = st.after.running[1:]
+    assert "POST-3" in post_clauses(corrupt(step, lose_a))
+
+
 def test_a_kept_chunk_sample_is_reported() -> None:
     """POST-2: an unfinished chunk's sample is discarded."""
     s = make(num_blocks=16, budget=4)

@@ -267,6 +267,7 @@ def check_postprocess(scheduled: SchedulerState, after: SchedulerState, batch: l
     """POST-1..3 and CACHE-2/3: the bookkeeping of one postprocess() call."""
     live = {s.seq_id: s for s in [*after.running, *after.waiting]}
     found: list[Violation] = []
+    finishing: set[int] = set()
     for seq, token in zip(batch, tokens, strict=True):
         found += check_hashed(after, seq)
         cached = seq.num_cached_tokens + seq.num_scheduled_tokens
@@ -276,8 +277,11 @@ def check_postprocess(scheduled: SchedulerState, after: SchedulerState, batch: l
             expected_tokens = [*seq.token_ids, token]
             completion = len(expected_tokens) - seq.num_prompt_tokens
             finished = (not ignore_eos[seq.seq_id] and token == eos) or completion == seq.max_tokens
+        if finished:
+            finishing.add(seq.seq_id)
         found += check_member_after(seq, live.get(seq.seq_id), expected_tokens, cached, finished, after)
-    still = [i for i in ids(scheduled.running) if i in live]
+    # Expected from the state before postprocess, so a sequence that vanishes outside the batch is seen.
+    still = [i for i in ids(scheduled.running) if i not in finishing]
     if ids(after.running) != still or ids(after.waiting) != ids(scheduled.waiting):
         found.append(Violation("POST-3", f"postprocess reordered the queues: running {ids(after.running)}, "
                                          f"waiting {ids(after.waiting)}"))
