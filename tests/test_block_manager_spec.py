@@ -159,6 +159,23 @@ def test_a_new_block_is_needed_exactly_when_the_last_token_opens_one() -> None:
     assert len(a) % BS == 1 and not bm.can_append(a)
 
 
+def test_block_size_one_takes_no_block_and_then_indexes_past_the_table() -> None:
+    """EDGE-1: with block_size 1, len % 1 == 1 never holds, so decode takes no block and hash_blocks overruns."""
+    bm = BlockManager(4, 1)  # built directly: SchedulerConfig would refuse block_size 1
+    a = Sequence([7, 8], SamplingParams(max_tokens=8), 1)
+    cached = bm.can_allocate(a)
+    bm.allocate(a, cached)
+    fill(bm, a)  # the prefill step: one block per token, both hashed
+    assert a.block_table == [0, 1] and list(bm.free_block_ids) == [2, 3]
+    a.append_token(9)  # the sampled token: length 3 needs a third block
+    assert bm.can_append(a)  # asks for len % 1 == 1, i.e. nothing
+    bm.may_append(a)
+    assert a.block_table == [0, 1] and list(bm.free_block_ids) == [2, 3]  # took nothing though one was needed
+    a.num_scheduled_tokens = 1  # the decode step computes token 2, which has no block
+    with pytest.raises(IndexError):
+        bm.hash_blocks(a)
+
+
 @pytest.mark.parametrize(("field", "value"), [
     ("block_size", 1), ("block_size", 0), ("num_blocks", 0), ("max_num_seqs", 0),
     ("max_num_batched_tokens", 0), ("num_blocks", 2.0), ("eos", True),
