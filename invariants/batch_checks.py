@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from invariants.state import SchedulerState, SeqView
 from invariants.state_checks import holders
-from invariants.violation import Violation, blocks_needed
+from invariants.violation import Violation
+from optimized.block_math import blocks_for
 
 
 def unfinished(seq: SeqView) -> bool:
@@ -121,7 +122,7 @@ def check_coverage(state: SchedulerState, batch: list[SeqView]) -> list[Violatio
     """INV-14: a batch sequence's block table has exactly ceil(num_tokens / block_size) blocks."""
     found: list[Violation] = []
     for seq in batch:
-        need = blocks_needed(seq.num_tokens, state.block_size)
+        need = blocks_for(seq.num_tokens, state.block_size)
         if len(seq.block_table) != need:
             found.append(Violation(
                 "INV-14", f"seq {seq.seq_id} has {len(seq.block_table)} blocks for {seq.num_tokens} tokens, not {need}"

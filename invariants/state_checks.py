@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections import Counter
 
 from invariants.state import SchedulerState, SeqView
-from invariants.violation import Violation, blocks_needed
+from invariants.violation import Violation
+from optimized.block_math import blocks_for
 
 
 def live_seqs(state: SchedulerState) -> list[SeqView]:
@@ -170,7 +171,7 @@ def check_running_tables(state: SchedulerState) -> list[Violation]:
             found.append(Violation(
                 "INV-19", f"running seq {seq.seq_id} has {computed} cached+scheduled tokens of {seq.num_tokens}"
             ))
-        need = blocks_needed(computed, state.block_size)
+        need = blocks_for(computed, state.block_size)
         if len(seq.block_table) != need:
             found.append(Violation(
                 "INV-19", f"running seq {seq.seq_id} has {len(seq.block_table)} blocks for {computed} "
@@ -187,7 +188,7 @@ def check_waiting_tables(state: SchedulerState) -> list[Violation]:
             continue
         if index != 0:
             found.append(Violation("INV-20", f"waiting seq {seq.seq_id} at position {index} holds blocks"))
-        need = blocks_needed(seq.num_tokens, state.block_size)
+        need = blocks_for(seq.num_tokens, state.block_size)
         if len(seq.block_table) != need:
             found.append(Violation(
                 "INV-20", f"waiting seq {seq.seq_id} has {len(seq.block_table)} blocks for {seq.num_tokens} tokens, "

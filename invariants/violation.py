@@ -17,8 +17,3 @@ class Violation:
 
     def __str__(self) -> str:
         return f"{self.clause}: {self.message}"
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    """ceil(num_tokens / block_size): how many blocks hold that many tokens."""
-    return (num_tokens + block_size - 1) // block_size

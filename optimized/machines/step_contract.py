@@ -17,11 +17,7 @@ import struct
 import xxhash
 
 from invariants import BlockView, SchedulerState, SeqView, Violation
-from optimized.block_math import needs_new_block
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return (num_tokens + block_size - 1) // block_size
+from optimized.block_math import blocks_for, needs_new_block
 
 
 def chain_hashes(token_ids: list[int], block_size: int) -> list[int]:
