@@ -50,10 +50,9 @@ CPU_ROW_CHUNK = 256
 
 
 class ScheduledSeq(Protocol):
-    """What the runner reads from a scheduler's sequence (reference and optimized alike)."""
+    """What the runner reads from the optimized scheduler's sequence."""
 
-    @property
-    def token_ids(self) -> list[int]: ...
+    def stored_tokens(self) -> I64: ...
     @property
     def num_tokens(self) -> int: ...
     @property
@@ -117,7 +116,8 @@ def prepare(seqs: Sequence[ScheduledSeq], is_prefill: bool, block_size: int) -> 
         starts = np.fromiter((s.num_cached_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         ends = starts + np.fromiter((s.num_scheduled_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         input_ids = np.concatenate(
-            [np.asarray(s.token_ids[a:b], dtype=np.int64) for s, a, b in zip(seqs, starts, ends, strict=True)]
+            # A view of each chunk: no list of the whole sequence per step.
+            [s.stored_tokens()[a:b] for s, a, b in zip(seqs, starts, ends, strict=True)]
         )
     else:
         ends = num_tokens
