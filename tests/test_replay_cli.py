@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import re
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -103,3 +104,24 @@ def test_not_json_and_a_missing_file_exit_2(tmp_path: Path, capsys: pytest.Captu
     assert code == 2 and out == [] and len(err) == 1 and "line 2" in err[0]
     code, out, err = run(capsys, "--impl", "reference", str(tmp_path / "missing.jsonl"))
     assert code == 2 and out == [] and len(err) == 1 and "missing.jsonl" in err[0]
+
+
+def test_conformance_command_summarises_both_implementations(capsys: pytest.CaptureFixture[str]) -> None:
+    """CONF-7: both implementations reproduce all 80 samples with no violation, and the command says so."""
+    assert main(["conformance"]) == 0
+    out = capsys.readouterr().out
+    for name in ("reference", "optimized"):
+        assert re.search(rf"{name}: 80/80 traces identical to the lesson's, \d+ steps, 0 invariant violations", out)
+
+
+def test_conformance_command_fails_on_a_differing_trace(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """CONF-7: one sample whose recorded trace differs makes the summary say 79/80 and the exit status 1."""
+    from optimized.commands import conformance
+
+    samples = conformance.shipped_samples()
+    samples[0]["trace"][0]["batch"][0][1] += 1
+    monkeypatch.setattr(conformance, "shipped_samples", lambda: samples)
+    assert main(["conformance", "--impl", "reference"]) == 1
+    assert "reference: 79/80 traces identical" in capsys.readouterr().out
