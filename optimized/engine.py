@@ -83,6 +83,11 @@ def validate_request(token_ids: Seq[int], params: SamplingParams, limits: Engine
     bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limits.vocab_size]
     if bad:
         raise ValueError(f"prompt token ids must be in [0, vocab_size={limits.vocab_size}), got {bad[0]!r}")
+    # SamplingParams refused negative and non-integer stop ids when made; only the model knows the upper bound,
+    # and an id past it can never be drawn, so the stop would silently never happen.
+    unreachable = [t for t in params.stop_token_ids if t >= limits.vocab_size]
+    if unreachable:
+        raise ValueError(f"stop_token_ids must be in [0, vocab_size={limits.vocab_size}), got {unreachable[0]!r}")
     if n + params.max_tokens > limits.max_model_len:
         raise ValueError(
             f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len={limits.max_model_len}"

@@ -3,9 +3,11 @@
 A superset of the reference's ``SamplingParams`` (temperature, max_tokens,
 ignore_eos), with the vLLM-style fields the engine honours. Every bad value
 raises ValueError naming the field, so a request that reaches the scheduler is
-well-formed. A temperature below ``GREEDY_BELOW`` (1e-5, vLLM's threshold too)
-means greedy: dividing float32 logits by a tinier one overflows to inf. ``seed`` makes the draw a pure
-function of (seed, position): the same tokens alone or batched, chunked or
+well-formed; the one model-dependent bound, stop ids below the vocabulary size,
+is checked where the request meets the model (``engine.validate_request``).
+A temperature below ``GREEDY_BELOW`` (1e-5, vLLM's threshold too) means greedy:
+dividing float32 logits by a tinier one overflows to inf. ``seed`` makes the draw
+a pure function of (seed, position): the same tokens alone or batched, chunked or
 preempted.
 """
 

@@ -44,6 +44,12 @@ REFUSED: dict[str, tuple[list[int], SamplingParams, str]] = {
     "over max_model_len": ([1] * 41, GREEDY, "max_model_len"),
     "never fits the KV cache": ([1] * 35, SamplingParams(temperature=0.0, max_tokens=7), "num_kvcache_blocks"),
     "non-finite temperature": (GOOD, _nan_temperature(), "temperature"),
+    # An id the model can never draw would silently never stop the request.
+    "stop token at vocab": (
+        GOOD,
+        SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(3, VOCAB)),
+        rf"stop_token_ids.*vocab_size={VOCAB}",
+    ),
 }
 
 
@@ -93,12 +99,27 @@ def test_admission_rule_is_exact() -> None:
         ({"top_k": 0}, "top_k"),
         ({"top_k": -2}, "top_k"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"stop_token_ids": (4, -1)}, "stop_token_ids"),
+        ({"stop_token_ids": (4, 2.0)}, "stop_token_ids"),
+        ({"stop_token_ids": (True,)}, "stop_token_ids"),
     ],
 )
 def test_bad_sampling_params_are_refused_where_made(kwargs: dict[str, Any], field: str) -> None:
     """ENG-9: SamplingParams refuses bad values when made, so no bad request reaches add()."""
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_last_vocabulary_id_is_a_valid_stop() -> None:
+    """ENG-9, ENG-12: the bound on stop_token_ids is the vocabulary itself: the last id is accepted, and a stop
+    set made of it and of an id greedy decoding draws ends the request there."""
+    llm = make()
+    plain = llm.generate([GOOD], GREEDY, use_tqdm=False)[0].token_ids
+    stop = plain[2]
+    params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(VOCAB - 1, stop))
+    out = llm.generate([GOOD], params, use_tqdm=False)[0]
+    first = min(i for i, t in enumerate(plain) if t in params.stop_token_ids)
+    assert out.token_ids == plain[: first + 1] and out.finish_reason == "stop"
 
 
 def test_text_prompt_without_tokenizer_and_bad_params_type() -> None:
