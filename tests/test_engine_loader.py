@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from optimized import LLM, SamplingParams
 from optimized.loader import load_model
+from optimized.models import parse_config
 from tests.engine_fixtures import FAMILIES, checkpoint, hf_greedy, one_thread, set_root
 
 Tensors = dict[str, torch.Tensor]
@@ -169,13 +170,35 @@ BAD_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
     "rope_scaling beside default rope_parameters": ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope"),
     # Per-layer-type RoPE (keyed by layer_types) is not one RoPE; the scaled type inside must not slip through.
     "per layer type rope_parameters": ({"rope_parameters": {"full_attention": LINEAR}}, "rope_parameters"),
-    "sliding window": ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
+    # The saved config lists layer_types, which transformers reads before use_sliding_window: remove it, so the
+    # window reaches layer 1 (max_window_layers=1 of 2 layers).
+    "sliding window": (
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
+        "use_sliding_window",
+    ),
+    "sliding layer in layer_types": (
+        {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]},
+        "layer_types",
+    ),
+    "layer_types of the wrong length": ({"layer_types": ["full_attention"]}, "layer_types"),
+    "partial rotary (top level)": ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    "partial rotary in rope_parameters": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5}},
+        "rope_parameters.partial_rotary_factor",
+    ),
+    "partial rotary in rope_scaling": (
+        {"rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.25}},
+        "rope_scaling.partial_rotary_factor",
+    ),
+    "quantized weights": ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    "odd head_dim": ({"head_dim": 15}, "head_dim"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
 def test_unsupported_config_is_refused_by_name(case: str, tmp_path: Path) -> None:
-    """ENG-1: activations other than SiLU, scaled RoPE types and sliding windows are refused by name."""
+    """ENG-1, ENG-26: activations other than SiLU, scaled or partial RoPE, sliding windows (however the config
+    reaches a layer with one), quantized weights and an odd head_dim are refused by name."""
     changes, field = BAD_CONFIGS[case]
     folder = copy_checkpoint(tmp_path)
     edit_config(folder, **changes)
@@ -190,6 +213,95 @@ MAX_TOKENS = [10, 10, 10]
 def greedy(folder: Path) -> list[list[int]]:
     outs = build(folder).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
     return [o.token_ids for o in outs]
+
+
+FULL_ROTARY = {"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 1.0}
+
+# case -> config.json changes that leave transformers' model as it was. The window (4) is shorter than the prompts
+# plus outputs, so a layer that slid would change the tokens.
+NO_OPS: dict[str, dict[str, Any]] = {
+    "a window the saved layer_types keep off": {"use_sliding_window": True, "sliding_window": 4},
+    "a window from layer max_window_layers=2 of 2": {
+        "use_sliding_window": True,
+        "sliding_window": 4,
+        "max_window_layers": 2,
+        "layer_types": None,
+    },
+    "partial_rotary_factor 1 everywhere": {"partial_rotary_factor": 1, "rope_parameters": FULL_ROTARY},
+}
+
+
+@pytest.mark.parametrize("case", sorted(NO_OPS))
+def test_refusals_stop_where_transformers_changes_nothing(case: str, tmp_path: Path) -> None:
+    """ENG-26: the sliding-window and partial-RoPE refusals follow transformers' reading: a window that reaches
+    no layer, or a rotary factor of 1, is served, with transformers' own greedy output on the edited folder."""
+    folder = copy_checkpoint(tmp_path)
+    edit_config(folder, **NO_OPS[case])
+    expected = hf_greedy(folder, PROMPTS, MAX_TOKENS)
+    assert expected == hf_greedy(checkpoint("qwen3"), PROMPTS, MAX_TOKENS)
+    assert greedy(folder) == expected
+
+
+def test_rms_norm_eps_reaches_every_norm(tmp_path: Path) -> None:
+    """ENG-26: rms_norm_eps is honoured: a large one changes transformers' tokens, and the engine's equal them (an
+    eps missing from any norm, q/k norms included, would show)."""
+    folder = copy_checkpoint(tmp_path)
+    edit_config(folder, rms_norm_eps=0.5)
+    expected = hf_greedy(folder, PROMPTS, MAX_TOKENS)
+    assert expected != hf_greedy(checkpoint("qwen3"), PROMPTS, MAX_TOKENS)
+    assert greedy(folder) == expected
+
+
+MINIMAL = {
+    "vocab_size": 256,
+    "hidden_size": 256,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 256,
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_absent_and_null_fields_resolve_as_transformers_config(family: str) -> None:
+    """ENG-26: a field config.json leaves out, or sets to null, takes the value transformers' config class of
+    the family gives it (Qwen2/Qwen3 default to 32 KV heads, Qwen3 to head_dim 128); the head_dim is the one
+    transformers' attention reads (``getattr(config, "head_dim", hidden // heads)``)."""
+    from transformers import CONFIG_MAPPING
+
+    variants: list[dict[str, Any]] = [{}, {"num_key_value_heads": None}]
+    if family == "llama":
+        variants.append({"head_dim": None})
+    for extra in variants:
+        d = {"model_type": family, **MINIMAL, **extra}
+        ours = parse_config(d)
+        theirs = CONFIG_MAPPING[family].from_dict(d)
+        head_dim = getattr(theirs, "head_dim", theirs.hidden_size // theirs.num_attention_heads)
+        assert (ours.num_kv_heads, ours.head_dim, ours.rms_norm_eps, ours.tie_word_embeddings) == (
+            theirs.num_key_value_heads,
+            head_dim,
+            theirs.rms_norm_eps,
+            theirs.tie_word_embeddings,
+        ), extra
+        assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
+
+
+# (family, config.json changes, the field the message must name): refusals where the families differ.
+FAMILY_REFUSALS = [
+    ("llama", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
+    ("qwen3", {"head_dim": None}, "head_dim"),
+    ("qwen2", {"head_dim": None}, "head_dim"),
+    ("qwen2", {"num_key_value_heads": 3}, "num_key_value_heads"),
+]
+
+
+@pytest.mark.parametrize(("family", "changes", "field"), FAMILY_REFUSALS)
+def test_family_specific_config_refusals(family: str, changes: dict[str, Any], field: str) -> None:
+    """ENG-26: Llama has no sliding attention, so any use_sliding_window is refused; a null head_dim, which
+    transformers' Qwen2 and Qwen3 cannot run, is refused by name; so are KV heads that do not divide the heads."""
+    d = {**json.loads((checkpoint(family) / "config.json").read_text()), **changes}
+    with pytest.raises(ValueError, match=re.escape(field)):
+        parse_config(d)
 
 
 # case -> (config.json changes, the RoPE base transformers uses for them)

@@ -3,9 +3,11 @@
 One decoder serves three families; they differ only in flags: Qwen3 normalises
 q and k per head (``qk_norm``), Qwen2 adds biases to q/k/v, Llama may add
 biases everywhere (``attention_bias``, ``mlp_bias``). Every field the model code
-uses is resolved here, so a config that parses builds a model with no further
-surprises; anything the decoder cannot honour (other activations, scaled RoPE,
-sliding windows) is refused with a ValueError naming the field.
+uses is resolved here, as transformers' config class of that family resolves
+it (its defaults for absent fields included), so a config that parses builds a
+model with no further surprises; anything the decoder cannot honour (other
+activations, scaled or partial RoPE, sliding windows, quantized weights) is
+refused with a ValueError naming the field.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("qwen3", "qwen2", "llama")
+# transformers' defaults, per family, for fields config.json leaves out (None: the query head count, resp.
+# hidden_size // num_attention_heads). Qwen2/Qwen3 default to 32 KV heads, not to the query head count.
+KV_HEADS_DEFAULT: dict[str, int | None] = {"qwen3": 32, "qwen2": 32, "llama": None}
+HEAD_DIM_DEFAULT: dict[str, int | None] = {"qwen3": 128, "qwen2": None, "llama": None}
+MAX_WINDOW_LAYERS_DEFAULT = 28  # Qwen2Config and Qwen3Config
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,61 @@ def _rope_theta(d: dict[str, Any]) -> float:
     return _float(merged, "rope_theta", 10000.0)
 
 
+def _refuse_partial_rotary(d: dict[str, Any]) -> None:
+    """``partial_rotary_factor`` (top level, or in either RoPE object) other than 1 is refused. The field asks for
+    RoPE over only the first fraction of each head, but transformers 5's default RoPE for these three families
+    ignores it and rotates the whole head (only the scaled types, refused already, read it): the checkpoint's
+    intent and transformers' output disagree, so neither reading can be served as exact."""
+    places = {"partial_rotary_factor": d.get("partial_rotary_factor")}
+    for key in ("rope_parameters", "rope_scaling"):
+        places[f"{key}.partial_rotary_factor"] = (d.get(key) or {}).get("partial_rotary_factor")
+    for name, value in places.items():
+        if value is not None and (isinstance(value, bool) or value != 1):
+            raise ValueError(f"config.json: {name} {value!r} is not supported (only 1.0: RoPE over the whole head)")
+
+
+def _refuse_sliding_window(d: dict[str, Any], family: str, num_layers: int) -> None:
+    """Refuse any layer transformers would run with a sliding window (none is implemented). Qwen2/Qwen3 take an
+    explicit ``layer_types``, else slide the layers from ``max_window_layers`` on when ``use_sliding_window`` and
+    ``sliding_window`` are both set; a window that reaches no layer is full attention there, and here. Llama has no
+    sliding attention at all, so a Llama config asking for one is not a Llama transformers runs."""
+    if family == "llama":
+        if d.get("use_sliding_window"):
+            raise ValueError("config.json: use_sliding_window is not supported")
+        return
+    layer_types = d.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise ValueError(f"config.json: layer_types must list num_hidden_layers ({num_layers}) entries")
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"config.json: layer_types other than 'full_attention' are not supported: {layer_types}")
+        return
+    if d.get("use_sliding_window") and d.get("sliding_window") is not None:
+        first = d.get("max_window_layers", MAX_WINDOW_LAYERS_DEFAULT)
+        if isinstance(first, bool) or not isinstance(first, int) or first < num_layers:
+            raise ValueError(
+                f"config.json: use_sliding_window is not supported (sliding_window {d['sliding_window']!r} "
+                f"from layer max_window_layers={first!r} of num_hidden_layers={num_layers})"
+            )
+
+
+def _kv_heads(d: dict[str, Any], family: str, heads: int) -> int:
+    value = d.get("num_key_value_heads", KV_HEADS_DEFAULT[family])
+    # An explicit null means as many KV heads as query heads, in every family's config class.
+    return _int({"num_key_value_heads": heads if value is None else value}, "num_key_value_heads")
+
+
+def _head_dim(d: dict[str, Any], family: str, hidden: int, heads: int) -> int:
+    if "head_dim" not in d or (d["head_dim"] is None and family == "llama"):  # LlamaConfig fills a null one
+        value = HEAD_DIM_DEFAULT[family] or hidden // heads
+    else:
+        value = d["head_dim"]  # a null for Qwen2/Qwen3 fails in transformers; refused below
+    head_dim = _int({"head_dim": value}, "head_dim", 2)
+    if head_dim % 2:
+        raise ValueError(f"config.json: head_dim must be even (RoPE rotates its two halves), got {head_dim}")
+    return head_dim
+
+
 def _eos_ids(d: dict[str, Any]) -> tuple[int, ...]:
     value = d.get("eos_token_id")
     ids = [] if value is None else value if isinstance(value, list) else [value]
@@ -98,26 +160,31 @@ def parse_config(d: dict[str, Any]) -> ModelConfig:
     family = _family(d)
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act must be 'silu', got {d.get('hidden_act')!r}")
-    if d.get("use_sliding_window"):
-        raise ValueError("config.json: use_sliding_window is not supported")
+    if d.get("quantization_config") is not None:
+        raise ValueError("config.json: quantization_config is not supported (only unquantized weights)")
+    num_layers = _int(d, "num_hidden_layers")
+    _refuse_sliding_window(d, family, num_layers)
     hidden = _int(d, "hidden_size")
     heads = _int(d, "num_attention_heads")
-    kv_heads = _int({"num_key_value_heads": d.get("num_key_value_heads", heads)}, "num_key_value_heads")
+    kv_heads = _kv_heads(d, family, heads)
     if heads % kv_heads:
-        raise ValueError(f"config.json: num_attention_heads ({heads}) must be a multiple of num_key_value_heads")
-    head_dim = d.get("head_dim") or hidden // heads
+        raise ValueError(
+            f"config.json: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+        )
+    rope_theta = _rope_theta(d)  # first: it checks that both RoPE objects are flat objects
+    _refuse_partial_rotary(d)
     attention_bias = bool(d.get("attention_bias", False))
     return ModelConfig(
         family=family,
         vocab_size=_int(d, "vocab_size"),
         hidden_size=hidden,
         intermediate_size=_int(d, "intermediate_size"),
-        num_layers=_int(d, "num_hidden_layers"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=_int({"head_dim": head_dim}, "head_dim", 2),
+        head_dim=_head_dim(d, family, hidden, heads),
         rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
-        rope_theta=_rope_theta(d),
+        rope_theta=rope_theta,
         max_position_embeddings=_int(d, "max_position_embeddings"),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         qkv_bias=True if family == "qwen2" else attention_bias,
