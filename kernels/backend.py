@@ -2,20 +2,22 @@
 
 Invariants: every backend implements the same contract (spec/kernels.md, KERN-1..KERN-5) and is interchangeable
 up to the tolerances stated there; the torch backend is the oracle. ``get_backend(None, device)`` picks the best
-backend that can run on ``device`` — flash-attn on CUDA when ``flash_attn`` imports, else Triton on CUDA, else torch —
-and an explicit name that cannot run raises ValueError naming the backend.
+backend that can run on ``device`` — flash-attn on CUDA when ``flash_attn`` imports, else Triton on CUDA; on the CPU
+the compiled C decode ("cpu") when it builds and loads, else torch, with a warning saying why (KERN-24) — and an
+explicit name that cannot run raises ValueError naming the backend and the reason.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from typing import Protocol
 
 import torch
 
-from kernels import paged_attention
+from kernels import cpu_build, paged_attention
 
-BACKEND_NAMES = ("torch", "triton", "flash-attn")
+BACKEND_NAMES = ("torch", "cpu", "triton", "flash-attn")
 
 
 class AttentionBackend(Protocol):
@@ -91,6 +93,21 @@ class TorchBackend:
         return paged_attention.paged_decode(q, k_cache, v_cache, context_lens, block_tables, scale)
 
 
+def reads_cache_in_place(backend: AttentionBackend) -> bool:
+    """Whether ``backend``'s decode reads exactly each row's context, whatever the table width: sorting rows by
+    length and trimming tables per range (ENG-19) would gain it nothing."""
+    return getattr(backend, "reads_cache_in_place", False) is True
+
+
+def _best_cpu_backend() -> str:
+    reason = cpu_build.unavailable_reason()
+    if reason is None:
+        return "cpu"
+    message = f"attention backend 'cpu' is unavailable, using 'torch' (a slower decode): {reason}"
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return "torch"
+
+
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
@@ -102,16 +119,27 @@ def _interpreting() -> bool:
 
 
 def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """The backend called ``name`` ("torch", "triton", "flash-attn"), or the best one for ``device`` if None."""
+    """The backend called ``name`` ("torch", "cpu", "triton", "flash-attn"), or the best one for ``device`` if None."""
     if name is None:
         if device.type == "cuda" and flash_attn_available():
             name = "flash-attn"
         elif device.type == "cuda":
             name = "triton"
+        elif device.type == "cpu":
+            name = _best_cpu_backend()
         else:
             name = "torch"
     if name == "torch":
         return TorchBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"backend 'cpu' runs on the CPU only, got device {device}")
+        reason = cpu_build.unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"backend 'cpu' is unavailable: {reason}")
+        from kernels.cpu_backend import CpuBackend
+
+        return CpuBackend()
     if name == "triton":
         if device.type != "cuda" and not _interpreting():
             raise ValueError(f"backend 'triton' needs a CUDA device or TRITON_INTERPRET=1, got device {device}")

@@ -11,9 +11,11 @@ iteration per sequence and none per token. Logits are computed, and a token
 drawn, only for sequences whose prompt is complete after this step; the others
 get ``PLACEHOLDER``, which the scheduler discards. Every row's token is a pure
 function of its own logits and draw parameters, so the runner may order rows as
-it likes: an eager decode step sorts them by context length and attends in
-ranges that gather only their own width (ENG-19); greedy rows never touch the
-random draw (ENG-20). With ``enforce_eager=False`` a decode step of at most
+it likes: an eager decode step with a backend that gathers blocks (torch) sorts
+them by context length and attends in ranges that gather only their own width
+(ENG-19), while a backend that reads the cache in place (the compiled CPU
+decode) gets the whole batch in the scheduler's order; greedy rows never touch
+the random draw (ENG-20). With ``enforce_eager=False`` a decode step of at most
 ``max_num_seqs`` sequences runs through ``GraphRunner``'s bucketed static
 buffers instead (ENG-21): a CUDA graph on CUDA, the eager stand-in on the CPU.
 """
@@ -23,13 +25,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from kernels.backend import AttentionBackend
+from kernels.backend import AttentionBackend, reads_cache_in_place
 from kernels.paged_attention import decode_range
 from kernels.rotary import rotary_cos_sin
 from kernels.sampling import sample
@@ -76,6 +78,8 @@ class DrawParams:
 
 
 I64 = npt.NDArray[np.int64]
+# How a decode step runs: through the graph runner, eagerly on the whole batch, or eagerly in length-sorted ranges.
+DecodeWay = Literal["graph", "whole", "ranges"]
 
 
 @dataclass
@@ -219,21 +223,25 @@ class ModelRunner:
         if is_prefill:
             return self._run(seqs, True, draws)
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            return self._run(seqs, False, draws)
+            return self._run(seqs, False, draws, "graph")
+        if reads_cache_in_place(self.backend):
+            # It reads exactly each row's context: sorting and ranges would only add work.
+            return self._run(seqs, False, draws, "whole")
         # Eager decode: rows by context length, so each attention range gathers only about its own width.
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_tokens)
-        drawn = self._run([seqs[i] for i in order], False, [draws[i] for i in order], split=True)
+        drawn = self._run([seqs[i] for i in order], False, [draws[i] for i in order], "ranges")
         tokens = [PLACEHOLDER] * len(seqs)
         for i, t in zip(order, drawn, strict=True):
             tokens[i] = t
         return tokens
 
     def _run(
-        self, seqs: Sequence[ScheduledSeq], is_prefill: bool, draws: Sequence[DrawParams], split: bool = False
+        self, seqs: Sequence[ScheduledSeq], is_prefill: bool, draws: Sequence[DrawParams], way: DecodeWay = "whole"
     ) -> list[int]:
+        """One forward; ``way`` says how a decode step runs (a prefill ignores it)."""
         inp = prepare(seqs, is_prefill, self.block_size)
         input_ids, positions = self._tensor(inp.input_ids), self._tensor(inp.positions)
-        if not is_prefill and not split:
+        if not is_prefill and way == "graph":
             assert self.graphs is not None
             hidden = self.graphs.run(
                 input_ids,
@@ -253,7 +261,7 @@ class ModelRunner:
                 block_tables=self._tensor(inp.block_tables, torch.int32),
                 cos_sin=self.cos_sin,
             )
-            if split:
+            if not is_prefill and way == "ranges":
                 self._plan_decode(ctx, inp.context_lens)
             if self.device.type == "cpu":
                 ctx.row_chunk = self.row_chunk

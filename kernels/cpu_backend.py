@@ -1,0 +1,53 @@
+"""The CPU attention backend: the torch store and prefill, and the compiled C decode that reads the cache in place.
+
+Invariants: ``store_kv`` and ``prefill`` are the torch backend's (KERN-1..KERN-3); ``decode`` runs the C kernel
+(KERN-22) whenever it takes the tensors (float32 or float64, contiguous caches) and the torch decode otherwise, so
+the backend serves every dtype. Its decode reads exactly each row's context whatever the table width, so a caller
+gains nothing by sorting or splitting rows (``reads_cache_in_place``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_attention, paged_attention
+
+
+class CpuBackend:
+    name = "cpu"
+    reads_cache_in_place = True
+
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        paged_attention.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_attention.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        if cpu_attention.supports(q, k_cache, v_cache):
+            return cpu_attention.paged_decode(q, k_cache, v_cache, context_lens, block_tables, scale)
+        return paged_attention.paged_decode(q, k_cache, v_cache, context_lens, block_tables, scale)

@@ -1,0 +1,303 @@
+"""The compiled CPU decode (kernels/cpu_attention.c) against the torch oracle, its build cache, and its backend.
+
+Caches are random (never zeros), each row owns a random, scattered set of blocks, unused blocks and the slots past
+a context hold random garbage, and tables carry extra -1 columns, so a kernel that reads a slot it should not,
+or misses one it should, moves the result. Shapes cover GQA ratios 1, 3 and 8, the head dims the kernel
+specialises (64, 128) and others (a tail shorter than its 16 partial sums), block sizes 1 to 16, and contexts of 0,
+1, exactly a block boundary and the whole table width.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kernels import cpu_attention, cpu_build, paged_attention
+from kernels.backend import get_backend
+from optimized import LLM, SamplingParams
+from optimized.model_runner import DrawParams, ScheduledSeq
+from tests.engine_fixtures import VOCAB, checkpoint, hf_greedy, one_thread, set_root
+
+CPU = torch.device("cpu")
+# float32: the C kernel sums each dot product in 16 partial sums and torch's GEMM in its own order, so scores of
+# magnitude ~10 differ by an ulp or two (~1e-6) before the exponential; the largest difference measured over these
+# shapes with 20 seeds each is 1.4e-6 (relative to 1 + |expected|).
+F32_TOL = 5e-6
+# float64: the C kernel computes the softmax in double; the torch oracle rounds its softmax to float32 (the eager
+# contract, KERN-3), so the two agree to float32 rounding only, and the kernel to double rounding with an all-double
+# reference.
+F64_TOL_ORACLE = 1e-6
+F64_TOL_DOUBLE = 1e-12
+
+
+@pytest.fixture(autouse=True)
+def _kernel_available() -> None:
+    reason = cpu_build.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"the C kernel cannot be built here: {reason}")
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+def make_case(
+    lens: list[int], block_size: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int
+) -> Case:
+    """Rows of the given context lengths over scattered blocks; the table is one column wider than the longest
+    row needs, and q is a strided view of a packed q|k projection (as the model hands it)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_row = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_row) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen, dtype=dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.full((len(lens), max(per_row) + 1), -1, dtype=torch.int32)
+    for row, count in enumerate(per_row):
+        tables[row, :count] = torch.tensor([order.pop() for _ in range(count)], dtype=torch.int32)
+    packed = torch.randn(len(lens), heads + kv_heads, dim, generator=gen, dtype=dtype)
+    return Case(packed[:, :heads], k_cache, v_cache, torch.tensor(lens, dtype=torch.int32), tables)
+
+
+def double_decode(c: Case, scale: float) -> torch.Tensor:
+    """Decode attention entirely in float64, one row at a time (softmax in double too)."""
+    batch, heads, dim = c.q.shape
+    block_size, kv_heads = c.k_cache.shape[1], c.k_cache.shape[2]
+    out = torch.zeros(batch, heads, dim, dtype=torch.float64)
+    for b, n in enumerate(c.context_lens.tolist()):
+        if n == 0:
+            continue
+        blocks = c.block_tables[b, : -(-n // block_size)].long()
+        k = c.k_cache[blocks].reshape(-1, kv_heads, dim)[:n].double()
+        v = c.v_cache[blocks].reshape(-1, kv_heads, dim)[:n].double()
+        for h in range(heads):
+            j = h // (heads // kv_heads)
+            weights = torch.softmax(k[:, j] @ c.q[b, h].double() * scale, dim=0)
+            out[b, h] = weights @ v[:, j]
+    return out
+
+
+Tensors5 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def decode_args(c: Case) -> Tensors5:
+    return c.q, c.k_cache, c.v_cache, c.context_lens, c.block_tables
+
+
+# (block size, heads, kv heads, head dim): GQA 1, 3 and 8; specialised dims 64 and 128; generic dims with a tail.
+SHAPES = [(1, 4, 4, 64), (2, 6, 2, 12), (3, 8, 1, 24), (5, 4, 2, 128), (8, 3, 1, 20), (16, 4, 2, 64)]
+
+
+def lens_for(block_size: int) -> list[int]:
+    """Context 0, 1, exactly two blocks, a ragged one and the longest (which fills its table row but for the
+    extra -1 column; the row of exactly the whole width is checked apart)."""
+    return [0, 1, 2 * block_size, 3 * block_size + 1, 5 * block_size]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("block_size", "heads", "kv_heads", "dim"), SHAPES)
+def test_c_decode_equals_torch_decode(block_size: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> None:
+    """KERN-22, KERN-23: the C decode equals the torch paged_decode (float32: within F32_TOL; float64: within the
+    oracle's float32 softmax, and within 1e-12 of an all-double reference); context 0 gives exact zeros."""
+    case = make_case(lens_for(block_size), block_size, heads, kv_heads, dim, dtype, seed=block_size * 7 + dim)
+    assert not case.q.is_contiguous()  # the kernel reads the strided view in place
+    out = cpu_attention.paged_decode(*decode_args(case), 0.3)
+    expected = paged_attention.paged_decode(*decode_args(case), 0.3)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=F32_TOL, atol=F32_TOL)
+    else:
+        torch.testing.assert_close(out, expected, rtol=F64_TOL_ORACLE, atol=F64_TOL_ORACLE)
+        torch.testing.assert_close(out, double_decode(case, 0.3), rtol=F64_TOL_DOUBLE, atol=F64_TOL_DOUBLE)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_c_decode_reads_a_whole_table_row_and_only_the_context(dtype: torch.dtype) -> None:
+    """KERN-22: a context exactly as long as the table is wide; garbage past a context (in its last block, in
+    blocks it does not own, behind -1 entries) never reaches the output."""
+    case = make_case([12, 7, 4], 4, 4, 2, 64, dtype, seed=11)
+    tables = case.block_tables[:, :3].contiguous()  # row 0's 12 tokens fill all 3 columns
+    trimmed = Case(case.q, case.k_cache, case.v_cache, case.context_lens, tables)
+    out = cpu_attention.paged_decode(*decode_args(trimmed), 0.2)
+    torch.testing.assert_close(out, double_decode(trimmed, 0.2).to(dtype), rtol=F32_TOL, atol=F32_TOL)
+    poked_k, poked_v = case.k_cache.clone(), case.v_cache.clone()
+    used = {int(b) for b in tables.flatten() if b >= 0}
+    for block in set(range(case.k_cache.shape[0])) - used:
+        poked_k[block], poked_v[block] = 1e4, -1e4
+    last = int(tables[1, 1])  # row 1 holds 7 tokens: slots 3.. of its second block are past its context
+    poked_k[last, 3:], poked_v[last, 3:] = 1e4, -1e4
+    poked = Case(case.q, poked_k, poked_v, case.context_lens, tables)
+    assert torch.equal(cpu_attention.paged_decode(*decode_args(poked), 0.2), out)
+
+
+def test_c_decode_refuses_a_table_that_does_not_hold_the_context() -> None:
+    """KERN-22: a -1 or an out-of-range block inside a context, or a context longer than the table, is a
+    ValueError naming the row, never an out-of-bounds read."""
+    case = make_case([5, 9], 4, 4, 2, 16, torch.float32, seed=3)
+    num_blocks = case.k_cache.shape[0]
+    for row, column, value in ((1, 2, -1), (0, 1, num_blocks), (1, 0, -7)):
+        tables = case.block_tables.clone()
+        tables[row, column] = value
+        with pytest.raises(ValueError, match=f"row {row}"):
+            cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, case.context_lens, tables, 0.3)
+    too_long = case.context_lens.clone()
+    too_long[1] = 4 * case.block_tables.shape[1] + 1
+    with pytest.raises(ValueError, match="row 1"):
+        cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, too_long, case.block_tables, 0.3)
+
+
+def test_c_decode_is_the_same_on_any_thread_count() -> None:
+    """KERN-26: each row (or each KV head, when rows are fewer than threads) is computed by one thread in a fixed
+    order, so 1 and 2 threads give bit-identical results, for a batch and for a single row."""
+    case = make_case([40, 3, 0, 17, 33, 8], 4, 8, 2, 64, torch.float32, seed=5)
+    single = Case(case.q[:1], case.k_cache, case.v_cache, case.context_lens[:1], case.block_tables[:1])
+    before = torch.get_num_threads()
+    results: dict[tuple[int, int], torch.Tensor] = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows, c in ((len(case.q), case), (1, single)):
+                results[threads, rows] = cpu_attention.paged_decode(*decode_args(c), 0.3)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[1, 6], results[2, 6]) and torch.equal(results[1, 1], results[2, 1])
+    assert torch.equal(results[1, 1], results[1, 6][:1])
+
+
+def test_cpu_backend_uses_the_c_decode_for_float_and_torch_for_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KERN-24: get_backend(None, cpu) is the "cpu" backend here; it decodes float32/float64 with the C kernel
+    and other dtypes with the torch decode; its store and prefill are the torch backend's."""
+    backend = get_backend(None, CPU)
+    assert backend.name == "cpu" and get_backend("cpu", CPU).name == "cpu"
+    calls: list[torch.dtype] = []
+    real = cpu_attention.paged_decode
+
+    def counting(q: torch.Tensor, *rest: Any) -> torch.Tensor:
+        calls.append(q.dtype)
+        return real(q, *rest)
+
+    monkeypatch.setattr(cpu_attention, "paged_decode", counting)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        case = make_case([6, 0, 9], 4, 4, 2, 16, dtype, seed=8)
+        out = backend.decode(*decode_args(case), 0.3)
+        expected = paged_attention.paged_decode(*decode_args(case), 0.3)
+        if dtype == torch.bfloat16:
+            assert torch.equal(out, expected)
+        else:
+            torch.testing.assert_close(out, expected, rtol=F32_TOL, atol=F32_TOL)
+    assert calls == [torch.float32, torch.float64]
+    case = make_case([6, 9], 4, 4, 2, 16, torch.float32, seed=9)
+    k, v = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    slots = torch.tensor([int(case.block_tables[0, 1]) * 4 + 1, -1])
+    stored = (case.k_cache.clone(), case.v_cache.clone())
+    backend.store_kv(k, v, *stored, slots)
+    paged_attention.store_kv(k, v, case.k_cache, case.v_cache, slots)
+    assert torch.equal(stored[0], case.k_cache) and torch.equal(stored[1], case.v_cache)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    q = torch.randn(5, 4, 16)
+    prefill_args = (q, case.k_cache, case.v_cache, cu, case.context_lens, case.block_tables, 0.3)
+    assert torch.equal(backend.prefill(*prefill_args), paged_attention.paged_prefill(*prefill_args))
+
+
+@pytest.fixture
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty kernel cache folder and a process that has not loaded the kernel yet; afterwards the remembered
+    outcome is dropped again, so later tests load from the usual folder."""
+    monkeypatch.setenv("NANOVERIFY_CACHE", str(tmp_path))
+    cpu_build.forget()
+    yield tmp_path / "kernels"
+    cpu_build.forget()
+
+
+def test_build_goes_to_the_cache_once_and_is_reused(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KERN-25: the library is built into <cache root>/kernels under a name keyed by source, compiler, flags and
+    machine, with no temporary file left; a later load reuses it without running the compiler; a different machine
+    or different flags get a different name."""
+    compiler = cpu_build.find_compiler()
+    assert compiler is not None
+    target = cpu_build.library_path(compiler)
+    assert target.parent == fresh_cache and not target.exists()
+    cpu_build.load_library()
+    assert sorted(p.name for p in fresh_cache.iterdir()) == [target.name]
+
+    def no_compiler(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the compiler ran although the library was cached")
+
+    monkeypatch.setattr(cpu_build, "build", no_compiler)
+    cpu_build.forget()
+    library = cpu_build.load_library()
+    assert hasattr(library, "nv_paged_decode_f32") and hasattr(library, "nv_paged_decode_f64")
+    machine_id = cpu_build.machine_id
+    monkeypatch.setattr(cpu_build, "machine_id", lambda: "another CPU")
+    assert cpu_build.library_path(compiler) != target
+    monkeypatch.setattr(cpu_build, "machine_id", machine_id)
+    monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, "-DNV_OTHER"))
+    assert cpu_build.library_path(compiler) != target
+
+
+def test_chooser_falls_back_to_torch_and_says_why(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KERN-24: without a C compiler, or when the build fails, get_backend(None, cpu) warns with the reason and
+    returns the torch backend; asking for "cpu" by name is a ValueError with the same reason."""
+    monkeypatch.setattr(cpu_build, "COMPILERS", ("nanoverify-no-such-cc",))
+    with pytest.warns(RuntimeWarning, match="no C compiler on the PATH"):
+        assert get_backend(None, CPU).name == "torch"
+    with pytest.raises(ValueError, match="backend 'cpu' is unavailable: no C compiler"):
+        get_backend("cpu", CPU)
+    monkeypatch.undo()  # the compilers again, and the fixture's cache root
+    monkeypatch.setenv("NANOVERIFY_CACHE", str(fresh_cache.parent))
+    broken = fresh_cache.parent / "cpu_attention.c"
+    broken.write_text("this is not C;\n", encoding="utf-8")
+    monkeypatch.setattr(cpu_build, "SOURCE", broken)
+    cpu_build.forget()
+    with pytest.warns(RuntimeWarning, match=r"compiling cpu_attention.c with .* failed \(exit"):
+        assert get_backend(None, CPU).name == "torch"
+    assert not fresh_cache.exists() or not any(fresh_cache.iterdir())  # no library, no temporary file
+    with pytest.raises(ValueError, match="backend 'cpu' runs on the CPU only"):
+        get_backend("cpu", torch.device("meta"))
+
+
+def test_engine_decodes_the_whole_batch_in_the_schedulers_order(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENG-19, KERN-24: on the CPU the engine picks the "cpu" backend and its eager decode hands each layer's decode
+    the whole batch, in the scheduler's order (no sorting, no ranges); float64 greedy output is transformers'."""
+    set_root(tmp_path_factory.mktemp("engine"))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 30))] for _ in range(7)]
+    max_tokens = [4 + 3 * i for i in range(7)]
+    with one_thread():
+        llm = LLM(str(checkpoint("qwen3")), dtype="float64", check=True, kvcache_block_size=4, num_kvcache_blocks=96)
+        runner = llm.engine.runner
+        assert runner.backend.name == "cpu" and runner.graphs is None
+        batches: list[list[int]] = []
+        calls: list[list[int]] = []
+        run, decode = runner.run, runner.backend.decode
+
+        def watched_run(seqs: Sequence[ScheduledSeq], is_prefill: bool, draws: Sequence[DrawParams]) -> list[int]:
+            if not is_prefill:
+                batches.append([s.num_tokens for s in seqs])
+            return run(seqs, is_prefill, draws)
+
+        def watched_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, *rest: Any) -> Any:
+            calls.append(lens.tolist())
+            return decode(q, k, v, lens, *rest)
+
+        monkeypatch.setattr(runner, "run", watched_run)
+        monkeypatch.setattr(runner.backend, "decode", watched_decode)
+        params = [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens]
+        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    layers = runner.model.config.num_layers
+    assert any(len(b) > 1 and b != sorted(b) for b in batches)  # an order that sorting would have changed
+    assert calls == [b for b in batches for _ in range(layers)]
+    assert got == hf_greedy(checkpoint("qwen3"), prompts, max_tokens)
