@@ -1,17 +1,17 @@
 """``nanoverify bench throughput``: the engine against transformers' ``generate`` on one workload, in one run.
 
-Both sides get the same model folder, dtype, device, CPU thread count (``torch.set_num_threads`` once, before
-either runs) and requests: random prompts of 1..max_input_len tokens, each asking for 1..max_output_len tokens,
-greedy, eos ignored (the engine by ``ignore_eos``; transformers by a generation config without an eos), so every
-request produces exactly its length on both sides. The engine takes them all at once (continuous batching, check
-mode off, its default ``enforce_eager``); transformers takes them in static batches of ``hf_batch_size`` in
-arrival order, left-padded, each batch generating exactly its longest request's length. Throughput counts only
-requested output tokens on both sides, so padding and over-generation in static batches are transformers' cost,
-as they are in practice. Each side first serves the same small warm-up workload, untimed. Wall-clock time is the
-measure; each side's process CPU time is printed beside it, because on a shared machine a neighbour's load moves
-wall time between the two runs. As a check that both
-did the same work, the run reports how many requests got the same tokens from both (float32 rounding differs
-between the engine's attention and transformers' SDPA, so a near-tie can rarely flip a greedy choice).
+Both sides get the same model folder, dtype, device, CPU thread count (``torch.set_num_threads`` once, before either
+runs) and requests: random prompts of 1..max_input_len tokens, each asking for 1..max_output_len tokens, greedy, eos
+ignored (the engine by ``ignore_eos``; transformers by a generation config without an eos), so every request
+produces exactly its length on both sides. The engine takes them all at once (continuous batching, check mode off,
+its default ``enforce_eager`` and attention backend, which its line names); transformers takes them in static
+batches of ``hf_batch_size`` in arrival order, left-padded, each batch generating exactly its longest request's
+length. Throughput counts only requested output tokens on both sides, so padding and over-generation in static
+batches are transformers' cost, as they are in practice. Each side first serves the same small warm-up workload,
+untimed. Wall-clock time is the measure; each side's process CPU time is printed beside it, because on a shared
+machine a neighbour's load moves wall time between the two runs. As a check that both did the same work, the run
+reports how many requests got the same tokens from both (float32 rounding differs between the engine's attention and
+transformers' SDPA, so a near-tie can rarely flip a greedy choice).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def main(args: argparse.Namespace) -> int:
     mode = "eager" if llm.enforce_eager else "graph decode"
     print(
         f"nanoverify engine:          {engine_tps:10.1f} output tok/s ({engine.wall:.2f} s, {engine.cpu:.2f} CPU s, "
-        f"continuous batching, {mode})"
+        f"continuous batching, {mode}, {runner.backend.name} attention backend)"
     )
     hf, hf_out, attn = run_transformers(str(llm.model_dir), dtype, device, w, hf_batch_size, warmup)
     hf_tps = w.output_tokens / hf.wall
