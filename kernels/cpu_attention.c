@@ -1,22 +1,25 @@
-/* Paged decode attention on the CPU, reading K and V in place from the paged cache (spec/kernels.md KERN-22).
+/* Paged attention on the CPU, reading K and V in place from the paged cache: decode (spec/kernels.md KERN-22) and
+causal prefill (KERN-27).
 
-Invariants: the caches are [num_blocks, block_size, kvh, d] and contiguous; q is [B, h, d] with any row and head
-strides but unit stride inside a head; out is [B, h, d] and contiguous. Row b attends over the first
-context_lens[b] slots named by its block-table row (stride `width`), every one of which must name a block in
-[0, num_blocks): the tables are checked before anything is written, and a bad row is reported, never read. Query
-head g uses KV head g / (h / kvh). All arithmetic is in the element type T (float or double) with IEEE semantics
-(no -ffast-math): dot products with NV_LANES partial sums in a fixed order, scaled, a softmax with the maximum
-subtracted and normalised weights, then the weighted sum of V. A row with context 0 outputs zeros. Rows are
-independent, so they run in parallel over an explicit thread count; each thread keeps its own score buffer.
+Invariants: the caches are [num_blocks, block_size, kvh, d] and contiguous; q is [rows, h, d] with any row and head
+strides but unit stride inside a head; out is [rows, h, d] and contiguous. Sequence b's context is the first
+context_lens[b] slots named by its block-table row (stride `width`), every one of which must name a block in [0,
+num_blocks): tables (and, for prefill, query counts) are checked before anything is written, and a bad row is
+reported, never read. Query head g uses KV head g / (h / kvh). All arithmetic is in the element type T (float or
+double) with IEEE semantics: no -ffast-math, no contraction into fused multiply-adds (-ffp-contract=off), sums in an
+order fixed by this source, an exponential of our own (nv_exp_*, no libm), so the result does not depend on the
+machine's vector width. A row with context 0 outputs zeros. Sequences are independent and each (row or sequence, KV
+head) is computed by one thread, so results do not depend on the thread count either; each thread keeps its own
+buffers.
 
-The body below is written once for a type T and instantiated for float and double by including this file into
-itself (the C way to write a function template).
+The bodies below are written once for a type T and instantiated for float and double by including this file into
+itself (the C way to write a function template); they are GNU C (vector extensions, always_inline, prefetch).
 */
 
-#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #ifndef NV_T
 
@@ -26,14 +29,15 @@ itself (the C way to write a function template).
 /* Elements of type float per 64-byte cache line; prefetching every this many elements of a double row touches
    each line at least once too (twice, harmlessly). */
 #define NV_LINE 16
+/* Prefill scores this many query vectors together against each run of NV_LANES keys: independent sums, so the
+   multiply-adds overlap instead of waiting on each other. */
+#define NV_TILE 8
 
-#if defined(__GNUC__)
+#if !defined(__GNUC__)
+#error "cpu_attention.c is written in GNU C (vector extensions, always_inline, prefetch): build it with GCC or Clang"
+#endif
 #define NV_INLINE inline __attribute__((always_inline))
 #define nv_prefetch(p) __builtin_prefetch((p), 0, 3)
-#else
-#define NV_INLINE inline
-#define nv_prefetch(p) ((void)(p))
-#endif
 
 /* 0 when every row's context fits its table row and names existing blocks only, else 1 + the first bad row;
    *max_len gets the longest context. */
@@ -52,6 +56,17 @@ static int64_t nv_check_tables(const int32_t *context_lens, const int32_t *block
     return 0;
 }
 
+/* 0 when sequence b's packed queries cu_seqlens[b] .. cu_seqlens[b + 1] - 1 number between 0 and its context length
+   (and cu_seqlens starts at 0), else 1 + the first bad sequence. */
+static int64_t nv_check_queries(const int32_t *cu_seqlens, const int32_t *context_lens, int64_t batch) {
+    if (batch > 0 && cu_seqlens[0] != 0) return 1;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t qlen = (int64_t)cu_seqlens[b + 1] - cu_seqlens[b];
+        if (qlen < 0 || qlen > context_lens[b]) return b + 1;
+    }
+    return 0;
+}
+
 /* How many chunks of KV heads each row is cut into, so that a batch of fewer rows than threads still has work
    for every thread. */
 static int64_t nv_head_chunks(int64_t batch, int64_t kv_heads, int64_t threads) {
@@ -60,9 +75,57 @@ static int64_t nv_head_chunks(int64_t batch, int64_t kv_heads, int64_t threads) 
     return chunks < kv_heads ? chunks : kv_heads;
 }
 
+/* exp(x) in plain arithmetic, so that the softmax loop vectorises (a libm call per element would not, without
+   -ffast-math): x = k ln2 + r with |r| <= ln2 / 2 (k rounded by adding 1.5 * 2^m, ln2 split in two so that k times
+   its high part is exact), e^r by its Taylor polynomial (degree 7 for float, 13 for double: the first omitted term
+   is under 0.05 ulp), times 2^k built in the exponent bits. Within about 2 ulp of the exact value; NaN stays NaN;
+   a result below the smallest normal number (x < -87 for float, x < -708 for double) is 0. */
+static NV_INLINE float nv_exp_f32(float x) {
+    const float shifter = 12582912.0f; /* 1.5 * 2^23, whose bits are 0x4B400000 */
+    const float c = x > 88.0f ? 88.0f : x < -87.0f ? -87.0f : x;
+    const float v = c * 1.44269504088896341f + shifter;
+    const float k = v - shifter;
+    const float r = (c - k * 0.693359375f) - k * -2.12194440054690583e-4f;
+    float p = 1.98412698412698413e-4f;
+    p = p * r + 1.38888888888888889e-3f;
+    p = p * r + 8.33333333333333333e-3f;
+    p = p * r + 4.16666666666666667e-2f;
+    p = p * r + 1.66666666666666667e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    bits = (bits - 0x4B400000u + 127u) << 23; /* k + 127 in the exponent field */
+    float two_k;
+    memcpy(&two_k, &bits, sizeof two_k);
+    return x < -87.0f ? 0.0f : p * two_k;
+}
+
+static NV_INLINE double nv_exp_f64(double x) {
+    const double shifter = 6755399441055744.0; /* 1.5 * 2^52, whose bits are 0x4338000000000000 */
+    const double c = x > 709.0 ? 709.0 : x < -708.0 ? -708.0 : x;
+    const double v = c * 1.44269504088896340736 + shifter;
+    const double k = v - shifter;
+    const double r = (c - k * 0.6931471806019544601440) - k * -4.2009150726810846e-11;
+    static const double taylor[] = {1.6059043836821613e-10, 2.08767569878681e-09, 2.505210838544172e-08,
+                                    2.755731922398589e-07,  2.7557319223985893e-06, 2.48015873015873e-05,
+                                    1.984126984126984e-04,  1.388888888888889e-03, 8.333333333333333e-03,
+                                    4.1666666666666664e-02, 0.16666666666666666,   0.5,
+                                    1.0,                    1.0};
+    double p = taylor[0];
+    for (int i = 1; i < 14; i++) p = p * r + taylor[i];
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    bits = (bits - 0x4338000000000000u + 1023u) << 52; /* k + 1023 in the exponent field */
+    double two_k;
+    memcpy(&two_k, &bits, sizeof two_k);
+    return x < -708.0 ? 0.0 : p * two_k;
+}
+
 #define NV_T float
 #define NV_NAME(x) x##_f32
-#define NV_EXP expf
+#define NV_EXP nv_exp_f32
 #include "cpu_attention.c" /* this file, once per type */
 #undef NV_T
 #undef NV_NAME
@@ -70,7 +133,7 @@ static int64_t nv_head_chunks(int64_t batch, int64_t kv_heads, int64_t threads) 
 
 #define NV_T double
 #define NV_NAME(x) x##_f64
-#define NV_EXP exp
+#define NV_EXP nv_exp_f64
 #include "cpu_attention.c" /* this file, once per type */
 #undef NV_T
 #undef NV_NAME
@@ -91,17 +154,28 @@ static NV_INLINE NV_T NV_NAME(dot)(const NV_T *restrict a, const NV_T *restrict 
     return lane[0] + lane[1];
 }
 
-/* Softmax of s[0..n) in place (n >= 1): exp(s - max) / sum. */
-static void NV_NAME(softmax)(NV_T *s, int64_t n) {
-    NV_T top = s[0];
-    for (int64_t t = 1; t < n; t++)
-        if (s[t] > top) top = s[t];
-    NV_T sum = 0;
-    for (int64_t t = 0; t < n; t++) {
-        s[t] = NV_EXP(s[t] - top);
-        sum += s[t];
-    }
-    for (int64_t t = 0; t < n; t++) s[t] /= sum;
+/* Softmax of s[0..n) in place (n >= 1): exp(s - max) / sum. The maximum (exact in any order) and the sum are taken
+   in NV_LANES lanes, then a fixed halving tree, so every loop vectorises. */
+static NV_INLINE void NV_NAME(softmax)(NV_T *restrict s, int64_t n) {
+    NV_T lane[NV_LANES];
+    for (int l = 0; l < NV_LANES; l++) lane[l] = s[0];
+    int64_t t = 0;
+    for (; t + NV_LANES <= n; t += NV_LANES)
+        for (int l = 0; l < NV_LANES; l++) lane[l] = s[t + l] > lane[l] ? s[t + l] : lane[l];
+    for (int l = 0; t < n; t++, l++) lane[l] = s[t] > lane[l] ? s[t] : lane[l];
+    for (int w = NV_LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) lane[l] = lane[l + w] > lane[l] ? lane[l + w] : lane[l];
+    const NV_T top = lane[0];
+    for (t = 0; t < n; t++) s[t] = NV_EXP(s[t] - top);
+    for (int l = 0; l < NV_LANES; l++) lane[l] = 0;
+    for (t = 0; t + NV_LANES <= n; t += NV_LANES)
+        for (int l = 0; l < NV_LANES; l++) lane[l] += s[t + l];
+    for (int l = 0; t < n; t++, l++) lane[l] += s[t];
+    for (int l = 0; l < 8; l++) lane[l] += lane[l + 8];
+    for (int l = 0; l < 4; l++) lane[l] += lane[l + 4];
+    for (int l = 0; l < 2; l++) lane[l] += lane[l + 2];
+    const NV_T sum = lane[0] + lane[1];
+    for (t = 0; t < n; t++) s[t] /= sum;
 }
 
 typedef struct {
@@ -209,6 +283,139 @@ int64_t NV_NAME(nv_paged_decode)(const NV_T *q, int64_t q_row_stride, int64_t q_
             }
         }
         free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+/* NV_LANES values as one vector (GNU C vector extension): the compiler keeps it in vector registers and spells its
+   arithmetic lane by lane, each lane rounding as its scalar would. */
+typedef NV_T NV_NAME(lanes) __attribute__((vector_size(NV_LANES * sizeof(NV_T))));
+
+/* The keys of KV head j of a context of n tokens, transposed: kt[e * stride + t] is element e of key t (zeros for
+   n <= t < stride), so that scores can run along the keys, NV_LANES at a time, without a horizontal sum. */
+static NV_INLINE void NV_NAME(transpose_keys)(const NV_T *restrict k_cache, const int32_t *table, int64_t n,
+                                             int64_t j, const NV_NAME(dims) *s, int64_t stride, NV_T *restrict kt,
+                                             const int64_t d) {
+    const int64_t bs = s->block_size, token = s->kv_heads * d;
+    for (int64_t t0 = 0, c = 0; t0 < n; t0 += bs, c++) {
+        const NV_T *block = k_cache + (int64_t)table[c] * bs * token + j * d;
+        const int64_t m = n - t0 < bs ? n - t0 : bs;
+        for (int64_t o = 0; o < m; o++)
+            for (int64_t e = 0; e < d; e++) kt[e * stride + t0 + o] = block[o * token + e];
+    }
+    for (int64_t e = 0; e < d; e++)
+        for (int64_t t = n; t < stride; t++) kt[e * stride + t] = 0;
+}
+
+/* Causal attention of the queries of KV head j of one sequence (context n, the last qlen positions; vector
+   v = i * rep + r is query i's head j * rep + r and sees keys 0 .. n - qlen + i), NV_TILE vectors at a time: their
+   scores against the transposed keys, a softmax over each one's own visible keys (the weights of keys only a later
+   vector of the tile sees are 0), then the weighted sum of V read in place. q points at the sequence's first query
+   row, out at its first output row ([qlen, h, d] contiguous); kt holds d * stride values and scores NV_TILE *
+   stride. */
+static NV_INLINE void NV_NAME(prefill_head_d)(const NV_T *restrict q, const NV_T *restrict k_cache,
+                                             const NV_T *restrict v_cache, const int32_t *table, int64_t n,
+                                             int64_t qlen, int64_t j, const NV_NAME(dims) *s, int64_t q_row_stride,
+                                             NV_T scale, NV_T *restrict kt, NV_T *restrict scores,
+                                             NV_T *restrict out, const int64_t d) {
+    const int64_t bs = s->block_size, rep = s->heads / s->kv_heads, token = s->kv_heads * d;
+    const int64_t stride = (n + NV_LANES - 1) / NV_LANES * NV_LANES, count = qlen * rep;
+    NV_NAME(transpose_keys)(k_cache, table, n, j, s, stride, kt, d);
+    for (int64_t v0 = 0; v0 < count; v0 += NV_TILE) {
+        const int64_t tile = count - v0 < NV_TILE ? count - v0 : NV_TILE;
+        const NV_T *qs[NV_TILE];
+        NV_T *os[NV_TILE];
+        int64_t seen[NV_TILE];
+        for (int64_t v = 0; v < NV_TILE; v++) {
+            /* Past the tile's end the last vector is repeated: its extra scores are computed and never read. */
+            const int64_t vec = v0 + (v < tile ? v : tile - 1), i = vec / rep, r = vec % rep;
+            qs[v] = q + i * q_row_stride + (j * rep + r) * s->q_head_stride;
+            os[v] = out + (i * s->heads + j * rep + r) * d;
+            seen[v] = n - qlen + i + 1;
+        }
+        const int64_t reach = seen[tile - 1];
+        for (int64_t t0 = 0; t0 < reach; t0 += NV_LANES) {
+            NV_NAME(lanes) acc[NV_TILE];
+            for (int v = 0; v < NV_TILE; v++) acc[v] = (NV_NAME(lanes)){0};
+            for (int64_t e = 0; e < d; e++) {
+                NV_NAME(lanes) keys;
+                memcpy(&keys, kt + e * stride + t0, sizeof keys);
+                for (int v = 0; v < NV_TILE; v++) acc[v] += qs[v][e] * keys;
+            }
+            for (int v = 0; v < NV_TILE; v++) {
+                const NV_NAME(lanes) scaled = acc[v] * scale;
+                memcpy(scores + v * stride + t0, &scaled, sizeof scaled);
+            }
+        }
+        for (int64_t v = 0; v < tile; v++) {
+            NV_NAME(softmax)(scores + v * stride, seen[v]);
+            for (int64_t t = seen[v]; t < reach; t++) scores[v * stride + t] = 0;
+            for (int64_t e = 0; e < d; e++) os[v][e] = 0;
+        }
+        for (int64_t t0 = 0, c = 0; t0 < reach; t0 += bs, c++) {
+            const NV_T *block = v_cache + (int64_t)table[c] * bs * token + j * d;
+            const int64_t m = reach - t0 < bs ? reach - t0 : bs;
+            for (int64_t o = 0; o < m; o++)
+                for (int64_t v = 0; v < tile; v++) {
+                    const NV_T w = scores[v * stride + t0 + o];
+                    for (int64_t e = 0; e < d; e++) os[v][e] += w * block[o * token + e];
+                }
+        }
+    }
+}
+
+static void NV_NAME(prefill_head)(const NV_T *q, const NV_T *k_cache, const NV_T *v_cache, const int32_t *table,
+                                  int64_t n, int64_t qlen, int64_t j, const NV_NAME(dims) *s, int64_t q_row_stride,
+                                  NV_T scale, NV_T *kt, NV_T *scores, NV_T *out) {
+    switch (s->head_dim) {
+    case 64:
+        NV_NAME(prefill_head_d)(q, k_cache, v_cache, table, n, qlen, j, s, q_row_stride, scale, kt, scores, out, 64);
+        break;
+    case 128:
+        NV_NAME(prefill_head_d)(q, k_cache, v_cache, table, n, qlen, j, s, q_row_stride, scale, kt, scores, out, 128);
+        break;
+    default:
+        NV_NAME(prefill_head_d)(q, k_cache, v_cache, table, n, qlen, j, s, q_row_stride, scale, kt, scores, out,
+                                s->head_dim);
+    }
+}
+
+/* out[N, h, d] = causal prefill attention of the packed queries q[N, h, d] (sequence b owns rows cu_seqlens[b] ..
+   cu_seqlens[b + 1] - 1, the last positions of its context). Returns 0, 1 + the first sequence whose queries or
+   table do not fit its context (nothing written), or -1 when a buffer could not be allocated. */
+int64_t NV_NAME(nv_paged_prefill)(const NV_T *q, int64_t q_row_stride, int64_t q_head_stride, const NV_T *k_cache,
+                                  const NV_T *v_cache, int64_t num_blocks, int64_t block_size,
+                                  const int32_t *cu_seqlens, const int32_t *context_lens,
+                                  const int32_t *block_tables, int64_t width, NV_T *out, int64_t batch,
+                                  int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int64_t threads) {
+    int64_t max_len = 0;
+    int64_t bad = nv_check_tables(context_lens, block_tables, batch, width, block_size, num_blocks, &max_len);
+    if (bad == 0) bad = nv_check_queries(cu_seqlens, context_lens, batch);
+    if (bad != 0 || batch == 0) return bad;
+    const NV_NAME(dims) dims = {heads, kv_heads, head_dim, block_size, q_head_stride};
+    const int64_t units = batch * kv_heads;
+    const int64_t stride = (max_len + NV_LANES - 1) / NV_LANES * NV_LANES;
+    const int team = (int)(threads < 1 ? 1 : threads < units ? threads : units);
+    int failed = 0;
+#pragma omp parallel num_threads(team)
+    {
+        NV_T *kt = malloc(sizeof(NV_T) * (size_t)(head_dim * stride + 1));
+        NV_T *scores = malloc(sizeof(NV_T) * (size_t)(NV_TILE * stride + 1));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t b = u / kv_heads, j = u % kv_heads;
+            const int64_t first = cu_seqlens[b], qlen = (int64_t)cu_seqlens[b + 1] - first;
+            if (kt == NULL || scores == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            } else if (qlen > 0) {
+                NV_NAME(prefill_head)(q + first * q_row_stride, k_cache, v_cache, block_tables + b * width,
+                                      context_lens[b], qlen, j, &dims, q_row_stride, (NV_T)scale, kt, scores,
+                                      out + first * heads * head_dim);
+            }
+        }
+        free(scores);
+        free(kt);
     }
     return failed ? -1 : 0;
 }

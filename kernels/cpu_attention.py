@@ -1,11 +1,12 @@
-"""Paged decode attention through the compiled C kernel (``cpu_attention.c``), reading the cache in place.
+"""Paged decode and prefill attention through the compiled C kernels (``cpu_attention.c``), reading the cache in place.
 
-Invariants: ``paged_decode`` takes the torch ``paged_decode``'s arguments and computes the same attention (spec
-KERN-22) for float32 and float64 tensors on the CPU whose caches are contiguous and whose query heads have unit
-stride (``supports``); it never copies the cache, nor the query when its heads are strided views of a packed
-projection. It runs on ``torch.get_num_threads()`` threads, so ``torch.set_num_threads`` governs it. Block tables
-are checked by the kernel before it writes anything: a context that does not fit its table row, or names a block
-outside the cache, is a ValueError naming the row, never an out-of-bounds read.
+Invariants: ``paged_decode`` and ``paged_prefill`` take the torch implementations' arguments and compute the same
+attention (spec KERN-22, KERN-27) for float32 and float64 tensors on the CPU whose caches are contiguous and whose
+query heads have unit stride (``supports``); they never copy the cache, nor the queries when their heads are strided
+views of a packed projection. They run on ``torch.get_num_threads()`` threads, so ``torch.set_num_threads`` governs
+them. The kernels check block tables (and query counts) before they write anything: a context that does not fit its
+table row or names a block outside the cache, or more queries than context, is a ValueError naming the row or
+sequence, never an out-of-bounds read.
 """
 
 from __future__ import annotations
@@ -18,17 +19,20 @@ import torch
 
 from kernels.cpu_build import load_library
 
-_SYMBOLS = {torch.float32: "nv_paged_decode_f32", torch.float64: "nv_paged_decode_f64"}
+_SUFFIXES = {torch.float32: "f32", torch.float64: "f64"}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-# q, q row stride, q head stride, k_cache, v_cache, num_blocks, block_size, context_lens, block_tables, width, out,
-# batch, heads, kv_heads, head_dim, scale, threads.
-_ARGTYPES = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64]
+# Decode: q, q row stride, q head stride, k_cache, v_cache, num_blocks, block_size, context_lens, block_tables,
+# width, out, batch, heads, kv_heads, head_dim, scale, threads. Prefill: cu_seqlens after block_size.
+_ARGTYPES = {
+    "decode": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64],
+    "prefill": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64],
+}
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the compiled kernel can take these tensors (otherwise the torch decode must)."""
     return (
-        q.dtype in _SYMBOLS
+        q.dtype in _SUFFIXES
         and q.dtype == k_cache.dtype == v_cache.dtype
         and q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
         and q.dim() == 3
@@ -39,12 +43,25 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 
 
 @functools.cache
-def _decode_fn(dtype: torch.dtype) -> Callable[..., int]:
-    fn = getattr(load_library(), _SYMBOLS[dtype])
-    fn.argtypes = [*_ARGTYPES, ctypes.c_double, _I64]
+def _kernel(kind: str, dtype: torch.dtype) -> Callable[..., int]:
+    fn = getattr(load_library(), f"nv_paged_{kind}_{_SUFFIXES[dtype]}")
+    fn.argtypes = [*_ARGTYPES[kind], ctypes.c_double, _I64]
     fn.restype = _I64
     call: Callable[..., int] = fn
     return call
+
+
+def _shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if not supports(q, k_cache, v_cache):
+        raise ValueError("the C kernels take float32/float64 CPU tensors, contiguous caches and unit-stride heads")
+    heads, dim = q.shape[1:]
+    kv_heads, cache_dim = k_cache.shape[2:]
+    if v_cache.shape != k_cache.shape or cache_dim != dim or heads % kv_heads != 0:
+        raise ValueError(f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).contiguous()
 
 
 def paged_decode(
@@ -56,20 +73,16 @@ def paged_decode(
     scale: float,
 ) -> torch.Tensor:
     """One query per sequence (``q[B,h,d]``) over its paged context, read in place (KERN-22)."""
-    if not supports(q, k_cache, v_cache):
-        raise ValueError("the C decode takes float32/float64 CPU tensors, contiguous caches and unit-stride heads")
+    _shapes(q, k_cache, v_cache)
     batch, heads, dim = q.shape
-    num_blocks, block_size, kv_heads, cache_dim = k_cache.shape
-    if v_cache.shape != k_cache.shape or cache_dim != dim or heads % kv_heads != 0:
-        raise ValueError(f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
-    lens = context_lens.to(torch.int32).contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    lens, tables = _int32(context_lens), _int32(block_tables)
     if lens.shape != (batch,) or tables.dim() != 2 or tables.shape[0] != batch:
         raise ValueError(f"context_lens {tuple(lens.shape)} and block_tables {tuple(tables.shape)} need {batch} rows")
     out = torch.empty(batch, heads, dim, dtype=q.dtype)
     # Named for torch.profiler, which does not see into a ctypes call (nearly free when no profiler runs).
     with torch.profiler.record_function("nanoverify::cpu_paged_decode"):
-        code = _decode_fn(q.dtype)(
+        code = _kernel("decode", q.dtype)(
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size,
             lens.data_ptr(), tables.data_ptr(), tables.shape[1], out.data_ptr(), batch, heads, kv_heads, dim,
             scale, torch.get_num_threads(),
@@ -82,4 +95,46 @@ def paged_decode(
         )
     if code < 0:
         raise MemoryError("the C decode could not allocate its score buffers")
+    return out
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the packed queries ``q[N,h,d]`` over each sequence's paged context, read in place
+    (KERN-27)."""
+    _shapes(q, k_cache, v_cache)
+    rows, heads, dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    cu, lens, tables = _int32(cu_seqlens_q), _int32(context_lens), _int32(block_tables)
+    batch = lens.shape[0]
+    if lens.dim() != 1 or cu.shape != (batch + 1,) or tables.dim() != 2 or tables.shape[0] != batch:
+        raise ValueError(
+            f"cu_seqlens_q {tuple(cu.shape)}, context_lens {tuple(lens.shape)} and block_tables "
+            f"{tuple(tables.shape)} do not describe one batch"
+        )
+    if int(cu[-1]) != rows:
+        raise ValueError(f"cu_seqlens_q ends at {int(cu[-1])}, but q has {rows} rows")
+    out = torch.empty(rows, heads, dim, dtype=q.dtype)
+    with torch.profiler.record_function("nanoverify::cpu_paged_prefill"):
+        code = _kernel("prefill", q.dtype)(
+            q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size,
+            cu.data_ptr(), lens.data_ptr(), tables.data_ptr(), tables.shape[1], out.data_ptr(), batch, heads,
+            kv_heads, dim, scale, torch.get_num_threads(),
+        )  # fmt: skip
+    if code > 0:
+        seq = code - 1
+        raise ValueError(
+            f"sequence {seq}: {int(cu[seq + 1]) - int(cu[seq])} queries over a context of {int(lens[seq])} tokens, "
+            f"or a context its {tables.shape[1]} table columns of {block_size} slots (blocks in [0, {num_blocks})) "
+            "do not hold"
+        )
+    if code < 0:
+        raise MemoryError("the C prefill could not allocate its buffers")
     return out

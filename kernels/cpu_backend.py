@@ -1,9 +1,9 @@
-"""The CPU attention backend: the torch store and prefill, and the compiled C decode that reads the cache in place.
+"""The CPU attention backend: the torch KV store, and compiled C decode and prefill that read the cache in place.
 
-Invariants: ``store_kv`` and ``prefill`` are the torch backend's (KERN-1..KERN-3); ``decode`` runs the C kernel
-(KERN-22) whenever it takes the tensors (float32 or float64, contiguous caches) and the torch decode otherwise, so
-the backend serves every dtype. Its decode reads exactly each row's context whatever the table width, so a caller
-gains nothing by sorting or splitting rows (``reads_cache_in_place``).
+Invariants: ``store_kv`` is the torch backend's (KERN-1); ``decode`` and ``prefill`` run the C kernels (KERN-22,
+KERN-27) whenever they take the tensors (float32 or float64, contiguous caches) and the torch ones otherwise, so the
+backend serves every dtype. Its decode reads exactly each row's context whatever the table width, so a caller gains
+nothing by sorting or splitting rows (``reads_cache_in_place``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ class CpuBackend:
         block_tables: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
+        if cpu_attention.supports(q, k_cache, v_cache):
+            return cpu_attention.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
         return paged_attention.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
     def decode(

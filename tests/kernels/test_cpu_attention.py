@@ -1,4 +1,5 @@
-"""The compiled CPU decode (kernels/cpu_attention.c) against the torch oracle, its build cache, and its backend.
+"""The compiled CPU decode and prefill (kernels/cpu_attention.c) against the torch oracle, their build cache and
+backend, and the engine's use of them.
 
 Caches are random (never zeros), each row owns a random, scattered set of blocks, unused blocks and the slots past
 a context hold random garbage, and tables carry extra -1 columns, so a kernel that reads a slot it should not,
@@ -25,13 +26,13 @@ from optimized.model_runner import DrawParams, ScheduledSeq
 from tests.engine_fixtures import VOCAB, checkpoint, hf_greedy, one_thread, set_root
 
 CPU = torch.device("cpu")
-# float32: the C kernel sums each dot product in 16 partial sums and torch's GEMM in its own order, so scores of
-# magnitude ~10 differ by an ulp or two (~1e-6) before the exponential; the largest difference measured over these
-# shapes with 20 seeds each is 1.4e-6 (relative to 1 + |expected|).
+# float32: the C kernels sum each dot product in their own order and torch's GEMM in its, so scores of magnitude ~10
+# differ by an ulp or two (~1e-6) before the exponential; the largest difference measured over these shapes with 15
+# seeds each is 1.6e-6 for decode and 2.2e-6 for prefill (relative to 1 + |expected|).
 F32_TOL = 5e-6
-# float64: the C kernel computes the softmax in double; the torch oracle rounds its softmax to float32 (the eager
-# contract, KERN-3), so the two agree to float32 rounding only, and the kernel to double rounding with an all-double
-# reference.
+# float64: the C kernels compute the softmax in double; the torch oracle rounds its softmax to float32 (the eager
+# contract, KERN-3), so the two agree to float32 rounding only, and the kernels to double rounding (measured 9e-15)
+# with an all-double reference.
 F64_TOL_ORACLE = 1e-6
 F64_TOL_DOUBLE = 1e-12
 
@@ -141,6 +142,95 @@ def test_c_decode_reads_a_whole_table_row_and_only_the_context(dtype: torch.dtyp
     assert torch.equal(cpu_attention.paged_decode(*decode_args(poked), 0.2), out)
 
 
+def double_prefill(c: Case, qlens: list[int], scale: float) -> torch.Tensor:
+    """Causal prefill attention entirely in float64: sequence b's queries are its last qlens[b] positions."""
+    rows, heads, dim = c.q.shape
+    block_size, kv_heads = c.k_cache.shape[1], c.k_cache.shape[2]
+    out = torch.zeros(rows, heads, dim, dtype=torch.float64)
+    first = 0
+    for b, (n, qlen) in enumerate(zip(c.context_lens.tolist(), qlens, strict=True)):
+        blocks = c.block_tables[b, : -(-n // block_size)].long()
+        k = c.k_cache[blocks].reshape(-1, kv_heads, dim)[:n].double()
+        v = c.v_cache[blocks].reshape(-1, kv_heads, dim)[:n].double()
+        for i in range(qlen):
+            seen = n - qlen + i + 1
+            for h in range(heads):
+                j = h // (heads // kv_heads)
+                weights = torch.softmax(k[:seen, j] @ c.q[first + i, h].double() * scale, dim=0)
+                out[first + i, h] = weights @ v[:seen, j]
+        first += qlen
+    return out
+
+
+def prefill_case(
+    lens: list[int], qlens: list[int], block_size: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype
+) -> tuple[Case, torch.Tensor]:
+    """A case whose q holds the packed queries (a strided view) and the matching cu_seqlens_q."""
+    case = make_case(lens, block_size, heads, kv_heads, dim, dtype, seed=sum(lens) + dim)
+    packed = torch.randn(sum(qlens), heads + kv_heads, dim, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    return Case(packed[:, :heads], case.k_cache, case.v_cache, case.context_lens, case.block_tables), cu
+
+
+Tensors6 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def prefill_args(c: Case, cu: torch.Tensor) -> Tensors6:
+    return c.q, c.k_cache, c.v_cache, cu, c.context_lens, c.block_tables
+
+
+# (context lens, query lens, block size, heads, kv heads, head dim): whole prompts, chunks and prefix-cache tails
+# (qlen < context), a sequence without queries, one query (a decode-like tail), more queries than one score tile,
+# block sizes 1..16, GQA 1, 3 and 8, the specialised dims 64 and 128 and generic ones.
+PREFILL_SHAPES = [
+    ([7, 1, 23], [7, 1, 23], 5, 6, 2, 12),
+    ([9, 17, 4], [2, 17, 0], 3, 4, 4, 8),
+    ([33, 16], [5, 16], 4, 8, 1, 20),
+    ([40], [13], 1, 3, 1, 24),
+    ([70, 32, 19], [70, 1, 19], 16, 4, 2, 64),
+    ([38, 21], [38, 9], 2, 4, 2, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("lens", "qlens", "block_size", "heads", "kv_heads", "dim"), PREFILL_SHAPES)
+def test_c_prefill_equals_torch_prefill(
+    lens: list[int], qlens: list[int], block_size: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype
+) -> None:
+    """KERN-27, KERN-23: the C prefill equals the torch paged_prefill (float32 within F32_TOL; float64 within the
+    oracle's float32 softmax and within 1e-12 of an all-double reference), queries being the last positions."""
+    case, cu = prefill_case(lens, qlens, block_size, heads, kv_heads, dim, dtype)
+    out = cpu_attention.paged_prefill(*prefill_args(case, cu), 0.3)
+    expected = paged_attention.paged_prefill(*prefill_args(case, cu), 0.3)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=F32_TOL, atol=F32_TOL)
+    else:
+        torch.testing.assert_close(out, expected, rtol=F64_TOL_ORACLE, atol=F64_TOL_ORACLE)
+        torch.testing.assert_close(out, double_prefill(case, qlens, 0.3), rtol=F64_TOL_DOUBLE, atol=F64_TOL_DOUBLE)
+
+
+def test_c_prefill_refuses_queries_its_context_cannot_hold() -> None:
+    """KERN-27: more queries than context tokens, cu_seqlens_q not starting at 0 or not ending at q's rows, or a
+    table that does not hold a context, is a ValueError, nothing read out of bounds."""
+    case, cu = prefill_case([6, 9], [6, 9], 4, 4, 2, 16, torch.float32)
+    too_many = case.context_lens.clone()
+    too_many[1] = 8  # 9 queries over 8 tokens
+    with pytest.raises(ValueError, match="sequence 1: 9 queries over a context of 8"):
+        cpu_attention.paged_prefill(case.q, case.k_cache, case.v_cache, cu, too_many, case.block_tables, 0.3)
+    with pytest.raises(ValueError, match="sequence 0"):
+        cpu_attention.paged_prefill(
+            case.q[1:], case.k_cache, case.v_cache, cu - 1, case.context_lens, case.block_tables, 0.3
+        )
+    with pytest.raises(ValueError, match="ends at 15, but q has 14 rows"):
+        cpu_attention.paged_prefill(
+            case.q[1:], case.k_cache, case.v_cache, cu, case.context_lens, case.block_tables, 0.3
+        )
+    tables = case.block_tables.clone()
+    tables[1, 2] = -1
+    with pytest.raises(ValueError, match="sequence 1"):
+        cpu_attention.paged_prefill(case.q, case.k_cache, case.v_cache, cu, case.context_lens, tables, 0.3)
+
+
 def test_c_decode_refuses_a_table_that_does_not_hold_the_context() -> None:
     """KERN-22: a -1 or an out-of-range block inside a context, or a context longer than the table, is a
     ValueError naming the row, never an out-of-bounds read."""
@@ -159,44 +249,56 @@ def test_c_decode_refuses_a_table_that_does_not_hold_the_context() -> None:
 
 def test_c_decode_is_the_same_on_any_thread_count() -> None:
     """KERN-26: each row (or each KV head, when rows are fewer than threads) is computed by one thread in a fixed
-    order, so 1 and 2 threads give bit-identical results, for a batch and for a single row."""
+    order, so 1 and 2 threads give bit-identical results, for a decode batch, a single row and a prefill."""
     case = make_case([40, 3, 0, 17, 33, 8], 4, 8, 2, 64, torch.float32, seed=5)
     single = Case(case.q[:1], case.k_cache, case.v_cache, case.context_lens[:1], case.block_tables[:1])
+    prefill, cu = prefill_case([40, 3, 17], [11, 3, 17], 4, 8, 2, 64, torch.float32)
     before = torch.get_num_threads()
-    results: dict[tuple[int, int], torch.Tensor] = {}
+    results: dict[tuple[int, str], torch.Tensor] = {}
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for rows, c in ((len(case.q), case), (1, single)):
-                results[threads, rows] = cpu_attention.paged_decode(*decode_args(c), 0.3)
+            results[threads, "batch"] = cpu_attention.paged_decode(*decode_args(case), 0.3)
+            results[threads, "row"] = cpu_attention.paged_decode(*decode_args(single), 0.3)
+            results[threads, "prefill"] = cpu_attention.paged_prefill(*prefill_args(prefill, cu), 0.3)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(results[1, 6], results[2, 6]) and torch.equal(results[1, 1], results[2, 1])
-    assert torch.equal(results[1, 1], results[1, 6][:1])
+    for kind in ("batch", "row", "prefill"):
+        assert torch.equal(results[1, kind], results[2, kind]), kind
+    assert torch.equal(results[1, "row"], results[1, "batch"][:1])
 
 
 def test_cpu_backend_uses_the_c_decode_for_float_and_torch_for_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KERN-24: get_backend(None, cpu) is the "cpu" backend here; it decodes float32/float64 with the C kernel
-    and other dtypes with the torch decode; its store and prefill are the torch backend's."""
+    """KERN-24: get_backend(None, cpu) is the "cpu" backend here; it decodes and prefills float32/float64 with the
+    C kernels and other dtypes with the torch ones; its store is the torch backend's."""
     backend = get_backend(None, CPU)
     assert backend.name == "cpu" and get_backend("cpu", CPU).name == "cpu"
-    calls: list[torch.dtype] = []
-    real = cpu_attention.paged_decode
+    calls: list[tuple[str, torch.dtype]] = []
+    real_decode, real_prefill = cpu_attention.paged_decode, cpu_attention.paged_prefill
 
-    def counting(q: torch.Tensor, *rest: Any) -> torch.Tensor:
-        calls.append(q.dtype)
-        return real(q, *rest)
+    def counting_decode(q: torch.Tensor, *rest: Any) -> torch.Tensor:
+        calls.append(("decode", q.dtype))
+        return real_decode(q, *rest)
 
-    monkeypatch.setattr(cpu_attention, "paged_decode", counting)
+    def counting_prefill(q: torch.Tensor, *rest: Any) -> torch.Tensor:
+        calls.append(("prefill", q.dtype))
+        return real_prefill(q, *rest)
+
+    monkeypatch.setattr(cpu_attention, "paged_decode", counting_decode)
+    monkeypatch.setattr(cpu_attention, "paged_prefill", counting_prefill)
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         case = make_case([6, 0, 9], 4, 4, 2, 16, dtype, seed=8)
         out = backend.decode(*decode_args(case), 0.3)
         expected = paged_attention.paged_decode(*decode_args(case), 0.3)
+        pcase, cu = prefill_case([6, 9], [2, 9], 4, 4, 2, 16, dtype)
+        prefilled = backend.prefill(*prefill_args(pcase, cu), 0.3)
+        prefill_expected = paged_attention.paged_prefill(*prefill_args(pcase, cu), 0.3)
         if dtype == torch.bfloat16:
-            assert torch.equal(out, expected)
+            assert torch.equal(out, expected) and torch.equal(prefilled, prefill_expected)
         else:
             torch.testing.assert_close(out, expected, rtol=F32_TOL, atol=F32_TOL)
-    assert calls == [torch.float32, torch.float64]
+            torch.testing.assert_close(prefilled, prefill_expected, rtol=F32_TOL, atol=F32_TOL)
+    assert calls == [(kind, t) for t in (torch.float32, torch.float64) for kind in ("decode", "prefill")]
     case = make_case([6, 9], 4, 4, 2, 16, torch.float32, seed=9)
     k, v = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
     slots = torch.tensor([int(case.block_tables[0, 1]) * 4 + 1, -1])
@@ -204,10 +306,6 @@ def test_cpu_backend_uses_the_c_decode_for_float_and_torch_for_the_rest(monkeypa
     backend.store_kv(k, v, *stored, slots)
     paged_attention.store_kv(k, v, case.k_cache, case.v_cache, slots)
     assert torch.equal(stored[0], case.k_cache) and torch.equal(stored[1], case.v_cache)
-    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
-    q = torch.randn(5, 4, 16)
-    prefill_args = (q, case.k_cache, case.v_cache, cu, case.context_lens, case.block_tables, 0.3)
-    assert torch.equal(backend.prefill(*prefill_args), paged_attention.paged_prefill(*prefill_args))
 
 
 @pytest.fixture
