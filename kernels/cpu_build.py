@@ -76,8 +76,11 @@ def library_path(compiler: str, source: Path = SOURCE) -> Path:
 
 def build(compiler: str, source: Path, target: Path) -> None:
     """Compile ``source`` into ``target``, atomically."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
+    except OSError as e:
+        raise CpuKernelUnavailable(f"cannot write the kernel cache folder {target.parent}: {e}") from None
     os.close(fd)
     try:
         cmd = [compiler, *FLAGS, "-o", tmp, str(source.resolve())]
@@ -123,6 +126,8 @@ def _outcome() -> ctypes.CDLL | str:
         return _load(compiler)
     except CpuKernelUnavailable as e:
         return str(e)
+    except OSError as e:  # reading the source, renaming the build into place
+        return f"building the CPU kernels failed: {e}"
 
 
 def load_library() -> ctypes.CDLL:

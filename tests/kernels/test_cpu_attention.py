@@ -345,8 +345,9 @@ def test_build_goes_to_the_cache_once_and_is_reused(fresh_cache: Path, monkeypat
 
 
 def test_chooser_falls_back_to_torch_and_says_why(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """KERN-24: without a C compiler, or when the build fails, get_backend(None, cpu) warns with the reason and
-    returns the torch backend; asking for "cpu" by name is a ValueError with the same reason."""
+    """KERN-24: without a C compiler, when the build fails or when the cache folder cannot be written,
+    get_backend(None, cpu) warns with the reason and returns the torch backend; asking for "cpu" by name is a
+    ValueError with the same reason."""
     monkeypatch.setattr(cpu_build, "COMPILERS", ("nanoverify-no-such-cc",))
     with pytest.warns(RuntimeWarning, match="no C compiler on the PATH"):
         assert get_backend(None, CPU).name == "torch"
@@ -354,6 +355,7 @@ def test_chooser_falls_back_to_torch_and_says_why(fresh_cache: Path, monkeypatch
         get_backend("cpu", CPU)
     monkeypatch.undo()  # the compilers again, and the fixture's cache root
     monkeypatch.setenv("NANOVERIFY_CACHE", str(fresh_cache.parent))
+    real_source = cpu_build.SOURCE
     broken = fresh_cache.parent / "cpu_attention.c"
     broken.write_text("this is not C;\n", encoding="utf-8")
     monkeypatch.setattr(cpu_build, "SOURCE", broken)
@@ -363,6 +365,13 @@ def test_chooser_falls_back_to_torch_and_says_why(fresh_cache: Path, monkeypatch
     assert not fresh_cache.exists() or not any(fresh_cache.iterdir())  # no library, no temporary file
     with pytest.raises(ValueError, match="backend 'cpu' runs on the CPU only"):
         get_backend("cpu", torch.device("meta"))
+    monkeypatch.setattr(cpu_build, "SOURCE", real_source)
+    not_a_folder = fresh_cache.parent / "a-file"
+    not_a_folder.write_text("", encoding="utf-8")
+    monkeypatch.setenv("NANOVERIFY_CACHE", str(not_a_folder))
+    cpu_build.forget()
+    with pytest.warns(RuntimeWarning, match="cannot write the kernel cache folder"):
+        assert get_backend(None, CPU).name == "torch"
 
 
 def test_engine_decodes_the_whole_batch_in_the_schedulers_order(
