@@ -3,7 +3,7 @@
 Invariants: every backend implements the same contract (spec/kernels.md, KERN-1..KERN-5) and is interchangeable
 up to the tolerances stated there; the torch backend is the oracle. ``get_backend(None, device)`` picks the best
 backend that can run on ``device`` — flash-attn on CUDA when ``flash_attn`` imports, else Triton on CUDA; on the CPU
-the compiled C decode ("cpu") when it builds and loads, else torch, with a warning saying why (KERN-24) — and an
+the compiled C kernels ("cpu") when they build and load, else torch, with a warning saying why (KERN-24) — and an
 explicit name that cannot run raises ValueError naming the backend and the reason.
 """
 
