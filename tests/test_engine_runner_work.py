@@ -1,8 +1,8 @@
 """What the model runner computes in each step, watched from inside: the attention backend, the model's inputs,
 its logits and the sampler (ENG-2, ENG-3, ENG-4).
 
-The runner's backend is replaced by a spy that delegates to the torch backend and logs every call with its layer
-and rows; ``ModelRunner.run`` is wrapped to snapshot the batch the scheduler granted (each sequence's
+The runner's backend is replaced by a spy that delegates to the engine's default backend and logs every call with
+its layer and rows; ``ModelRunner.run`` is wrapped to snapshot the batch the scheduler granted (each sequence's
 ``num_cached_tokens``, ``num_scheduled_tokens``, tokens and block table) before the step, and a forward pre-hook
 records the input ids and positions the model gets. Each step is then checked against the grant alone. The spy
 is named ``"spy"``, not ``"torch"``, so decode reaches the backend's ``decode`` (the torch backend's precomputed
@@ -43,7 +43,8 @@ class Call:
 
 
 class SpyBackend:
-    """The torch backend, with every call logged (layer found from the cache tensor it is handed)."""
+    """The engine's default backend (the compiled "cpu" one where it builds), with every call logged (layer found
+    from the cache tensor it is handed)."""
 
     def __init__(self, inner: AttentionBackend, runner: ModelRunner) -> None:
         self.name = "spy"

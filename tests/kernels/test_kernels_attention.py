@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
 
-from kernels import paged_attention, triton_decode, triton_prefill, triton_store
+from kernels import cpu_build, paged_attention, triton_decode, triton_prefill, triton_store
 from kernels.backend import TorchBackend, flash_attn_available, get_backend
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2), torch.float16: (2e-3, 2e-3)}
@@ -227,10 +227,12 @@ def test_triton_decode_equals_torch(
 
 
 def test_backends_agree_end_to_end_and_selection(device: torch.device) -> None:
-    """KERN-15: get_backend names the backends; None picks torch on the CPU (Triton or flash-attn on CUDA);
-    unknown or unusable names raise; the Triton backend agrees with torch on ``device``."""
+    """KERN-15: get_backend names the backends; None picks the compiled "cpu" backend on the CPU when it builds,
+    else torch (Triton or flash-attn on CUDA); unknown or unusable names raise; the Triton backend agrees with torch
+    on ``device``."""
     cpu = torch.device("cpu")
-    assert isinstance(get_backend(None, cpu), TorchBackend)
+    assert get_backend(None, cpu).name == ("cpu" if cpu_build.unavailable_reason() is None else "torch")
+    assert isinstance(get_backend("torch", cpu), TorchBackend)
     with pytest.raises(ValueError, match="backend"):
         get_backend("cuDNN", cpu)
     with pytest.raises(ValueError, match="flash-attn"):
