@@ -57,18 +57,20 @@ class DecodeGroup:
         """
         return (1 - clock) % self.block_size
 
-    def filling(self, clock: int) -> int:
-        """The phase of the members whose length at ``clock`` is 0 mod block_size: postprocess fills their last
-        block, the last entry of their table lists."""
-        return -clock % self.block_size
+    def filling(self, clock: int) -> list[Sequence]:
+        """Members whose length at ``clock`` is 0 mod block_size: postprocess fills their last block."""
+        return self.phases[-clock % self.block_size]
 
     def _finish_step(self, seq: Sequence, max_tokens: int) -> int:
         """The clock whose postprocess brings the completion count to ``max_tokens``."""
         return seq._since + max_tokens - 1 - (seq._ntok - seq.num_prompt_tokens)
 
     # --- joining and leaving -------------------------------------------------------------------
-    def join(self, seqs: list[Sequence]) -> None:
-        """Running sequences that have finished their prefill enter the batch at the current clock."""
+    def join(self, seqs: list[Sequence], keep_segments: bool) -> None:
+        """Running sequences that have finished their prefill enter the batch at the current clock.
+
+        ``keep_segments``: a logged decode fill may still need a member's earlier segments.
+        """
         now, phases, tables, finishes = self.now, self.phases, self.tables, self.finishes
         for seq in seqs:
             seq._group = self
@@ -76,6 +78,10 @@ class DecodeGroup:
             seq._gord = self._next_gord
             self._next_gord += 1
             seq._is_prefill = False
+            if not keep_segments:
+                seq._segments.clear()
+            # From this clock on, its length at clock c is anchor + c and its blocks are in this table list.
+            seq._segments.append((now, seq._ntok - now, seq.block_table))
             phase = self.phase(seq)
             phases[phase].append(seq)
             tables[phase].append(seq.block_table)

@@ -2,28 +2,25 @@
 
 Invariants (the reference's, spec/invariants.md), true whenever the prefix
 cache is read: every block id is either on the free queue (ref count 0) or used
-(ref count = number of block tables holding it); a table entry ``h -> b``
-counts only while block b carries hash h (``_hashes[b] == h``), and the
-counting entries are exactly the reference's table; a lookup hit also needs
-equal token bytes; a released block keeps its hash and contents until it is
-taken again. What differs from the
+(ref count = number of block tables holding it); ``table[h] == b`` implies block
+b carries hash h; a lookup hit also needs equal token bytes; a released block
+keeps its hash and contents until it is taken again. What differs from the
 reference (spec/optimized-scheduler.md):
 
 * the free queue is FreeBlockQueue (OPT-4); ``_extra[b]`` (a list) is a used
   block's ref count minus one and 0 for every free block, so taking a fresh
   block writes no count and releasing a block held once writes none either;
   ``_shared`` counts the blocks with ``_extra > 0``; ``_hashes`` and
-  ``_contents`` (dicts) hold the registered blocks, so a registration is
-  three dict updates; taking a block pops its hash only, leaving its table
-  entry stale and its bytes unread (OPT-22) instead of deleting the entry;
+  ``_contents`` (dicts) hold the registered blocks only, so a registration is
+  three dict updates and taking a block pops its entries;
 * every free-queue entry before absolute position ``_clean_end`` is a block
   that was never used, so it has no hash and no pending registration: takes
   from there touch nothing but the queue's front (OPT-13);
 * chain hashes come from the sequence's own cache, so each full block of a
   sequence is hashed at most once (OPT-5);
 * registering full blocks (``hash_blocks``) only appends (sequence, first
-  index, block ids) to ``pending``, and a decode step's fills only (members,
-  their last block ids, their table lengths) (OPT-16); the log is applied in order (``flush``) before anything
+  index, block ids) to ``pending``, and a decode step's fills only (clock,
+  members) (OPT-16); the log is applied in order (``flush``) before anything
   reads the table or a block's hash: a lookup (``can_allocate``), taking a block
   from beyond ``_clean_end``, any inspection. The table then holds exactly
   what the reference's eager registrations would have left (OPT-8);
@@ -33,8 +30,6 @@ reference (spec/optimized-scheduler.md):
 
 from __future__ import annotations
 
-from collections import deque
-from itertools import repeat
 from operator import itemgetter
 from typing import Any
 
@@ -146,8 +141,7 @@ class KVCacheManager:
         # registration of a run of blocks is three C-level updates.
         self._hashes: dict[int, int] = {}
         self._contents: dict[int, bytes] = {}
-        self._table: dict[int, int] = {}  # may hold stale entries: h -> b counts only if _hashes[b] == h (OPT-22)
-        self._table_cap = 2 * num_blocks + 1024
+        self._table: dict[int, int] = {}
         self.free = FreeBlockQueue(num_blocks)
         self._clean_end = num_blocks
         # (seq, first index, block ids) from hash_blocks; (None, clock, seqs): one decode step's fills.
@@ -165,8 +159,7 @@ class KVCacheManager:
     @property
     def hash_to_block_id(self) -> dict[int, int]:
         self.flush()
-        hashes = self._hashes
-        return {h: b for h, b in self._table.items() if hashes.get(b) == h}  # stale entries are not there (OPT-22)
+        return dict(self._table)
 
     @property
     def free_block_ids(self) -> list[int]:
@@ -183,7 +176,7 @@ class KVCacheManager:
     def token_ids_of(self, block_id: int) -> list[int]:
         self.flush()
         raw = self._contents.get(block_id)
-        if raw is None or block_id not in self._hashes:  # a taken block's old bytes stay until overwritten
+        if raw is None:
             return []
         return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
 
@@ -272,10 +265,13 @@ class KVCacheManager:
         """Blocks start, start+1, ... of ``seq`` (held in ``block_ids``) just became full: register them later."""
         self.pending.append((seq, start, block_ids))
 
-    def defer_fills(self, seqs: list[Sequence], tables: list[list[int]]) -> None:
-        """A decode step filled the last block of each of ``seqs`` (``tables`` are their block tables): register
-        those blocks later (OPT-16). The block ids and indices are read now, at C speed; the hashing waits."""
-        self.pending.append((None, seqs, list(map(itemgetter(-1), tables)), list(map(len, tables))))
+    def defer_fills(self, clock: int, seqs: list[Sequence]) -> None:
+        """Decode step ``clock`` filled the last block of each of ``seqs``: register those blocks later.
+
+        Only the step is logged: which block that was is read back at the flush from the member's
+        segment for that clock (``Sequence._segments``), whose table list deallocate leaves intact.
+        """
+        self.pending.append((None, clock, seqs))
 
     def flush(self) -> None:
         """Apply the pending registrations in order: store hash and contents, map the hash to the block.
@@ -289,26 +285,28 @@ class KVCacheManager:
             return
         for entry in pending:
             if entry[0] is None:
-                self._register_fills(entry[1], entry[2], entry[3])
+                self._register_fills(entry[1], entry[2])
             else:
                 self._register(*entry)
         pending.clear()
 
-    def _register_fills(self, seqs: list[Sequence], block_ids: list[int], lengths: list[int]) -> None:
-        """One decode step's fills: block ``lengths[k] - 1`` of ``seqs[k]``, held in ``block_ids[k]``, just filled."""
-        width = 8 * self.block_size
+    def _register_fills(self, clock: int, seqs: list[Sequence]) -> None:
+        """Decode step ``clock``'s fills: each member's block holding its token ``length - 1`` just filled."""
+        hashes, contents, table, memo = self._hashes, self._contents, self._table, self._memo
+        block_size = self.block_size
+        width = 8 * block_size
         to_bytes = int.to_bytes
         new_hashes: list[int] = []
-        new_pieces: list[bytes] = []
-        for seq, n in zip(seqs, lengths, strict=True):
-            i = n - 1
+        new_blocks: list[int] = []
+        for seq in seqs:
+            segments = seq._segments
+            k = len(segments) - 1
+            while segments[k][0] > clock:
+                k -= 1
+            _, anchor, block_table = segments[k]
+            i = (anchor + clock) // block_size - 1
+            block_id = block_table[i]
             chain = seq._hashes
-            if len(chain) > i:  # hashed already (a walk looked at it before a preemption)
-                new_hashes.append(chain[i])
-                new_pieces.append(seq._pieces[i])
-                continue
-            if len(chain) < i:
-                self.extend_chain(seq, i)
             arena = seq._arena
             if arena is not None:
                 at = 8 * seq.region_offset + i * width
@@ -316,21 +314,22 @@ class KVCacheManager:
             else:
                 view, at = token_bytes(seq)
                 piece = view[at + i * width : at + (i + 1) * width].tobytes()
-            h = xxh64_intdigest(to_bytes(chain[i - 1], 8, "little") + piece) if i else xxh64_intdigest(piece)
-            chain.append(h)
-            seq._pieces.append(piece)
+            n = len(chain)
+            if n > i:
+                h = chain[i]
+            else:
+                if n < i:
+                    self.extend_chain(seq, i)
+                h = xxh64_intdigest(to_bytes(chain[i - 1], 8, "little") + piece) if i else xxh64_intdigest(piece)
+                chain.append(h)
+                seq._pieces.append(piece)
+            hashes[block_id] = h
+            contents[block_id] = piece
+            table[h] = block_id
             new_hashes.append(h)
-            new_pieces.append(piece)
-        # In step order, as the reference's eager registrations: a later write to the same key wins in both.
-        self._hashes.update(zip(block_ids, new_hashes, strict=True))
-        self._contents.update(zip(block_ids, new_pieces, strict=True))
-        table = self._table
-        table.update(zip(new_hashes, block_ids, strict=True))
-        memo = self._memo
-        if memo is not None and self._touches(memo, new_hashes, block_ids):
+            new_blocks.append(block_id)
+        if memo is not None and self._touches(memo, new_hashes, new_blocks):
             self._memo = None
-        if len(table) > self._table_cap:
-            self._drop_stale()
 
     def _register(self, seq: Sequence, start: int, block_ids: list[int]) -> None:
         end = start + len(block_ids)
@@ -342,17 +341,6 @@ class KVCacheManager:
         memo = self._memo
         if memo is not None and self._touches(memo, chain, block_ids):
             self._memo = None
-        if len(self._table) > self._table_cap:
-            self._drop_stale()
-
-    def _drop_stale(self) -> None:
-        """Rebuild the table without its stale entries (OPT-22).
-
-        At most one entry per block is live, so after this the table holds at most ``num_blocks`` entries and the
-        next rebuild is at least ``num_blocks`` registrations away: O(1) per registration, amortised.
-        """
-        hashes = self._hashes
-        self._table = {h: b for h, b in self._table.items() if hashes.get(b) == h}
 
     @staticmethod
     def _touches(memo: WalkMemo, chain: list[int], block_ids: list[int]) -> bool:
@@ -377,20 +365,22 @@ class KVCacheManager:
         return ids
 
     def _forget(self, ids: list[int]) -> None:
-        """Taken blocks lose their hash; table entries naming them go stale instead of being deleted (OPT-22).
-
-        A taken block's pending registration must land first, as the reference's was eager (OPT-8).
-        """
+        """Taken blocks lose their hash (and their table entry, if it still names them)."""
         if self.pending:
-            self.flush()
-        hashes = self._hashes
-        if hashes:
-            deque(map(hashes.pop, ids, repeat(-1)), maxlen=0)
+            self.flush()  # a taken block's pending registration must land first, as the reference's was eager
+        hashes, contents, table = self._hashes, self._contents, self._table
+        unmapped = []
+        for block_id in ids:
+            h = hashes.pop(block_id, -1)
+            if h != -1:
+                del contents[block_id]
+                # Distinct blocks carry distinct mapped hashes: the order of these deletions is immaterial.
+                if table.get(h) == block_id:
+                    del table[h]
+                    unmapped.append(h)
         memo = self._memo
-        if memo is not None and not memo.blocks.keys().isdisjoint(ids):
-            # Taking hit i makes its table entry stale, which the reference's deletion does too: cut the walk there.
-            blocks = memo.blocks
-            memo.cut(min(blocks.get(b, memo.cached) for b in ids))
+        if memo is not None and unmapped and not memo.hashes.keys().isdisjoint(unmapped):
+            memo.cut(min(memo.hashes.get(h, memo.cached) for h in unmapped))
 
     def release(self, table: list[int]) -> None:
         """``deallocate``'s release: from the table's end to its start, freed ids join the queue in that order.
@@ -435,7 +425,7 @@ class KVCacheManager:
         """Release the table from its end to its start; the freed ids join the queue in that order."""
         self.release(seq.block_table)
         seq._ncached = 0
-        seq.block_table = []
+        seq.block_table = []  # a new list: a pending decode fill may still read the old one (defer_fills)
 
     # --- the reference's BlockManager API, on sequences outside the decode group ----------------------
     def can_allocate(self, seq: Sequence) -> int:
@@ -459,19 +449,12 @@ class KVCacheManager:
         chain, pieces = seq._hashes, seq._pieces
         hits: list[int] = []
         missed = -1
-        hashes = self._hashes
-        if last and hashes.get(table.get(chain[0], -1)) == chain[0]:
+        if last and chain[0] in table:
             self.extend_chain(seq, last)
-            # Every lookup at C speed; the walk ends at the first missing or stale entry (OPT-22), or the first
-            # other tokens.
-            looked_up = chain[:last]
-            found = list(map(table.get, looked_up))
+            # Every lookup at C speed; the walk ends at the first missing hash or the first other tokens.
+            found = list(map(table.get, chain[:last]))
             m = found.index(None) if None in found else last
             hit_ids: list[int] = found[:m]  # type: ignore[assignment]  # no None before m
-            carried = list(map(hashes.get, hit_ids))
-            if carried != looked_up[:m]:
-                m = next(j for j in range(m) if carried[j] != looked_up[j])
-                del hit_ids[m:]
             stored = list(map(self._contents.get, hit_ids))
             if stored == pieces[:m]:  # element by element; the same bytes object compares at once
                 hits = hit_ids

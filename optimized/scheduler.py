@@ -194,7 +194,7 @@ class Scheduler:
         members = group.members
         k = min(len(running), self.max_num_seqs)
         if len(members) < k:
-            group.join(running[len(members) : k])
+            group.join(running[len(members) : k], keep_segments=bool(self.block_manager.pending))
         phase = group.needing_blocks(group.now)
         due = group.phases[phase]
         if due:
@@ -258,10 +258,9 @@ class Scheduler:
         (data[shift:] if shift else data)[group.positions] = tokens
         group.now = clock + 1
         group.inflight = False
-        phase = group.filling(clock)
-        filled = group.phases[phase]
+        filled = group.filling(clock)
         if filled:  # hash_blocks for the members whose last block just filled (registered at the next flush)
-            self.block_manager.defer_fills(filled[:], group.tables[phase])
+            self.block_manager.defer_fills(clock, filled[:])
         finishing = group.finishes.pop(clock, None)
         if group.eos_watchers:
             finishing = self._eos_hits(tokens, finishing)

@@ -64,6 +64,7 @@ class Sequence:
         "_ntok",
         "_own",
         "_pieces",
+        "_segments",
         "_since",
         "_status",
         "block_size",
@@ -105,6 +106,7 @@ class Sequence:
         self._gord = 0
         # (since, anchor, block table list) per stay in the decode group: at clock c >= since its
         # length was anchor + c and its blocks were in that list (read back by a deferred fill).
+        self._segments: list[tuple[int, int, list[int]]] = []
 
     # --- the reference's attributes -------------------------------------------------
     @property
