@@ -176,6 +176,11 @@ BAD_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
         {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
         "use_sliding_window",
     ),
+    # An absent sliding_window is not a null one: transformers then takes its default window, 4096.
+    "sliding window of the default size": (
+        {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 1, "layer_types": None},
+        "use_sliding_window",
+    ),
     "sliding layer in layer_types": (
         {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]},
         "layer_types",

@@ -23,6 +23,7 @@ FAMILIES = ("qwen3", "qwen2", "llama")
 KV_HEADS_DEFAULT: dict[str, int | None] = {"qwen3": 32, "qwen2": 32, "llama": None}
 HEAD_DIM_DEFAULT: dict[str, int | None] = {"qwen3": 128, "qwen2": None, "llama": None}
 MAX_WINDOW_LAYERS_DEFAULT = 28  # Qwen2Config and Qwen3Config
+SLIDING_WINDOW_DEFAULT = 4096  # Qwen2Config and Qwen3Config, when use_sliding_window is true and the key is absent
 
 
 @dataclass(frozen=True)
@@ -100,9 +101,10 @@ def _refuse_partial_rotary(d: dict[str, Any]) -> None:
 
 def _refuse_sliding_window(d: dict[str, Any], family: str, num_layers: int) -> None:
     """Refuse any layer transformers would run with a sliding window (none is implemented). Qwen2/Qwen3 take an
-    explicit ``layer_types``, else slide the layers from ``max_window_layers`` on when ``use_sliding_window`` and
-    ``sliding_window`` are both set; a window that reaches no layer is full attention there, and here. Llama has no
-    sliding attention at all, so a Llama config asking for one is not a Llama transformers runs."""
+    explicit ``layer_types``, else slide the layers from ``max_window_layers`` on when ``use_sliding_window`` is
+    true and ``sliding_window`` is not null (absent means 4096); a window that reaches no layer is full attention
+    there, and here. Llama has no sliding attention at all, so a Llama config asking for one is not a Llama
+    transformers runs."""
     if family == "llama":
         if d.get("use_sliding_window"):
             raise ValueError("config.json: use_sliding_window is not supported")
@@ -114,11 +116,12 @@ def _refuse_sliding_window(d: dict[str, Any], family: str, num_layers: int) -> N
         if any(t != "full_attention" for t in layer_types):
             raise ValueError(f"config.json: layer_types other than 'full_attention' are not supported: {layer_types}")
         return
-    if d.get("use_sliding_window") and d.get("sliding_window") is not None:
+    window = d.get("sliding_window", SLIDING_WINDOW_DEFAULT)  # an absent key is transformers' default, not null
+    if d.get("use_sliding_window") and window is not None:
         first = d.get("max_window_layers", MAX_WINDOW_LAYERS_DEFAULT)
         if isinstance(first, bool) or not isinstance(first, int) or first < num_layers:
             raise ValueError(
-                f"config.json: use_sliding_window is not supported (sliding_window {d['sliding_window']!r} "
+                f"config.json: use_sliding_window is not supported (sliding_window {window!r} "
                 f"from layer max_window_layers={first!r} of num_hidden_layers={num_layers})"
             )
 
