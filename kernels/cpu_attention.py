@@ -3,7 +3,9 @@
 Invariants: ``paged_decode`` and ``paged_prefill`` take the torch implementations' arguments and compute the same
 attention (spec KERN-22, KERN-27) for float32 and float64 tensors on the CPU whose caches are contiguous and whose
 query heads have unit stride (``supports``); they never copy the cache, nor the queries when their heads are strided
-views of a packed projection. They run on ``torch.get_num_threads()`` threads, so ``torch.set_num_threads`` governs
+views of a packed projection. Every tensor they hand to C is a CPU tensor (anything else is a ValueError naming
+it, since C would read another device's pointer as host memory), and the output is allocated on ``q``'s device, never
+on torch's default one. They run on ``torch.get_num_threads()`` threads, so ``torch.set_num_threads`` governs
 them. The kernels check block tables (and query counts) before they write anything: a context that does not fit its
 table row or names a block outside the cache, or more queries than context, is a ValueError naming the row or
 sequence, never an out-of-bounds read.
@@ -29,17 +31,25 @@ _ARGTYPES = {
 }
 
 
+def refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """Why the compiled kernel cannot take these tensors (the torch implementation must), naming the first one at
+    fault; None when it can."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.device.type != "cpu":
+            return f"{name} is on {t.device}: the C kernels read CPU memory only"
+        if t.dtype not in _SUFFIXES or t.dtype != q.dtype:
+            return f"{name} is {t.dtype}: the C kernels take float32 or float64, the same for q and both caches"
+    if q.dim() != 3 or q.stride(2) != 1:
+        return f"q {tuple(q.shape)} (strides {q.stride()}) is not [rows, heads, head_dim] with unit-stride heads"
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous: the C kernels index the cache in place"
+    return None
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the compiled kernel can take these tensors (otherwise the torch decode must)."""
-    return (
-        q.dtype in _SUFFIXES
-        and q.dtype == k_cache.dtype == v_cache.dtype
-        and q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
-        and q.dim() == 3
-        and q.stride(2) == 1
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-    )
+    """Whether the compiled kernel can take these tensors (otherwise the torch implementation must)."""
+    return refusal(q, k_cache, v_cache) is None
 
 
 @functools.cache
@@ -52,15 +62,19 @@ def _kernel(kind: str, dtype: torch.dtype) -> Callable[..., int]:
 
 
 def _shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    if not supports(q, k_cache, v_cache):
-        raise ValueError("the C kernels take float32/float64 CPU tensors, contiguous caches and unit-stride heads")
+    reason = refusal(q, k_cache, v_cache)
+    if reason is not None:
+        raise ValueError(reason)
     heads, dim = q.shape[1:]
     kv_heads, cache_dim = k_cache.shape[2:]
     if v_cache.shape != k_cache.shape or cache_dim != dim or heads % kv_heads != 0:
         raise ValueError(f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
 
 
-def _int32(t: torch.Tensor) -> torch.Tensor:
+def _int32(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` as the contiguous CPU int32 array the C kernels read."""
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}: the C kernels read CPU memory only")
     return t.to(torch.int32).contiguous()
 
 
@@ -76,10 +90,10 @@ def paged_decode(
     _shapes(q, k_cache, v_cache)
     batch, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    lens, tables = _int32(context_lens), _int32(block_tables)
+    lens, tables = _int32(context_lens, "context_lens"), _int32(block_tables, "block_tables")
     if lens.shape != (batch,) or tables.dim() != 2 or tables.shape[0] != batch:
         raise ValueError(f"context_lens {tuple(lens.shape)} and block_tables {tuple(tables.shape)} need {batch} rows")
-    out = torch.empty(batch, heads, dim, dtype=q.dtype)
+    out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     # Named for torch.profiler, which does not see into a ctypes call (nearly free when no profiler runs).
     with torch.profiler.record_function("nanoverify::cpu_paged_decode"):
         code = _kernel("decode", q.dtype)(
@@ -112,7 +126,8 @@ def paged_prefill(
     _shapes(q, k_cache, v_cache)
     rows, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    cu, lens, tables = _int32(cu_seqlens_q), _int32(context_lens), _int32(block_tables)
+    cu = _int32(cu_seqlens_q, "cu_seqlens_q")
+    lens, tables = _int32(context_lens, "context_lens"), _int32(block_tables, "block_tables")
     batch = lens.shape[0]
     if lens.dim() != 1 or cu.shape != (batch + 1,) or tables.dim() != 2 or tables.shape[0] != batch:
         raise ValueError(
@@ -121,7 +136,7 @@ def paged_prefill(
         )
     if int(cu[-1]) != rows:
         raise ValueError(f"cu_seqlens_q ends at {int(cu[-1])}, but q has {rows} rows")
-    out = torch.empty(rows, heads, dim, dtype=q.dtype)
+    out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
     with torch.profiler.record_function("nanoverify::cpu_paged_prefill"):
         code = _kernel("prefill", q.dtype)(
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size,

@@ -250,6 +250,39 @@ def test_c_decode_refuses_a_table_that_does_not_hold_the_context() -> None:
         cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, too_long, case.block_tables, 0.3)
 
 
+def test_c_kernels_take_cpu_tensors_only_and_answer_on_qs_device() -> None:
+    """KERN-22, KERN-27: every tensor the C kernels read is a CPU tensor, or a ValueError names it before any C
+    runs (a pointer into another device's memory would crash the process); the output is allocated on q's device,
+    whatever torch's default device is."""
+    case, cu = prefill_case([6, 9], [2, 9], 4, 4, 2, 16, torch.float32)
+    decode_case = make_case([6, 9], 4, 4, 2, 16, torch.float32, seed=3)
+    meta = torch.device("meta")
+    decode_names = ("q", "k_cache", "v_cache", "context_lens", "block_tables")
+    for name, tensor in zip(decode_names, decode_args(decode_case), strict=True):
+        moved = {**dict(zip(decode_names, decode_args(decode_case), strict=True)), name: tensor.to(meta)}
+        with pytest.raises(ValueError, match=f"^{name} is on meta"):
+            cpu_attention.paged_decode(**moved, scale=0.3)
+    prefill_names = ("q", "k_cache", "v_cache", "cu_seqlens_q", "context_lens", "block_tables")
+    for name, tensor in zip(prefill_names, prefill_args(case, cu), strict=True):
+        moved = {**dict(zip(prefill_names, prefill_args(case, cu), strict=True)), name: tensor.to(meta)}
+        with pytest.raises(ValueError, match=f"^{name} is on meta"):
+            cpu_attention.paged_prefill(**moved, scale=0.3)
+    expected = (
+        cpu_attention.paged_decode(*decode_args(decode_case), 0.3),
+        cpu_attention.paged_prefill(*prefill_args(case, cu), 0.3),
+    )
+    default = torch.get_default_device()
+    torch.set_default_device(meta)
+    try:
+        got = (
+            cpu_attention.paged_decode(*decode_args(decode_case), 0.3),
+            cpu_attention.paged_prefill(*prefill_args(case, cu), 0.3),
+        )
+    finally:
+        torch.set_default_device(default)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
 def test_c_decode_is_the_same_on_any_thread_count() -> None:
     """KERN-26: each row (or each KV head, when rows are fewer than threads) is computed by one thread in a fixed
     order, so 1 and 2 threads give bit-identical results, for a decode batch, a single row and a prefill."""
