@@ -1,14 +1,15 @@
 """Paged decode and prefill attention through the compiled C kernels (``cpu_attention.c``), reading the cache in place.
 
 Invariants: ``paged_decode`` and ``paged_prefill`` take the torch implementations' arguments and compute the same
-attention (spec KERN-22, KERN-27) for float32 and float64 tensors on the CPU whose caches are contiguous and whose
-query heads have unit stride (``supports``); they never copy the cache, nor the queries when their heads are strided
-views of a packed projection. Every tensor they hand to C is a CPU tensor (anything else is a ValueError naming
-it, since C would read another device's pointer as host memory), and the output is allocated on ``q``'s device, never
-on torch's default one. They run on ``torch.get_num_threads()`` threads, so ``torch.set_num_threads`` governs
-them. The kernels check block tables (and query counts) before they write anything: a context that does not fit its
-table row or names a block outside the cache, or more queries than context, is a ValueError naming the row or
-sequence, never an out-of-bounds read.
+attention (spec KERN-22, KERN-27) for float32 and float64 tensors on the CPU whose caches are contiguous and whose query
+heads have unit stride (``supports``); they never copy the cache, nor the queries when their heads are strided views of
+a packed projection. Every tensor they hand to C is a CPU tensor (anything else is a ValueError naming it, since C would
+read another device's pointer as host memory), and the output is allocated on ``q``'s device, never on torch's default
+one. Tables, lengths and query offsets must hold integers that int32 holds: they are converted only then, never
+truncated. They run on ``torch.get_num_threads()`` threads, so ``torch.set_num_threads`` governs them. The kernels check
+block tables (and query counts) before they write anything: a context that does not fit its table row or names a block
+outside the cache, or more queries than context, is a ValueError naming the row or sequence, never an out-of-bounds
+read.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from kernels.cpu_build import load_library
 
 _SUFFIXES = {torch.float32: "f32", torch.float64: "f64"}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# Tables, lengths and query offsets: integer dtypes whose every value int32 holds (checked for int64).
+_INDEX_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+_INT32 = torch.iinfo(torch.int32)
 # Decode: q, q row stride, q head stride, k_cache, v_cache, num_blocks, block_size, context_lens, block_tables,
 # width, out, batch, heads, kv_heads, head_dim, scale, threads. Prefill: cu_seqlens after block_size.
 _ARGTYPES = {
@@ -72,9 +76,18 @@ def _shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> No
 
 
 def _int32(t: torch.Tensor, name: str) -> torch.Tensor:
-    """``t`` as the contiguous CPU int32 array the C kernels read."""
+    """``t`` as the contiguous CPU int32 array the C kernels read, refused unless every value converts exactly
+    (a cast alone would read block id 2**32 + 3 as block 3, past the kernels' table check)."""
     if t.device.type != "cpu":
         raise ValueError(f"{name} is on {t.device}: the C kernels read CPU memory only")
+    if t.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name} is {t.dtype}: it must hold integers")
+    if t.dtype == torch.int64 and t.numel() > 0:
+        outside = (t < _INT32.min) | (t > _INT32.max)
+        if bool(outside.any()):
+            at = tuple(int(i) for i in outside.nonzero()[0]) if t.dim() > 0 else ()
+            row = f" row {at[0]}" if at else ""
+            raise ValueError(f"{name}{row} holds {int(t[at])}, outside int32, which the C kernels index with")
     return t.to(torch.int32).contiguous()
 
 

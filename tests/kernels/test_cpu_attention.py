@@ -250,6 +250,39 @@ def test_c_decode_refuses_a_table_that_does_not_hold_the_context() -> None:
         cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, too_long, case.block_tables, 0.3)
 
 
+def test_c_kernels_refuse_tables_that_do_not_convert_to_int32_exactly() -> None:
+    """KERN-22, KERN-27: tables, lengths and query offsets hold integers that fit int32; a wider value (a block id
+    2**32 + 3 that int32 would read as block 3, a length 2**32 + 6 read as 6) or a float or bool tensor is a
+    ValueError naming the tensor, never silently truncated. Integer dtypes whose values fit compute as int32."""
+    case = make_case([6, 9], 4, 4, 2, 16, torch.float32, seed=3)
+    expected = cpu_attention.paged_decode(*decode_args(case), 0.3)
+    for dtype in (torch.int64, torch.int16):
+        lens, tables = case.context_lens.to(dtype), case.block_tables.to(dtype)
+        assert torch.equal(cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, lens, tables, 0.3), expected)
+    wide = case.block_tables.long()
+    for value in (2**32 + int(wide[0, 0]), int(wide[0, 0]) - 2**32):
+        wide[0, 0] = value
+        with pytest.raises(ValueError, match=f"^block_tables row 0 holds {value}"):
+            cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, case.context_lens, wide, 0.3)
+    long_lens = case.context_lens.long() + torch.tensor([0, 2**32])
+    with pytest.raises(ValueError, match=f"^context_lens row 1 holds {2**32 + 9}"):
+        cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, long_lens, case.block_tables, 0.3)
+    for name, bad in (("context_lens", case.context_lens.float()), ("block_tables", case.block_tables.double())):
+        args = {"context_lens": case.context_lens, "block_tables": case.block_tables, name: bad}
+        with pytest.raises(ValueError, match=rf"^{name} is torch\.float"):
+            cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, **args, scale=0.3)
+    with pytest.raises(ValueError, match=r"^block_tables is torch\.bool"):
+        cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, case.context_lens, wide > 0, 0.3)
+    pcase, cu = prefill_case([6, 9], [2, 9], 4, 4, 2, 16, torch.float32)
+    prefill_expected = cpu_attention.paged_prefill(*prefill_args(pcase, cu), 0.3)
+    assert torch.equal(cpu_attention.paged_prefill(*prefill_args(pcase, cu.long()), 0.3), prefill_expected)
+    wide_cu = cu.long() + torch.tensor([0, 2**32, 0])  # truncated, [0, 2, 11] would pass every later check
+    with pytest.raises(ValueError, match=f"^cu_seqlens_q row 1 holds {2**32 + 2}"):
+        cpu_attention.paged_prefill(*prefill_args(pcase, wide_cu), 0.3)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q is torch\.float32"):
+        cpu_attention.paged_prefill(*prefill_args(pcase, cu.float()), 0.3)
+
+
 def test_c_kernels_take_cpu_tensors_only_and_answer_on_qs_device() -> None:
     """KERN-22, KERN-27: every tensor the C kernels read is a CPU tensor, or a ValueError names it before any C
     runs (a pointer into another device's memory would crash the process); the output is allocated on q's device,
