@@ -69,10 +69,18 @@ def _shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> No
     reason = refusal(q, k_cache, v_cache)
     if reason is not None:
         raise ValueError(reason)
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} is not [num_blocks, block_size, kv_heads, head_dim]")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache {tuple(v_cache.shape)} is not shaped as k_cache {tuple(k_cache.shape)}")
     heads, dim = q.shape[1:]
     kv_heads, cache_dim = k_cache.shape[2:]
-    if v_cache.shape != k_cache.shape or cache_dim != dim or heads % kv_heads != 0:
-        raise ValueError(f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
+    if kv_heads == 0:
+        raise ValueError("k_cache has 0 KV heads")
+    if cache_dim != dim:
+        raise ValueError(f"k_cache head_dim {cache_dim} is not q's {dim}")
+    if heads % kv_heads != 0:
+        raise ValueError(f"q has {heads} heads, not a multiple of the caches' {kv_heads} KV heads")
 
 
 def _int32(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -91,6 +99,11 @@ def _int32(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.to(torch.int32).contiguous()
 
 
+def _table_rows(tables: torch.Tensor, batch: int) -> None:
+    if tables.dim() != 2 or tables.shape[0] != batch:
+        raise ValueError(f"block_tables {tuple(tables.shape)} is not one row of block ids for each of {batch} rows")
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -104,8 +117,9 @@ def paged_decode(
     batch, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     lens, tables = _int32(context_lens, "context_lens"), _int32(block_tables, "block_tables")
-    if lens.shape != (batch,) or tables.dim() != 2 or tables.shape[0] != batch:
-        raise ValueError(f"context_lens {tuple(lens.shape)} and block_tables {tuple(tables.shape)} need {batch} rows")
+    if lens.shape != (batch,):
+        raise ValueError(f"context_lens {tuple(lens.shape)} is not one length for each of q's {batch} rows")
+    _table_rows(tables, batch)
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     # Named for torch.profiler, which does not see into a ctypes call (nearly free when no profiler runs).
     with torch.profiler.record_function("nanoverify::cpu_paged_decode"):
@@ -141,12 +155,12 @@ def paged_prefill(
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     cu = _int32(cu_seqlens_q, "cu_seqlens_q")
     lens, tables = _int32(context_lens, "context_lens"), _int32(block_tables, "block_tables")
+    if lens.dim() != 1:
+        raise ValueError(f"context_lens {tuple(lens.shape)} is not one length per sequence")
     batch = lens.shape[0]
-    if lens.dim() != 1 or cu.shape != (batch + 1,) or tables.dim() != 2 or tables.shape[0] != batch:
-        raise ValueError(
-            f"cu_seqlens_q {tuple(cu.shape)}, context_lens {tuple(lens.shape)} and block_tables "
-            f"{tuple(tables.shape)} do not describe one batch"
-        )
+    if cu.shape != (batch + 1,):
+        raise ValueError(f"cu_seqlens_q {tuple(cu.shape)} is not the {batch + 1} offsets of {batch} sequences")
+    _table_rows(tables, batch)
     if int(cu[-1]) != rows:
         raise ValueError(f"cu_seqlens_q ends at {int(cu[-1])}, but q has {rows} rows")
     out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)

@@ -283,6 +283,48 @@ def test_c_kernels_refuse_tables_that_do_not_convert_to_int32_exactly() -> None:
         cpu_attention.paged_prefill(*prefill_args(pcase, cu.float()), 0.3)
 
 
+def test_c_kernels_refuse_malformed_shapes_by_name() -> None:
+    """KERN-22, KERN-27: caches that are not [num_blocks, block_size, kv_heads >= 1, head_dim] alike, a head count
+    that is not a multiple of the KV heads, or lengths, offsets and tables that do not describe q's batch, are a
+    ValueError naming the tensor at fault (never a division by zero or an unpacking error), before any C runs."""
+    case = make_case([6, 9], 4, 4, 2, 16, torch.float32, seed=3)
+    q, k, v, lens, tables = decode_args(case)
+    no_heads = torch.zeros(k.shape[0], 4, 0, 16)
+    not_4d = r"k_cache \(\d+, 4, 16\) is not \[num_blocks, block_size, kv_heads, head_dim\]"
+    bad_caches = (
+        (no_heads, no_heads, "k_cache has 0 KV heads"),
+        (k[:, :, 0].contiguous(), v[:, :, 0].contiguous(), not_4d),
+        (k, v[:, :2].contiguous(), "v_cache"),
+        (k[..., :8].contiguous(), v[..., :8].contiguous(), "k_cache head_dim 8 is not q's 16"),
+    )
+    pcase, cu = prefill_case([6, 9], [2, 9], 4, 4, 2, 16, torch.float32)
+    for k_bad, v_bad, message in bad_caches:
+        with pytest.raises(ValueError, match=f"^{message}"):
+            cpu_attention.paged_decode(q, k_bad, v_bad, lens, tables, 0.3)
+        with pytest.raises(ValueError, match=f"^{message}"):
+            cpu_attention.paged_prefill(pcase.q, k_bad, v_bad, cu, pcase.context_lens, pcase.block_tables, 0.3)
+    with pytest.raises(ValueError, match=r"^q has 3 heads, not a multiple of the caches' 2 KV heads"):
+        cpu_attention.paged_decode(q[:, :3], k, v, lens, tables, 0.3)
+    for bad_lens, bad_tables, name in (
+        (lens[0], tables, "context_lens"),
+        (lens[:1], tables, "context_lens"),
+        (lens, tables[0], "block_tables"),
+        (lens, tables[:1], "block_tables"),
+    ):
+        with pytest.raises(ValueError, match=f"^{name}"):
+            cpu_attention.paged_decode(q, k, v, bad_lens, bad_tables, 0.3)
+    plens, ptables = pcase.context_lens, pcase.block_tables
+    for bad_cu, bad_lens, bad_tables, name in (
+        (cu, plens[0], ptables, "context_lens"),
+        (cu[:2], plens, ptables, "cu_seqlens_q"),
+        (cu[None], plens, ptables, "cu_seqlens_q"),
+        (cu, plens, ptables[0], "block_tables"),
+        (cu, plens, ptables[:1], "block_tables"),
+    ):
+        with pytest.raises(ValueError, match=f"^{name}"):
+            cpu_attention.paged_prefill(pcase.q, k, v, bad_cu, bad_lens, bad_tables, 0.3)
+
+
 def test_c_kernels_take_cpu_tensors_only_and_answer_on_qs_device() -> None:
     """KERN-22, KERN-27: every tensor the C kernels read is a CPU tensor, or a ValueError names it before any C
     runs (a pointer into another device's memory would crash the process); the output is allocated on q's device,
