@@ -7,8 +7,11 @@ code for this CPU only). A build writes a temporary file beside its final name a
 concurrent process sees either no library or a whole one, and a present library is loaded without running the
 compiler. When no C compiler is found or the build fails, ``load_library`` raises ``CpuKernelUnavailable`` whose
 message says why (the compiler's own error included); it never returns a half-built library. Torch is imported
-before the library is loaded so that the library's OpenMP calls bind to the OpenMP runtime torch already loaded
-(one thread pool, not two). The result, library or reason, is computed once per process.
+before the library is loaded so that, where torch's build provides its OpenMP runtime as ``libgomp.so.1`` (this
+wheel ships ``torch/lib/libgomp.so.1``, the soname of the GCC runtime the library links against), the loader binds
+the library to that already loaded copy: one thread pool, not two. A torch bundling its runtime under another name
+would leave two runtimes mapped; a test (KERN-25) checks that exactly one is. The result, library or reason, is
+computed once per process.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch  # noqa: F401  (first, so that libgomp is torch's; see the module docstring)
+import torch  # noqa: F401  (first, so that libgomp.so.1 is torch's where it ships one; see the module docstring)
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 # IEEE semantics on purpose (no -ffast-math), and no contraction of a * b + c into one fused multiply-add: the

@@ -10,7 +10,9 @@ specialises (64, 128) and others (a tail shorter than its 16 partial sums), bloc
 
 from __future__ import annotations
 
+import os
 import random
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -453,6 +455,28 @@ def test_build_goes_to_the_cache_once_and_is_reused(fresh_cache: Path, monkeypat
     monkeypatch.setattr(cpu_build, "machine_id", machine_id)
     monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, "-DNV_OTHER"))
     assert cpu_build.library_path(compiler) != target
+
+
+def mapped_files() -> set[str]:
+    """The files mapped into this process (Linux's /proc/self/maps: the path is the sixth field)."""
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        return {fields[5] for fields in (line.split() for line in maps) if len(fields) >= 6}
+
+
+# GNU libgomp, Intel libiomp5, LLVM libomp, and the hashed copies wheels bundle (libgomp-<hash>.so.1).
+OPENMP_RUNTIME = re.compile(r"lib(gomp|iomp5|omp)([-.]|$)")
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_the_library_shares_torchs_openmp_runtime() -> None:
+    """KERN-25: with the library loaded, exactly one OpenMP runtime is mapped into the process: the library's
+    libgomp.so.1 resolved to the one torch loaded (one thread pool, not two). This holds only where torch's build
+    provides libgomp.so.1 itself; a torch bundling its runtime under another name fails here."""
+    library = cpu_build.load_library()
+    files = mapped_files()
+    assert os.path.realpath(library._name) in {os.path.realpath(f) for f in files}
+    runtimes = sorted(f for f in files if OPENMP_RUNTIME.match(Path(f).name))
+    assert len(runtimes) == 1, runtimes
 
 
 def test_chooser_falls_back_to_torch_and_says_why(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
