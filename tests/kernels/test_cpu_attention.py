@@ -10,6 +10,8 @@ specialises (64, 128) and others (a tail shorter than its 16 partial sums), bloc
 
 from __future__ import annotations
 
+import decimal
+import math
 import os
 import random
 import re
@@ -212,6 +214,98 @@ def test_c_prefill_equals_torch_prefill(
     else:
         torch.testing.assert_close(out, expected, rtol=F64_TOL_ORACLE, atol=F64_TOL_ORACLE)
         torch.testing.assert_close(out, double_prefill(case, qlens, 0.3), rtol=F64_TOL_DOUBLE, atol=F64_TOL_DOUBLE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_nan_stays_in_its_own_rows(dtype: torch.dtype) -> None:
+    """KERN-23: NaN stays NaN, as in torch's softmax: a NaN in a query makes that query's head NaN, and a NaN in a
+    cached key (past the first, so the maximum does not start from it) makes NaN every head of its KV head whose
+    query sees that key; every other output is bit for bit the NaN-free one, decode and prefill alike."""
+    case = make_case([6, 9, 3], 4, 4, 2, 16, dtype, seed=12)
+    pcase, cu = prefill_case([6, 9], [2, 9], 4, 4, 2, 16, dtype)
+    clean = (
+        cpu_attention.paged_decode(*decode_args(case), 0.3),
+        cpu_attention.paged_prefill(*prefill_args(pcase, cu), 0.3),
+    )
+    nan_q, nan_pq = case.q.clone(), pcase.q.clone()
+    nan_q[1, 2, 5] = nan_pq[4, 3, 0] = float("nan")
+    nan_k = case.k_cache.clone()
+    nan_k[int(case.block_tables[1, 0]), 1, 0, 7] = float("nan")  # row 1's second token, KV head 0
+    nan_pk = pcase.k_cache.clone()
+    nan_pk[int(pcase.block_tables[1, 1]), 2, 1, 3] = float("nan")  # sequence 1's token 6, KV head 1
+    runs = (
+        (clean[0], cpu_attention.paged_decode(nan_q, *decode_args(case)[1:], 0.3), [(1, 2)]),
+        (clean[1], cpu_attention.paged_prefill(nan_pq, *prefill_args(pcase, cu)[1:], 0.3), [(4, 3)]),
+        (
+            clean[0],
+            cpu_attention.paged_decode(case.q, nan_k, *decode_args(case)[2:], 0.3),
+            [(1, 0), (1, 1)],
+        ),
+        (
+            clean[1],
+            cpu_attention.paged_prefill(pcase.q, nan_pk, *prefill_args(pcase, cu)[2:], 0.3),
+            [(row, head) for row in range(2, 11) if row - 2 >= 6 for head in (2, 3)],  # queries at positions >= 6
+        ),
+    )
+    for expected, out, poisoned in runs:
+        rows, heads = zip(*poisoned, strict=True)
+        assert bool(out[list(rows), list(heads)].isnan().all())
+        mask = torch.ones(out.shape[:2], dtype=torch.bool)
+        mask[list(rows), list(heads)] = False
+        assert torch.equal(out[mask], expected[mask])
+
+
+def kernel_exp(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The C kernels' own exponential of each ``x`` (x <= -17 for float32, <= -37 for float64), read through one
+    decode row (or one prefill sequence) per value: two keys scoring x and 0 exactly (q = x e0, keys e0 and 0, scale
+    1), so the softmax's sum 1 + e^x rounds to exactly 1 (checked: the second key's weight is 1, or NaN for a NaN
+    x) and the first key's weight, which V = e0 copies to output lane 0, is the kernel's e^x, not rounded again."""
+    n, dtype = x.shape[0], x.dtype
+    q = torch.zeros(n, 1, 16, dtype=dtype)
+    q[:, 0, 0] = x
+    k_cache = torch.zeros(1, 2, 1, 16, dtype=dtype)
+    v_cache = torch.zeros(1, 2, 1, 16, dtype=dtype)
+    k_cache[0, 0, 0, 0] = v_cache[0, 0, 0, 0] = v_cache[0, 1, 0, 1] = 1
+    lens, tables = torch.full((n,), 2, dtype=torch.int32), torch.zeros(n, 1, dtype=torch.int32)
+    if kind == "decode":
+        out = cpu_attention.paged_decode(q, k_cache, v_cache, lens, tables, 1.0)
+    else:
+        cu = torch.arange(n + 1, dtype=torch.int32)
+        out = cpu_attention.paged_prefill(q, k_cache, v_cache, cu, lens, tables, 1.0)
+    assert bool(((out[:, 0, 1] == 1) | x.isnan()).all())
+    return out[:, 0, 0]
+
+
+def ulps_from_exact_exp(got: float, x: float, mantissa_bits: int) -> float:
+    """|got - e^x| in units in the last place of e^x, e^x computed in 40 decimal digits."""
+    decimal.getcontext().prec = 40
+    exact = decimal.Decimal(x).exp()
+    ulp = decimal.Decimal(2) ** (math.frexp(float(exact))[1] - 1 - mantissa_bits)
+    return float(abs(decimal.Decimal(got) - exact) / ulp)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize(("dtype", "low", "high", "mantissa_bits"), [
+    (torch.float32, -87.0, -17.0, 23),
+    (torch.float64, -708.0, -37.0, 52),
+])  # fmt: skip
+def test_the_kernels_exponential_is_within_its_stated_ulps(
+    kind: str, dtype: torch.dtype, low: float, high: float, mantissa_bits: int
+) -> None:
+    """KERN-23: the kernels' exponential is within 1.3 ulp of the exact value, measured through the kernel over
+    [-87, -17] (float32) and [-708, -37] (float64): every reduced argument r in [-ln2/2, ln2/2] and the largest
+    multiples k of ln 2, whose two-part range reduction errs most. Below -87 (float32) or -708 (float64) it is 0,
+    which flushes e^-87.2 although that is above FLT_MIN (and e^-708.2 above DBL_MIN); NaN stays NaN."""
+    x = torch.rand(256, generator=torch.Generator().manual_seed(23), dtype=torch.float64) * (high - low) + low
+    x = torch.cat([x, torch.tensor([low, high], dtype=torch.float64)]).to(dtype)
+    got = kernel_exp(x, kind)
+    worst = max(ulps_from_exact_exp(g, v, mantissa_bits) for g, v in zip(got.tolist(), x.tolist(), strict=True))
+    assert worst <= 1.3
+    tiny = torch.finfo(dtype).tiny
+    below = torch.tensor([low, low - 0.2, -1e4], dtype=dtype)
+    below[0] = torch.nextafter(below[0], below[2])  # the first value of dtype under the cut
+    assert math.exp(low - 0.2) > tiny and bool((kernel_exp(below, kind) == 0).all())
+    assert math.isnan(float(kernel_exp(torch.tensor([math.nan], dtype=dtype), kind)[0]))
 
 
 def test_c_prefill_refuses_queries_its_context_cannot_hold() -> None:
