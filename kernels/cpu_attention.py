@@ -39,9 +39,9 @@ def refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> st
     """Why the compiled kernel cannot take these tensors (the torch implementation must), naming the first one at
     fault; None when it can."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             return f"{name} is on {t.device}: the C kernels read CPU memory only"
-        if t.dtype not in _SUFFIXES or t.dtype != q.dtype:
+        if t.dtype != q.dtype or t.dtype not in _SUFFIXES:
             return f"{name} is {t.dtype}: the C kernels take float32 or float64, the same for q and both caches"
     if q.dim() != 3 or q.stride(2) != 1:
         return f"q {tuple(q.shape)} (strides {q.stride()}) is not [rows, heads, head_dim] with unit-stride heads"
@@ -86,8 +86,10 @@ def _shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> No
 def _int32(t: torch.Tensor, name: str) -> torch.Tensor:
     """``t`` as the contiguous CPU int32 array the C kernels read, refused unless every value converts exactly
     (a cast alone would read block id 2**32 + 3 as block 3, past the kernels' table check)."""
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"{name} is on {t.device}: the C kernels read CPU memory only")
+    if t.dtype == torch.int32 and t.is_contiguous():
+        return t
     if t.dtype not in _INDEX_DTYPES:
         raise ValueError(f"{name} is {t.dtype}: it must hold integers")
     if t.dtype == torch.int64 and t.numel() > 0:
