@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Installs nanoverify and what it needs. torch is pinned to the CPU wheel that
-# lies on this kind of machine's disk, installed first so nothing pulls a CUDA build.
+# Installs nanoverify and what it needs into a virtualenv: the active one ($VIRTUAL_ENV), else the project's
+# own .venv/ (made here with $PYTHON, default python3, on first use). Nothing goes into the system's Python.
+# Every package comes at the version in requirements/lock.txt (refresh: bash scripts/lock.sh); torch is the
+# CPU wheel torch==2.13.0, installed first so nothing pulls a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
-python3 -m pip install -q --disable-pip-version-check -e ".[test]"
+source scripts/venv.sh
+venv_python=$(project_venv)
+"$venv_python" -m pip install -q --disable-pip-version-check -c requirements/lock.txt torch
+"$venv_python" -m pip install -q --disable-pip-version-check -c requirements/lock.txt -e ".[test]"

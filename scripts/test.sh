@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Sets up, then runs every check CI runs: ruff, mypy --strict, and the test suite.
+# Sets up (scripts/setup.sh: the project's .venv/ unless a virtualenv is active), then runs every check CI runs
+# in it: ruff, mypy --strict, and the test suite. Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-python3 -m ruff check .
-python3 -m mypy
-python3 -m pytest -q -p no:cacheprovider "$@"
+source scripts/venv.sh
+venv_python=$(project_venv)
+"$venv_python" -m ruff check .
+"$venv_python" -m mypy
+"$venv_python" -m pytest -q -p no:cacheprovider "$@"

@@ -18,7 +18,7 @@ from hypothesis.stateful import run_state_machine_as_test
 import reference
 from optimized.conformance import Request, Workload, replay
 from optimized.errors import EmptyDecodeError
-from optimized.machines import Stats
+from optimized.machines import Stats, counting
 from optimized.machines.reference_machine import Machine, UnadmittedMachine
 
 EOS = 9
@@ -39,14 +39,14 @@ def test_hypothesis_finds_the_empty_decode_when_requests_may_overflow() -> None:
     """EDGE-2, DECODE-4: without ADMIT-1 the search reaches `assert scheduled_seqs`."""
     stats = Stats()
     with pytest.raises(EmptyDecodeError, match="EDGE-2"):
-        run_state_machine_as_test(lambda: UnadmittedMachine(stats), settings=HUNT)  # type: ignore[no-untyped-call]
+        run_state_machine_as_test(counting(UnadmittedMachine, stats), settings=HUNT)
     assert stats.violations == 0  # nothing else went wrong on the way
 
 
 def test_hypothesis_never_finds_it_when_requests_obey_the_rule() -> None:
     """ADMIT-1, ADMIT-2: the same search over admitted requests runs clean."""
     stats = Stats()
-    run_state_machine_as_test(lambda: Machine(stats), settings=HUNT)  # type: ignore[no-untyped-call]
+    run_state_machine_as_test(counting(Machine, stats), settings=HUNT)
     assert stats.steps > 1000 and stats.preemptions > 0  # the search did reach the hard cases
 
 

@@ -20,7 +20,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 import reference
 from invariants import SchedulerState, SeqView, seq_view, snapshot
-from optimized.machines import Stats
+from optimized.machines import Stats, counting
 from optimized.machines.reference_machine import Machine, StepFailed
 from optimized.machines.step_contract import (
     can_allocate,
@@ -398,7 +398,7 @@ def test_a_lost_request_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(Scheduler, "add", add_some)
     with pytest.raises(StepFailed, match="SCHED-3"):
-        run_state_machine_as_test(lambda: Machine(Stats()), settings=settings(  # type: ignore[no-untyped-call]
+        run_state_machine_as_test(counting(Machine, Stats()), settings=settings(
             max_examples=50, stateful_step_count=10, derandomize=True, database=None, deadline=None,
             phases=[Phase.generate]))  # finding is the point; shrinking would only cost time
 
@@ -406,7 +406,7 @@ def test_a_lost_request_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_machine_counts_what_it_did() -> None:
     """The Stats a runner hands in see examples, rules, steps and requests (the fuzz command prints them)."""
     stats = Stats()
-    run_state_machine_as_test(lambda: Machine(stats), settings=settings(  # type: ignore[no-untyped-call]
+    run_state_machine_as_test(counting(Machine, stats), settings=settings(
         max_examples=10, stateful_step_count=20, derandomize=True, database=None, deadline=None))
     assert stats.examples >= 10 and stats.rule_applications > 0 and stats.steps > 0 and stats.requests > 0
     assert stats.violations == 0

@@ -2,10 +2,11 @@
 
 The run is a sequence of chunks, round-robin over the machines; chunk ``c``
 runs ``CHUNK_EXAMPLES`` examples seeded with ``seed + c``, so the same
-``--seed`` replays the same chunks. A failure stops the run (exit 1) and prints
-the falsifying program, its ``@reproduce_failure`` blob, and the commands that
-reproduce it; a run that finds nothing exits 0. Machines whose module is not
-written yet are reported and skipped.
+``--seed`` replays the same chunks. A failure stops the run (exit 1) and prints,
+under headings of this command's own, the failing program, its
+``@reproduce_failure`` blob and the commands that reproduce it; a run that
+finds nothing exits 0. Machines whose module is not written yet are reported
+and skipped.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import hypothesis
+    from hypothesis.stateful import RuleBasedStateMachine
+
     from optimized.machines import Stats
 
 HELP = "fuzz the scheduler with the hypothesis state machines (fuzz profile) for N minutes"
@@ -50,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     if args.reproduce is not None and args.machine is None:
         print("nanoverify fuzz: --reproduce needs --machine", file=sys.stderr)
         return 2
-    factories: dict[str, Callable[[Stats], object]] = {}
+    factories: dict[str, type[RuleBasedStateMachine]] = {}
     for name in names:
         try:
             module = machines.load(name)
@@ -71,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
     return fuzz(factories, seed, args.minutes, not args.no_shrink)
 
 
-def fuzz(factories: dict[str, Callable[[Stats], object]], seed: int, minutes: float, shrink: bool) -> int:
+def fuzz(factories: dict[str, type[RuleBasedStateMachine]], seed: int, minutes: float, shrink: bool) -> int:
     from optimized.machines import Stats
 
     stats = {name: Stats() for name in factories}
@@ -96,7 +100,7 @@ def fuzz(factories: dict[str, Callable[[Stats], object]], seed: int, minutes: fl
     return 0
 
 
-def run_chunk(factory: Callable[[Stats], object], stats: Stats, chunk_seed: int,
+def run_chunk(machine: type[RuleBasedStateMachine], stats: Stats, chunk_seed: int,
               shrink: bool) -> BaseException | None:
     """One chunk of examples under the fuzz profile; the exception hypothesis raised, if any."""
     import hypothesis
@@ -106,18 +110,18 @@ def run_chunk(factory: Callable[[Stats], object], stats: Stats, chunk_seed: int,
     phases = list(hypothesis.Phase) if shrink else [
         p for p in hypothesis.Phase if p not in (hypothesis.Phase.shrink, hypothesis.Phase.explain)]
     settings = hypothesis.settings(**{**FUZZ_SETTINGS, "max_examples": CHUNK_EXAMPLES, "phases": phases})
-    test = machine_test(factory, stats, settings)
+    test = machine_test(machine, stats, settings)
     test = hypothesis.seed(chunk_seed)(test)
     return call(test)
 
 
-def machine_test(factory: Callable[[Stats], object], stats: Stats,
-                 settings: object) -> Callable[[], None]:
+def machine_test(machine: type[RuleBasedStateMachine], stats: Stats,
+                 settings: hypothesis.settings) -> Callable[[], None]:
     from hypothesis.stateful import get_state_machine_test
 
-    test: Callable[[], None] = get_state_machine_test(  # type: ignore[no-untyped-call]
-        lambda: factory(stats), settings=settings)
-    return test
+    from optimized.machines import counting
+
+    return get_state_machine_test(counting(machine, stats), settings=settings)
 
 
 def call(test: Callable[[], None]) -> BaseException | None:
@@ -130,12 +134,12 @@ def call(test: Callable[[], None]) -> BaseException | None:
     return None
 
 
-def reproduce(name: str, factory: Callable[[Stats], object], blob: str) -> int:
+def reproduce(name: str, machine: type[RuleBasedStateMachine], blob: str) -> int:
     import hypothesis
 
     from optimized.machines import FUZZ_SETTINGS, Stats
 
-    test = machine_test(factory, Stats(), hypothesis.settings(**FUZZ_SETTINGS))
+    test = machine_test(machine, Stats(), hypothesis.settings(**FUZZ_SETTINGS))
     test = hypothesis.reproduce_failure(hypothesis.__version__, blob.encode())(test)
     error = call(test)
     # DidNotReproduce is how hypothesis says the recorded program now runs past its failure point.
@@ -158,8 +162,10 @@ def report_progress(start: float, stats: dict[str, Stats]) -> None:
 def report_failure(name: str, error: BaseException, rerun: str | None) -> None:
     notes = [str(n) for n in getattr(error, "__notes__", [])]
     print(f"FAILURE in machine {name}: {type(error).__name__}: {error}")
-    for note in notes:
-        if "@reproduce_failure" not in note:
+    program = [note for note in notes if "@reproduce_failure" not in note]
+    if program:
+        print(f"The failing program ({len(program)} notes from hypothesis):")
+        for note in program:
             print(note)
     blob = next((m for m in map(BLOB.search, notes) if m is not None), None)
     print("To reproduce:")

@@ -3,8 +3,8 @@
 A machine module (one per entry of ``MACHINES``) exposes ``Machine``, a
 ``RuleBasedStateMachine`` whose ``__init__`` takes an optional ``Stats``; the
 machine adds to the ``Stats`` it was given and to nothing else, so a runner
-that wants counters passes a fresh one (``lambda: Machine(stats)``) and pytest,
-which builds ``Machine()`` with no argument, simply gets a private one. The two
+that wants counters runs ``counting(Machine, stats)`` and pytest, which builds
+``Machine()`` with no argument, simply gets a private one. The two
 hypothesis profiles live here, not in tests/conftest.py, because the installed
 ``nanoverify fuzz`` command cannot import the test suite: ``ci`` keeps the whole
 suite fast on two cores, ``fuzz`` runs long programs for as long as it is given.
@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, fields
+from functools import partialmethod
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
+
+from hypothesis.stateful import RuleBasedStateMachine
 
 MACHINES: dict[str, str] = {
     "reference": "optimized.machines.reference_machine",
@@ -51,6 +54,12 @@ class Stats:
     def add(self, other: Stats) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+def counting(machine: type[RuleBasedStateMachine], stats: Stats) -> type[RuleBasedStateMachine]:
+    """``machine`` as a class that hypothesis' runners can build with no argument, adding to ``stats``."""
+    init = partialmethod(machine.__init__, stats=stats)
+    return cast(type[RuleBasedStateMachine], type(machine.__name__, (machine,), {"__init__": init}))
 
 
 class MachineNotAvailable(LookupError):

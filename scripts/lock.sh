@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Refreshes requirements/lock.txt: the newest releases that pyproject.toml's ranges admit (torch stays the CPU
+# wheel 2.13.0), installed into a throwaway virtualenv and frozen. Run the tests on the new lock before committing it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+"${PYTHON:-python3}" -m venv "$scratch/venv"
+"$scratch/venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+"$scratch/venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
+{
+  echo "# Every package the setup installs, at the version the suite passed with. Made by scripts/lock.sh."
+  "$scratch/venv/bin/python" -m pip freeze --disable-pip-version-check --exclude-editable | sort -f
+} > requirements/lock.txt
+echo "requirements/lock.txt: $(grep -vc '^#' requirements/lock.txt) packages"
