@@ -10,6 +10,9 @@ trap 'rm -rf "$scratch"' EXIT
 "$scratch/venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
 {
   echo "# Every package the setup installs, at the version the suite passed with. Made by scripts/lock.sh."
-  "$scratch/venv/bin/python" -m pip freeze --disable-pip-version-check --exclude-editable | sort -f
+  # torch without its local label (+cpu): pip still prefers the CPU wheel where one lies on disk, and the pin
+  # stays installable from PyPI elsewhere.
+  "$scratch/venv/bin/python" -m pip freeze --disable-pip-version-check --exclude-editable |
+    sed -E 's/^(torch==[^+]+)\+cpu$/\1/' | sort -f
 } > requirements/lock.txt
 echo "requirements/lock.txt: $(grep -vc '^#' requirements/lock.txt) packages"
