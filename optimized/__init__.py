@@ -1,16 +1,21 @@
 """The real engine: the optimized scheduler, the model runner and the ``LLM`` API.
 
 Importing this package is cheap: the scheduler (pure Python and numpy) and the
-engine (torch) are loaded on first use of their names.
+engine (torch) are loaded on first use of their names. It sets the OpenMP wait
+policy first, before anything can load torch (optimized/cpu_defaults.py).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from optimized import cpu_defaults
 
-from optimized.errors import EmptyDecodeError
-from optimized.sampling_params import SamplingParams
+cpu_defaults.set_wait_policy()
+
+import importlib  # noqa: E402  (after the wait policy, on purpose)
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
+from optimized.errors import EmptyDecodeError  # noqa: E402
+from optimized.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:  # the lazy names, as mypy should see them
     from optimized.llm import LLM as LLM
