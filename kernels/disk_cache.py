@@ -85,7 +85,7 @@ def acquire(lock: Path) -> int:
     """Take the exclusive lock on the file ``lock`` (created, with its folder, if missing), waiting for it; the
     returned descriptor holds it until ``release``. OSError when the file cannot be created."""
     lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)  # flock needs no write access
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
     except BaseException:
