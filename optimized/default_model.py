@@ -1,4 +1,4 @@
-"""The embedded default model: a small Qwen3 checkpoint made deterministically on first use.
+"""The embedded default model: a small Qwen3 checkpoint made deterministically on first use, checked on every use.
 
 Nothing is downloaded. ``default_model_dir()`` returns a cache folder
 (``$NANOVERIFY_CACHE`` or ``~/.cache/nanoverify``, then ``default-qwen3-<VERSION>``)
@@ -7,21 +7,35 @@ q/k/v and gate/up, untied lm_head) and a byte-level tokenizer.json, exactly
 what a user's checkpoint holds, so the engine loads it through the same path.
 The weights are a pure function of ``SEED`` and the shapes below: normal draws
 scaled by 1/sqrt(fan_in) so activations keep their size through the layers
-and greedy output varies with the prompt instead of settling on one token. The
-folder is written beside its final name and renamed into place, so a reader
-never sees half a checkpoint. Bump ``VERSION`` whenever the recipe changes.
+and greedy output varies with the prompt instead of settling on one token.
+Bump ``VERSION`` whenever the recipe changes.
+
+Invariants (spec/caches.md, DISK-4 to DISK-7): the folder returned is whole: each
+file of ``FILES`` has the size and SHA-256 that the folder's manifest (written
+last) records; they are checked on every call (about 13 MB hashed). A folder
+missing, damaged, or without a manifest is made again whole: under an exclusive
+lock beside it, in a scratch folder ``.making-<pid>-*`` renamed into place, the
+damaged one renamed aside first; a process that waited on the lock uses what the
+other made. Scratch of makers that are gone is removed then, never a live one's.
+When the folder can be neither found whole nor made, ``DefaultModelUnavailable``
+(an OSError) names the folder, the system's reason and NANOVERIFY_CACHE.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from kernels import disk_cache
+
 VERSION = "v1"
+# The files of the checkpoint, each recorded in the manifest, which is written last.
+FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors")
+MANIFEST = "nanoverify-manifest.json"
 SEED = 20240603
 EOS = "<|endoftext|>"
 CONFIG: dict[str, Any] = {
@@ -47,29 +61,89 @@ CONFIG: dict[str, Any] = {
 }
 
 
+class DefaultModelUnavailable(OSError):
+    """The default model is not whole in its cache folder and cannot be made there; the message names the folder,
+    the system's reason, and NANOVERIFY_CACHE."""
+
+
 def cache_root() -> Path:
     env = os.environ.get("NANOVERIFY_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "nanoverify"
 
 
 def default_model_dir() -> Path:
-    """The default checkpoint's folder, made on first use."""
+    """The default checkpoint's folder, checked against its manifest and made whole first when missing or damaged."""
     target = cache_root() / f"default-qwen3-{VERSION}"
-    if not (target / "model.safetensors").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".making-", dir=target.parent))
-        try:
-            write_checkpoint(tmp)
-            if target.exists() and not (target / "model.safetensors").is_file():
-                shutil.rmtree(target)  # a damaged copy: replaced whole
-            try:
-                os.replace(tmp, target)
-            except OSError:  # another process made it first
-                if not (target / "model.safetensors").is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if is_whole(target):
+        return target
+    try:
+        _make_whole(target)
+    except OSError as e:
+        raise DefaultModelUnavailable(
+            f"cannot make the default model in {target}: {_reason(e)}; set NANOVERIFY_CACHE to a writable folder"
+        ) from None
     return target
+
+
+def _reason(e: OSError) -> str:
+    if isinstance(e, FileExistsError) and e.filename:
+        return f"not a folder: {e.filename}"
+    if e.strerror and e.filename:
+        return f"{e.strerror}: {e.filename}"
+    return str(e)
+
+
+def is_whole(folder: Path) -> bool:
+    """Whether ``folder`` holds each checkpoint file with the size and SHA-256 its manifest records."""
+    try:
+        listed = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        if not isinstance(listed, dict) or set(listed) != set(FILES):
+            return False
+        expected = {name: disk_cache.Checksum.from_json(record) for name, record in listed.items()}
+    except (OSError, ValueError):  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return False
+    return all(disk_cache.file_checksum(folder / name, c.size) == c for name, c in expected.items())
+
+
+def _make_whole(target: Path) -> None:
+    """Holding the folder's lock: make the checkpoint in a scratch folder and swap it in (unless another process
+    made it while this one waited), removing the scratch of makers that are gone."""
+    root = target.parent
+    with disk_cache.exclusive(root / f".{target.name}.lock"):
+        if is_whole(target):
+            return
+        disk_cache.remove_stale_scratch(root)
+        scratch = Path(tempfile.mkdtemp(prefix=disk_cache.scratch_prefix(), dir=root))
+        try:
+            write_checkpoint(scratch)
+            write_manifest(scratch)
+            _swap_in(scratch, target)
+        finally:
+            disk_cache.remove(scratch)
+
+
+def _swap_in(made: Path, target: Path) -> None:
+    """Rename ``made`` to ``target``; a damaged ``target`` is first renamed aside, then removed."""
+    if not os.path.lexists(target):
+        os.replace(made, target)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=disk_cache.scratch_prefix("damaged"), dir=target.parent))
+    os.replace(target, aside / target.name)
+    try:
+        os.replace(made, target)
+    finally:
+        disk_cache.remove(aside)
+
+
+def write_manifest(folder: Path) -> None:
+    """Record each checkpoint file's size and SHA-256 in the folder's manifest (written last)."""
+    manifest: dict[str, dict[str, int | str]] = {}
+    for name in FILES:
+        checksum = disk_cache.file_checksum(folder / name)
+        if checksum is None:
+            raise FileNotFoundError(errno.ENOENT, "the checkpoint file was not written", str(folder / name))
+        manifest[name] = checksum.to_json()
+    disk_cache.write_json_atomically(folder / MANIFEST, manifest)
 
 
 def _byte_chars() -> list[str]:

@@ -526,15 +526,16 @@ def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
 
 
 def test_build_goes_to_the_cache_once_and_is_reused(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """KERN-25: the library is built into <cache root>/kernels under a name keyed by source, compiler, flags and
-    machine, with no temporary file left; a later load reuses it without running the compiler; a different machine
-    or different flags get a different name."""
+    """KERN-25, DISK-1: the library is built into <cache root>/kernels under a name keyed by source, compiler, flags
+    and machine, beside its checksum and its lock file, with no temporary file left; a later load reuses it without
+    running the compiler; a different machine or different flags get a different name."""
     compiler = cpu_build.find_compiler()
     assert compiler is not None
     target = cpu_build.library_path(compiler)
     assert target.parent == fresh_cache and not target.exists()
     cpu_build.load_library()
-    assert sorted(p.name for p in fresh_cache.iterdir()) == [target.name]
+    sidecar = cpu_build.sidecar_path(target)
+    assert sorted(p.name for p in fresh_cache.iterdir()) == sorted([target.name, sidecar.name, f".{target.name}.lock"])
 
     def no_compiler(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the compiler ran although the library was cached")
@@ -588,10 +589,12 @@ def test_chooser_falls_back_to_torch_and_says_why(fresh_cache: Path, monkeypatch
     broken = fresh_cache.parent / "cpu_attention.c"
     broken.write_text("this is not C;\n", encoding="utf-8")
     monkeypatch.setattr(cpu_build, "SOURCE", broken)
+    compiler = cpu_build.find_compiler()
+    assert compiler is not None
     cpu_build.forget()
     with pytest.warns(RuntimeWarning, match=r"compiling cpu_attention.c with .* failed \(exit"):
         assert get_backend(None, CPU).name == "torch"
-    assert not fresh_cache.exists() or not any(fresh_cache.iterdir())  # no library, no temporary file
+    assert [p.name for p in fresh_cache.iterdir()] == [f".{cpu_build.library_path(compiler).name}.lock"]  # nothing else
     with pytest.raises(ValueError, match="backend 'cpu' runs on the CPU only"):
         get_backend("cpu", torch.device("meta"))
     monkeypatch.setattr(cpu_build, "SOURCE", real_source)
