@@ -267,6 +267,7 @@ class LLM:
         finish_reason "error" and the next step() returns their outputs.
         """
         with self._lock:
+            self.engine.require_trusted()  # ENG-24, even when there is nothing to step
             finished = self._engine_step() if self.engine.has_unfinished() else []
             # Taken only now: if the step raised, what was pending is still pending.
             outputs, self._undelivered = self._undelivered, []

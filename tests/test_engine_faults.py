@@ -309,3 +309,26 @@ def test_generate_cleanup_that_fails_never_masks_the_fault(monkeypatch: pytest.M
     assert any("Bug" in note for note in getattr(caught.value, "__notes__", []))
     monkeypatch.undo()
     refuses_further_use(llm, "Bug: injected after abort")
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, Bug])
+@pytest.mark.parametrize("operation", ["add", "abort"])
+def test_an_exception_half_way_through_an_add_or_an_abort_leaves_the_engine_refusing(
+        monkeypatch: pytest.MonkeyPatch, operation: str, error: type[BaseException]) -> None:
+    """FAULT-4: the shadow raises after the engine's scheduler already took (or released) the request: the
+    exception propagates as itself and the engine refuses further use, naming the add or the abort."""
+    llm = make()
+    shadow = llm.engine.shadow
+    assert shadow is not None
+    if operation == "abort":
+        llm.add_request(PROMPTS[0], GREEDY)
+    raise_on_call(monkeypatch, shadow, operation, 1, error, True)
+    with pytest.raises(error):
+        if operation == "add":
+            llm.add_request(PROMPTS[0], GREEDY)
+        else:
+            llm.abort(0)
+    monkeypatch.undo()
+    refuses_further_use(llm, error.__name__)
+    with pytest.raises(RuntimeError, match=f"inside an {operation}"):
+        llm.step()
