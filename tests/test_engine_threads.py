@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -70,7 +71,7 @@ def run_threads(work: list[Callable[[], None]]) -> None:
         raise errors[0]
 
 
-def assert_idle(llm: LLM) -> None:
+def assert_idle(llm: LLM, failed_steps: int = 0) -> None:
     """No live request, every block free and every invariant, in the engine and in its shadow."""
     assert llm.engine.shadow is not None
     for sched in (llm.engine.scheduler, llm.engine.shadow.ref):
@@ -78,7 +79,7 @@ def assert_idle(llm: LLM) -> None:
         assert check_state(state) == [] and state.used_block_ids == set()
     assert llm.engine.live == {} and llm.engine.shadow.by_arrival == {}
     assert not llm.has_unfinished_requests()
-    assert llm.engine.stats.compared_steps == llm.engine.stats.steps and llm.engine.stats.failed_steps == 0
+    assert llm.engine.stats.compared_steps == llm.engine.stats.steps and llm.engine.stats.failed_steps == failed_steps
 
 
 @pytest.mark.parametrize("threads", [2, 4])
@@ -140,3 +141,44 @@ def test_step_loop_with_adds_aborts_and_a_generate_from_other_threads() -> None:
     assert all(o.finish_reason == "abort" for o in aborted)
     assert [o.token_ids for o in gen] == expected_gen and not set(by_id) & {o.request_id for o in gen}
     assert_idle(llm)
+
+
+class ModelFault(RuntimeError):
+    pass
+
+
+def test_a_model_fault_in_one_threads_step_reaches_that_thread_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """THREAD-2, FAULT-1, FAULT-3: while three threads generate, one runner call raises. Exactly one caller gets
+    the exception; every other caller returns all its outputs, those that finished normally with the tokens they
+    have alone and those of the failed batch with "error"; afterwards the engine is idle, every block free."""
+    llm = make()
+    expected = [alone(prompts, params) for prompts, params in JOBS[:3]]
+    real = llm.engine.runner.run
+    calls = [0]
+
+    def run(*args: Any) -> list[int]:
+        calls[0] += 1
+        if calls[0] == 4:
+            raise ModelFault("injected")
+        tokens: list[int] = real(*args)
+        return tokens
+
+    monkeypatch.setattr(llm.engine.runner, "run", run)
+    got: dict[int, list[RequestOutput]] = {}
+    faults: list[int] = []
+
+    def call(i: int) -> Callable[[], None]:
+        def job() -> None:
+            try:
+                got[i] = llm.generate(JOBS[i][0], JOBS[i][1], use_tqdm=False)
+            except ModelFault:
+                faults.append(i)
+        return job
+
+    run_threads([call(i) for i in range(3)])
+    assert len(faults) == 1 and sorted([*got, *faults]) == [0, 1, 2]
+    for i, outputs in got.items():
+        for out, tokens in zip(outputs, expected[i], strict=True):
+            assert out.finish_reason == "error" or out.token_ids == tokens
+    monkeypatch.undo()
+    assert_idle(llm, failed_steps=1)
