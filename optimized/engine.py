@@ -111,8 +111,11 @@ def validate_request(token_ids: Seq[int], params: SamplingParams, limits: Engine
 
 
 def describe(error: BaseException) -> str:
-    """An exception as one line: its type, and its message when it has one."""
-    text = str(error).strip().splitlines()
+    """An exception as one line: its type, and its message when it has one (never raises: FAULT-5)."""
+    try:
+        text = str(error).strip().splitlines()
+    except Exception:  # a broken __str__ must not replace the exception being described
+        text = []
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 

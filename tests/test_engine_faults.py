@@ -332,3 +332,19 @@ def test_an_exception_half_way_through_an_add_or_an_abort_leaves_the_engine_refu
     refuses_further_use(llm, error.__name__)
     with pytest.raises(RuntimeError, match=f"inside an {operation}"):
         llm.step()
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise ValueError("no message for you")
+
+
+def test_an_exception_that_cannot_be_printed_still_propagates_as_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAULT-5: recording why the engine is broken never raises over the original exception, even when its str()
+    raises; the refusal then names its type."""
+    llm = make()
+    raise_on_call(monkeypatch, llm.engine.scheduler, "postprocess", 1, Unprintable, True)
+    with pytest.raises(Unprintable):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    refuses_further_use(llm, "Unprintable")
