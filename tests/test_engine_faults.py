@@ -1,4 +1,5 @@
-"""A model runner that raises mid-step (spec/abort.md FAULT-1..3, beyond the lesson), all in check mode.
+"""A model runner that raises mid-step (spec/abort.md FAULT-1..3, beyond the lesson), all in check mode; and any
+other exception anywhere in a step, an add or an abort (FAULT-4, FAULT-5), a KeyboardInterrupt among them.
 
 The fault is injected by replacing the runner's ``run``: on its k-th call it
 runs the real forward (so the batch's KV is written), overwrites every slot
