@@ -12,8 +12,14 @@ same cut to the shadow. Beyond the lesson (spec/abort.md): a live request can
 be aborted between steps, and a step whose model run raises fails its batch
 (FAULT-1, FAULT-2): the batch's grants are withdrawn, its requests finish with
 ``"error"``, the exception propagates, and every other request stays queued;
-the shadow does the same, so decisions stay identical. The scheduler
-implementation is imported in exactly one place, ``_SCHEDULER`` below.
+the shadow does the same, so decisions stay identical. Any other exception
+in a step, an add or an abort (a bug, a divergence, a KeyboardInterrupt at an
+arbitrary point: FAULT-4) may have left the state half changed: ``busy`` then
+still names the interrupted operation, every later call raises RuntimeError
+(ENG-24), and the exception itself propagates untouched; a cleanup that fails
+never replaces the exception that caused it (FAULT-5). The scheduler
+implementation is imported in exactly one place, ``_SCHEDULER`` below. The
+engine is not thread-safe: ``LLM`` serializes calls into it (THREAD-1).
 """
 
 from __future__ import annotations
@@ -24,13 +30,13 @@ from dataclasses import dataclass, field
 
 from optimized.block_math import admits
 from optimized.model_runner import PLACEHOLDER, DrawParams, ModelRunner
-from optimized.sampling_params import SamplingParams
+from optimized.sampling_params import SamplingParams, token_id
 
 # The one import point of the scheduler the engine drives (reference.* has the same API).
 from optimized.scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
 from optimized.shadow import Shadow
 
-__all__ = ["Engine", "EngineLimits", "EngineStats", "Request", "SchedulerConfig", "validate_request"]
+__all__ = ["Engine", "EngineLimits", "EngineStats", "Request", "SchedulerConfig", "describe", "validate_request"]
 
 
 @dataclass
@@ -71,16 +77,20 @@ class EngineLimits:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
 
-def validate_request(token_ids: Seq[int], params: SamplingParams, limits: EngineLimits) -> None:
-    """ValueError naming the limit when the engine must refuse the request (ENG-9); changes nothing."""
+def validate_request(token_ids: Seq[int], params: SamplingParams, limits: EngineLimits) -> list[int]:
+    """The prompt as plain ints, or a ValueError naming the limit when the engine must refuse it (ENG-9).
+
+    Changes nothing.
+    """
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling_params must be optimized.SamplingParams, got {type(params).__name__}")
     # Re-running the dataclass validation catches a params object mutated after it was made.
     SamplingParams(**{f: getattr(params, f) for f in params.__dataclass_fields__})
-    n = len(token_ids)
+    ids = [token_id(t) for t in token_ids]
+    n = len(ids)
     if n == 0:
         raise ValueError("prompt must hold at least one token")
-    bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limits.vocab_size]
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise ValueError(f"prompt token ids must be in [0, vocab_size={limits.vocab_size}), got {bad[0]!r}")
     # SamplingParams refused negative and non-integer stop ids when made; only the model knows the upper bound,
@@ -97,6 +107,41 @@ def validate_request(token_ids: Seq[int], params: SamplingParams, limits: Engine
             f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) can never fit the KV cache "
             f"(num_kvcache_blocks={limits.num_blocks} of kvcache_block_size={limits.block_size})"
         )
+    return ids
+
+
+def describe(error: BaseException) -> str:
+    """An exception as one line: its type, and its message when it has one (never raises: FAULT-5)."""
+    try:
+        text = str(error).strip().splitlines()
+    except Exception:  # a broken __str__ must not replace the exception being described
+        text = []
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+class _Change:
+    """``with``: one change of the engine's state (a step, an add, an abort), refused unless the engine is trusted.
+
+    It sets ``engine.busy`` for its duration; when the change raises with ``busy`` still set (nobody restored a
+    consistent state, FAULT-4) the engine records why and stays untrusted. It never swallows the exception.
+    """
+
+    __slots__ = ("engine", "what")
+
+    def __init__(self, engine: Engine, what: str) -> None:
+        self.engine = engine
+        self.what = what
+
+    def __enter__(self) -> None:
+        self.engine.require_trusted()
+        self.engine.busy = self.what
+
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        engine = self.engine
+        if error is None:
+            engine.busy = None
+        elif engine.busy is not None:
+            engine.broken_by = describe(error)
 
 
 class Engine:
@@ -108,26 +153,53 @@ class Engine:
         self.live: dict[int, Request] = {}  # by seq_id
         self.by_arrival: dict[int, Request] = {}  # the same live requests, by arrival
         self.failed: list[Request] = []  # FAULT-1: requests of failed steps, until the caller takes them
-        # True from schedule() until the step is postprocessed or failed; still True after an exception means the
-        # error came from elsewhere than the model (a divergence, a bug) and the engine is not to be trusted.
-        self.in_step = False
+        # The change of state in progress ("a step", "an add", "an abort"), None between changes. Still set after
+        # the change raised means nobody restored a consistent state (anything but a model fault, FAULT-4): the
+        # engine is not to be trusted, and ``broken_by`` says what interrupted it (ENG-24).
+        self.busy: str | None = None
+        self.broken_by = "an exception"
         self.stats = EngineStats()
         self._arrivals = 0
+        self._stepping = _Change(self, "a step")
+        self._adding = _Change(self, "an add")
+        self._aborting = _Change(self, "an abort")
+
+    @property
+    def in_step(self) -> bool:
+        """A step began and was neither finished nor failed (FAULT-3); after an exception: untrusted."""
+        return self.busy == "a step"
+
+    @property
+    def trusted(self) -> bool:
+        """No change of state was left half done (ENG-24)."""
+        return self.busy is None
 
     def require_trusted(self) -> None:
         """ENG-24: after a failure inside a step that was not the model's, the state is not to be trusted."""
-        if self.in_step:
-            raise RuntimeError("the engine failed inside a step (not in the model) and its state is undefined: "
+        if self.busy is not None:
+            raise RuntimeError(f"the engine failed inside {self.busy} ({self.broken_by}) and its state is undefined: "
                                "make a new LLM")
 
     def add(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
         self.require_trusted()
-        validate_request(token_ids, params, self.limits)
-        return self.add_validated(token_ids, params, seed)
+        ids = validate_request(token_ids, params, self.limits)
+        return self.add_validated(ids, params, seed)
 
     def add_validated(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
         """``add`` for a request the caller has already passed through ``validate_request``."""
         self.require_trusted()
+        request = self._request(token_ids, params, seed)
+        with self._adding:
+            self.scheduler.add(request.seq)
+            if self.shadow is not None:
+                self.shadow.add(request.arrival, request.seq.token_ids, params)
+            self.live[request.seq.seq_id] = request
+            self.by_arrival[request.arrival] = request
+            self._arrivals += 1
+        return request
+
+    def _request(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
+        """The next arrival's ``Request``, not yet added anywhere."""
         seq = Sequence(list(token_ids), params, self.limits.block_size)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -136,14 +208,7 @@ class Engine:
         temperature = 0.0 if params.greedy else params.temperature
         top_k = -1 if params.top_k >= self.limits.vocab_size else params.top_k
         draw = DrawParams(temperature, top_k, params.top_p, seed % (1 << 63))
-        request = Request(self._arrivals, seq, params, draw, frozenset(stops))
-        self._arrivals += 1
-        self.scheduler.add(seq)
-        if self.shadow is not None:
-            self.shadow.add(request.arrival, seq.token_ids, params)
-        self.live[seq.seq_id] = request
-        self.by_arrival[request.arrival] = request
-        return request
+        return Request(self._arrivals, seq, params, draw, frozenset(stops))
 
     def abort(self, arrival: int) -> Request | None:
         """ABORT-8: abort a live request between steps; None when it has already finished (nothing changes).
@@ -156,12 +221,13 @@ class Engine:
         request = self.by_arrival.get(arrival)
         if request is None:
             return None
-        self.scheduler.abort(request.seq)
-        request.finish_reason = "abort"
-        self._forget(request)
-        if self.shadow is not None:
-            self.shadow.abort(self.scheduler, arrival, self._live_arrivals())
-        self.stats.aborted_requests += 1
+        with self._aborting:
+            self.scheduler.abort(request.seq)
+            request.finish_reason = "abort"
+            self._forget(request)
+            if self.shadow is not None:
+                self.shadow.abort(self.scheduler, arrival, self._live_arrivals())
+            self.stats.aborted_requests += 1
         return request
 
     def take_failed(self) -> list[Request]:
@@ -173,12 +239,18 @@ class Engine:
         return not self.scheduler.is_finished()
 
     def step(self) -> list[Request]:
-        """One scheduler step; the requests that finished in it."""
-        self.require_trusted()
+        """One scheduler step; the requests that finished in it.
+
+        FAULT-1, FAULT-4: a model fault fails the batch and propagates; any other exception propagates and
+        leaves the engine untrusted (``busy`` still set), since it may have struck half-way through a change.
+        """
+        with self._stepping:
+            return self._step()
+
+    def _step(self) -> list[Request]:
         holding = [r for r in self.live.values() if r.seq.block_table]
         held = {r.seq.seq_id for r in holding}
         seqs, is_prefill = self.scheduler.schedule()
-        self.in_step = True
         requests = [self.live[s.seq_id] for s in seqs]
         preempted = [r for r in holding if not r.seq.block_table]
         if self.shadow is not None:
@@ -186,8 +258,8 @@ class Engine:
         start = time.perf_counter()
         try:
             tokens = self.runner.run(seqs, is_prefill, [r.draw for r in requests])
-        except BaseException:
-            self._fail_batch(seqs, requests)
+        except BaseException as fault:
+            self._fail_batch_under(fault, seqs, requests)
             raise
         self._count(seqs, is_prefill, held, len(preempted), time.perf_counter() - start)
         cuts = self._stop_cuts(requests, tokens)
@@ -199,8 +271,16 @@ class Engine:
         if self.shadow is not None:
             self.shadow.after_postprocess(self.scheduler, tokens, cuts, [r.arrival for r in finished])
             self.stats.compared_steps += 1
-        self.in_step = False
         return finished
+
+    def _fail_batch_under(self, fault: BaseException, seqs: list[Sequence], requests: list[Request]) -> None:
+        """FAULT-5: fail the batch for ``fault``; if that raises too, note it on ``fault`` and stay untrusted."""
+        try:
+            self._fail_batch(seqs, requests)
+        except BaseException as second:  # the caller re-raises ``fault``: the second must not replace it
+            self.busy = "a step"
+            fault.add_note(f"failing the step's batch then raised {describe(second)}; the engine refuses further "
+                           "use (make a new LLM)")
 
     def _fail_batch(self, seqs: list[Sequence], requests: list[Request]) -> None:
         """FAULT-2: withdraw the failed step and abort its batch, in both schedulers; nothing it computed is kept."""
@@ -212,7 +292,7 @@ class Engine:
             self.shadow.fail_step(self.scheduler, [r.arrival for r in requests], self._live_arrivals())
         self.failed.extend(requests)
         self.stats.failed_steps += 1
-        self.in_step = False
+        self.busy = None  # FAULT-2: consistent again; the fault propagates without marking the engine
 
     def _forget(self, request: Request) -> None:
         del self.live[request.seq.seq_id]

@@ -13,7 +13,19 @@ time; ``generate`` is built on the same add and step. Every request added with
 ``abort``, with finish_reason "abort"); an output that finishes while
 ``generate`` drives the engine, or in a failed step, waits for the next
 ``step``. When a step raises, ``generate`` aborts its own live requests before
-re-raising (FAULT-3), so the engine is reusable.
+re-raising (FAULT-3), so the engine is reusable; the exception that reaches the
+caller is always the original one (FAULT-5).
+
+Threads (THREAD-1, THREAD-2): an ``LLM`` may be called from several threads.
+One lock serializes every call into the engine, and it is held for one engine
+operation at a time: ``add_request``, ``abort``, ``step``,
+``has_unfinished_requests``, the adding of one ``generate`` call's requests (all
+at once), and each step ``generate`` runs. ``generate`` does not hold it for
+its whole run: between its steps other threads add, abort and step, so several
+``generate`` calls are batched together. A step run by any caller advances
+every queued request; each ``generate`` waits until its own requests are
+finished (whoever ran the step that finished them) and returns only those,
+while ``add_request`` outputs are left for ``step``.
 """
 
 from __future__ import annotations
@@ -21,13 +33,14 @@ from __future__ import annotations
 import math
 import os
 import random
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from optimized.engine import Engine, EngineLimits, Request, SchedulerConfig, validate_request
+from optimized.engine import Engine, EngineLimits, Request, SchedulerConfig, describe, validate_request
 from optimized.loader import load_model
 from optimized.model_runner import ModelRunner
 from optimized.sampling_params import SamplingParams
@@ -80,6 +93,16 @@ def _dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def _valid_text(prompt: str) -> str:
+    """ENG-9: a text prompt must be encodable as UTF-8, which a lone surrogate ('\\ud800') is not."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"prompt text is not valid Unicode: {e.reason} at index {e.start} "
+                         f"({prompt[e.start:e.end]!r})") from None
+    return prompt
 
 
 class LLM:
@@ -169,6 +192,8 @@ class LLM:
         limits = EngineLimits(c.vocab_size, max_model_len, num_kvcache_blocks, block_size, c.eos_token_ids)
         self.engine = Engine(runner, config, limits, check)
         self._rng = random.Random(seed)
+        self._lock = threading.Lock()  # THREAD-1: held for one engine operation at a time
+        self._changes = 0  # steps and aborts so far: a generate call that sees it move rescans its requests
         self._stepped: dict[int, str | None] = {}  # add_request ids whose output is not returned yet: their prompt
         self._undelivered: list[RequestOutput] = []  # their outputs that finished outside step()
 
@@ -180,6 +205,8 @@ class LLM:
             return default_model_dir()
         if not isinstance(model, (str, Path)):
             raise ValueError(f"model must be a checkpoint folder path or None, got {type(model).__name__}")
+        if model == "":  # Path("") is the current directory, surely not what was meant
+            raise ValueError("model must be a checkpoint folder path or None, got an empty string")
         path = Path(model)
         if not path.is_dir():
             raise ValueError(f"model must be a checkpoint folder, got {str(model)!r}")
@@ -201,18 +228,14 @@ class LLM:
 
     def _tokens(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(_valid_text(prompt))
         if not isinstance(prompt, list):
             raise ValueError(f"prompts must be strings or lists of token ids, got {type(prompt).__name__}")
         return prompt
 
-    def _validated(self, prompt: str | list[int], sampling_params: SamplingParams | None) -> tuple[list[int],
-                                                                                                 SamplingParams]:
+    def _validated(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
         """ENG-9: the prompt's token ids and its params, or a ValueError naming the limit (nothing changed)."""
-        params = SamplingParams() if sampling_params is None else sampling_params
-        ids = self._tokens(prompt)
-        validate_request(ids, params, self.engine.limits)
-        return ids, params
+        return validate_request(self._tokens(prompt), params, self.engine.limits), params
 
     def _add(self, ids: list[int], params: SamplingParams) -> Request:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -220,15 +243,22 @@ class LLM:
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
         """ABORT-7: validate and queue one request (as generate would); its request_id. Refused: ValueError."""
-        self.engine.require_trusted()
-        ids, params = self._validated(prompt, sampling_params)
-        request = self._add(ids, params)
-        self._stepped[request.arrival] = prompt if isinstance(prompt, str) else None
+        self._require_trusted()
+        ids, params = self._validated(prompt, SamplingParams() if sampling_params is None else sampling_params)
+        with self._lock:
+            request = self._add(ids, params)
+            self._stepped[request.arrival] = prompt if isinstance(prompt, str) else None
         return request.arrival
+
+    def _require_trusted(self) -> None:
+        """ENG-24, first of all; read under the lock, since another thread's step makes the engine busy."""
+        with self._lock:
+            self.engine.require_trusted()
 
     def has_unfinished_requests(self) -> bool:
         """ABORT-7: a request is queued, or an add_request output is still to be returned by step()."""
-        return bool(self._undelivered) or self.engine.has_unfinished()
+        with self._lock:
+            return bool(self._undelivered) or self.engine.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
         """ABORT-7: one scheduler step (none when only outputs are pending); the add_request outputs finished.
@@ -236,24 +266,29 @@ class LLM:
         FAULT-1: if the model raises, the exception propagates; the failed batch's requests finish with
         finish_reason "error" and the next step() returns their outputs.
         """
-        finished = self._engine_step() if self.engine.has_unfinished() else []
-        # Taken only now: if the step raised, what was pending is still pending.
-        outputs, self._undelivered = self._undelivered, []
-        return outputs + self._deliver(finished)
+        with self._lock:
+            self.engine.require_trusted()  # ENG-24, even when there is nothing to step
+            finished = self._engine_step() if self.engine.has_unfinished() else []
+            # Taken only now: if the step raised, what was pending is still pending.
+            outputs, self._undelivered = self._undelivered, []
+            return outputs + self._deliver(finished)
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """ABORT-8: abort a live request; its output (finish_reason "abort"), never returned by step() then.
 
         An id never issued is a ValueError; a request already finished is left alone and None returned.
         """
-        request = self.engine.abort(request_id)
-        if request is None:
-            return None
-        prompt = self._stepped.pop(request.arrival, None)
-        return self._output(request, prompt)
+        with self._lock:
+            request = self.engine.abort(request_id)
+            self._changes += 1
+            if request is None:
+                return None
+            prompt = self._stepped.pop(request.arrival, None)
+            return self._output(request, prompt)
 
     def _engine_step(self) -> list[Request]:
         """engine.step(); on a fault, the failed add_request outputs are kept for the next step() (FAULT-1)."""
+        self._changes += 1
         try:
             return self.engine.step()
         except BaseException:
@@ -273,49 +308,79 @@ class LLM:
         """Generate for every prompt; one output per prompt, in order. Refuses the whole call on one bad request.
 
         FAULT-3: when a step raises, this call's live requests are aborted before the exception propagates.
+        THREAD-2: other threads may use the LLM meanwhile; the outputs returned are this call's only.
         """
-        self.engine.require_trusted()
+        self._require_trusted()
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a list of strings or of token-id lists, got {type(prompts).__name__}")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if not isinstance(sampling_params, (SamplingParams, list, tuple)):
-            raise ValueError("sampling_params must be a SamplingParams or a list of them, "
-                             f"got {type(sampling_params).__name__}")
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else sampling_params
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        params = self._params_per_prompt(sampling_params, len(prompts))
         validated = []
         for i, sp in enumerate(params):
             try:
                 validated.append(self._validated(prompts[i], sp))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        requests = [self._add(ids, sp) for ids, sp in validated]
+        requests: list[Request] = []
         try:
+            with self._lock:
+                for ids, sp in validated:
+                    requests.append(self._add(ids, sp))
             self._run(requests, use_tqdm)
-        except BaseException:
-            if not self.engine.in_step:  # a model fault, handled (FAULT-3); anything else left no trustworthy state
-                for r in requests:
-                    self.engine.abort(r.arrival)  # None for those already finished
+        except BaseException as error:
+            self._abort_after(error, requests)
             raise
         return [self._output(r, p if isinstance(p, str) else None) for r, p in zip(requests, prompts, strict=True)]
 
+    @staticmethod
+    def _params_per_prompt(sampling_params: object, count: int) -> list[SamplingParams]:
+        """ENG-9: one SamplingParams for each prompt; None (the whole argument only) means the defaults."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if not isinstance(sampling_params, (list, tuple)):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them, "
+                             f"got {type(sampling_params).__name__}")
+        for i, sp in enumerate(sampling_params):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
+        if len(sampling_params) != count:
+            raise ValueError(f"sampling_params: {len(sampling_params)} given for {count} prompts")
+        return list(sampling_params)
+
+    def _abort_after(self, error: BaseException, requests: list[Request]) -> None:
+        """FAULT-3: abort this call's live requests when the engine is still trusted (a model fault, or an
+        exception between steps). FAULT-5: if that raises too, note it on ``error``, which the caller re-raises."""
+        try:
+            with self._lock:
+                if self.engine.trusted:
+                    for r in requests:
+                        self.engine.abort(r.arrival)  # None for those already finished
+        except BaseException as second:
+            error.add_note(f"aborting this call's requests then raised {describe(second)}")
+
     def _run(self, requests: list[Request], use_tqdm: bool) -> None:
+        """Step until every one of ``requests`` is finished, by this thread's steps or another's (THREAD-2)."""
         from tqdm import tqdm
 
-        pending = {r.arrival for r in requests}
         st = self.engine.stats
+        pending = {r.arrival: r for r in requests}
+        seen = -1  # the value of _changes after this call's last step: scan ``pending`` first
         with tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             while pending:
-                finished = self._engine_step()
-                self._undelivered += self._deliver(finished)
-                done = [r.arrival for r in finished if r.arrival in pending]
-                pending.difference_update(done)
-                if done:
-                    bar.update(len(done))
+                with self._lock:
+                    if self._changes != seen:  # another caller stepped or aborted: it may have finished ours
+                        for arrival in [a for a, r in pending.items() if r.finish_reason is not None]:
+                            del pending[arrival]
+                    if pending:
+                        finished = self._engine_step()
+                        self._undelivered += self._deliver(finished)
+                        for r in finished:
+                            pending.pop(r.arrival, None)
+                    seen = self._changes
+                bar.update(len(requests) - len(pending) - bar.n)
                 prefill = st.prefill_tokens / st.prefill_seconds if st.prefill_seconds else 0.0
                 decode = st.decode_tokens / st.decode_seconds if st.decode_seconds else 0.0
                 bar.set_postfix_str(f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s", refresh=False)

@@ -5,6 +5,8 @@ ignore_eos), with the vLLM-style fields the engine honours. Every bad value
 raises ValueError naming the field, so a request that reaches the scheduler is
 well-formed; the one model-dependent bound, stop ids below the vocabulary size,
 is checked where the request meets the model (``engine.validate_request``).
+Token ids (here the stop ids) are ints: any integer type, a numpy integer too, is
+stored as a plain int; a bool, a float or a list is refused (``token_id``).
 A temperature below ``GREEDY_BELOW`` (1e-5, vLLM's threshold too) means greedy:
 dividing float32 logits by a tinier one overflows to inf. ``seed`` makes the draw
 a pure function of (seed, position): the same tokens alone or batched, chunked or
@@ -14,10 +16,24 @@ preempted.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
+from typing import SupportsIndex
 
 GREEDY_BELOW = 1e-5
 INT64_MAX = (1 << 63) - 1
+
+
+def token_id(value: object, what: str = "prompt token ids") -> int:
+    """ENG-9: a token id as a plain int; any integer type (a numpy integer too), never a bool, float or list."""
+    if type(value) is int:
+        return value
+    if isinstance(value, SupportsIndex) and not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:  # an array of more than one element, say
+            pass
+    raise ValueError(f"{what} must be ints, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True)
@@ -53,8 +69,9 @@ class SamplingParams:
             stops = tuple(self.stop_token_ids)
         except TypeError:
             raise ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}") from None
+        stops = tuple(token_id(t, "stop_token_ids") for t in stops)
         for t in stops:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            if t < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
         object.__setattr__(self, "stop_token_ids", stops)
 

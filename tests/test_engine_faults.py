@@ -1,4 +1,5 @@
-"""A model runner that raises mid-step (spec/abort.md FAULT-1..3, beyond the lesson), all in check mode.
+"""A model runner that raises mid-step (spec/abort.md FAULT-1..3, beyond the lesson), all in check mode; and any
+other exception anywhere in a step, an add or an abort (FAULT-4, FAULT-5), a KeyboardInterrupt among them.
 
 The fault is injected by replacing the runner's ``run``: on its k-th call it
 runs the real forward (so the batch's KV is written), overwrites every slot
@@ -198,3 +199,153 @@ def test_outputs_waiting_for_step_survive_a_fault(monkeypatch: pytest.MonkeyPatc
     assert outputs[early].finish_reason == "length" and len(outputs[early].token_ids) == 1
     assert outputs[doomed].finish_reason == "error"
     consistent(llm, idle=True)
+
+
+# --- FAULT-4, FAULT-5: an exception anywhere in a step ----------------------------------------------------------
+
+class Bug(Exception):
+    """A plain exception standing for a bug at the injection point."""
+
+
+def raise_on_call(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, k: int, error: type[BaseException],
+                  after: bool) -> None:
+    """Make ``owner.name``'s k-th call (1-based) raise ``error``: before the real call, or after it changed state."""
+    real = getattr(owner, name)
+    calls = [0]
+
+    def wrapped(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] != k:
+            return real(*args)
+        if not after:
+            raise error(f"injected into {name}")
+        real(*args)
+        raise error(f"injected after {name}")
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+# Where a step is hit: (the object, its attribute, after the real call?); the model's run is a handled fault.
+POINTS: dict[str, tuple[str, str, bool]] = {
+    "schedule before it mutates": ("scheduler", "schedule", False),
+    "schedule after it mutated": ("scheduler", "schedule", True),
+    "postprocess before": ("scheduler", "postprocess", False),
+    "postprocess after": ("scheduler", "postprocess", True),
+    "the shadow's schedule": ("shadow_ref", "schedule", True),
+    "the shadow after postprocess": ("shadow", "after_postprocess", True),
+    "the model": ("runner", "run", False),
+}
+
+
+def owner_of(llm: LLM, where: str) -> Any:
+    shadow = llm.engine.shadow
+    assert shadow is not None
+    return {"scheduler": llm.engine.scheduler, "shadow": shadow, "shadow_ref": shadow.ref,
+            "runner": llm.engine.runner}[where]
+
+
+def refuses_further_use(llm: LLM, cause: str) -> None:
+    """ENG-24: every later call raises a RuntimeError that says what failed and to make a new LLM."""
+    for later in (lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False), lambda: llm.add_request([1, 2, 3], GREEDY),
+                  llm.step, lambda: llm.abort(0)):
+        with pytest.raises(RuntimeError, match=f"(?s)make a new LLM.*{cause}|{cause}.*make a new LLM"):
+            later()
+
+
+@pytest.mark.parametrize("api", ["generate", "step"])
+@pytest.mark.parametrize("error", [KeyboardInterrupt, Bug])
+@pytest.mark.parametrize("point", sorted(POINTS))
+def test_an_exception_anywhere_in_a_step_propagates_and_leaves_no_half_state(
+        monkeypatch: pytest.MonkeyPatch, point: str, error: type[BaseException], api: str) -> None:
+    """FAULT-4: the second step is hit at ``point``; the original exception reaches the caller as itself (a
+    KeyboardInterrupt stays one), and the engine is either consistent (the model: the batch failed, generate's
+    requests aborted, every block free, the next generate exact) or refuses further use, naming the exception."""
+    where, name, after = POINTS[point]
+    llm = make(max_num_seqs=2)
+    raise_on_call(monkeypatch, owner_of(llm, where), name, 2, error, after)
+    with pytest.raises(error) as caught:
+        if api == "generate":
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        else:
+            for p in PROMPTS:
+                llm.add_request(p, GREEDY)
+            while True:
+                llm.step()
+    assert type(caught.value) is error and "injected" in str(caught.value)
+    monkeypatch.undo()
+    if where != "runner":
+        refuses_further_use(llm, error.__name__)
+        return
+    outputs = drain(llm)
+    assert all(o.finish_reason in ("error", "length") for o in outputs.values())
+    consistent(llm, idle=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == fresh(PROMPTS, max_num_seqs=2)
+    consistent(llm, idle=True)
+
+
+@pytest.mark.parametrize(("first", "then"), [(ModelFault, KeyboardInterrupt), (KeyboardInterrupt, Bug)])
+def test_a_cleanup_that_fails_never_masks_the_fault(monkeypatch: pytest.MonkeyPatch, first: type[BaseException],
+                                                    then: type[BaseException]) -> None:
+    """FAULT-5: the model raises and then failing its batch raises too: the model's exception propagates (a
+    note names the second), and the engine refuses further use."""
+    llm = make()
+    raise_on_call(monkeypatch, llm.engine.runner, "run", 2, first, False)
+    raise_on_call(monkeypatch, llm.engine.scheduler, "abort_step", 1, then, False)
+    with pytest.raises(first) as caught:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert "injected into run" in str(caught.value)
+    assert any(then.__name__ in note for note in getattr(caught.value, "__notes__", []))
+    monkeypatch.undo()
+    refuses_further_use(llm, first.__name__)
+
+
+def test_generate_cleanup_that_fails_never_masks_the_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAULT-5: the model raises a KeyboardInterrupt and aborting generate's own requests afterwards raises: the
+    KeyboardInterrupt propagates, and the engine refuses further use, naming what broke it in the abort."""
+    llm = make(max_num_seqs=2)  # the second runner call prefills request 2 alone: 0 and 1 stay live
+    raise_on_call(monkeypatch, llm.engine.runner, "run", 2, KeyboardInterrupt, False)
+    raise_on_call(monkeypatch, llm.engine.scheduler, "abort", 1, Bug, True)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert any("Bug" in note for note in getattr(caught.value, "__notes__", []))
+    monkeypatch.undo()
+    refuses_further_use(llm, "Bug: injected after abort")
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, Bug])
+@pytest.mark.parametrize("operation", ["add", "abort"])
+def test_an_exception_half_way_through_an_add_or_an_abort_leaves_the_engine_refusing(
+        monkeypatch: pytest.MonkeyPatch, operation: str, error: type[BaseException]) -> None:
+    """FAULT-4: the shadow raises after the engine's scheduler already took (or released) the request: the
+    exception propagates as itself and the engine refuses further use, naming the add or the abort."""
+    llm = make()
+    shadow = llm.engine.shadow
+    assert shadow is not None
+    if operation == "abort":
+        llm.add_request(PROMPTS[0], GREEDY)
+    raise_on_call(monkeypatch, shadow, operation, 1, error, True)
+    with pytest.raises(error):
+        if operation == "add":
+            llm.add_request(PROMPTS[0], GREEDY)
+        else:
+            llm.abort(0)
+    monkeypatch.undo()
+    refuses_further_use(llm, error.__name__)
+    with pytest.raises(RuntimeError, match=f"inside an {operation}"):
+        llm.step()
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise ValueError("no message for you")
+
+
+def test_an_exception_that_cannot_be_printed_still_propagates_as_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAULT-5: recording why the engine is broken never raises over the original exception, even when its str()
+    raises; the refusal then names its type."""
+    llm = make()
+    raise_on_call(monkeypatch, llm.engine.scheduler, "postprocess", 1, Unprintable, True)
+    with pytest.raises(Unprintable):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    refuses_further_use(llm, "Unprintable")

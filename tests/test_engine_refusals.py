@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from invariants import snapshot
 from optimized import LLM, SamplingParams
+from optimized.tokenizer import load_tokenizer
 from tests.engine_fixtures import VOCAB, checkpoint, hf_greedy, one_thread, set_root
 
 
@@ -157,3 +161,75 @@ def test_bad_model_folder() -> None:
     """ENG-14: a model that is not a checkpoint folder is a ValueError naming it."""
     with pytest.raises(ValueError, match="model"):
         LLM("/nonexistent/checkpoint")
+
+
+@pytest.mark.parametrize(("bad", "shown"), [(1.0, "1.0 (float)"), (True, "True (bool)"), ([3], "[3] (list)"),
+                                           (np.float64(2.0), "np.float64(2.0) (float64)"), ("7", "'7' (str)")])
+@pytest.mark.parametrize("api", ["generate", "add_request"])
+def test_a_token_id_of_the_wrong_type_says_it_must_be_an_int(bad: object, shown: str, api: str) -> None:
+    """ENG-9: a prompt token id that is no integer is refused as such (not as out of range), naming the value and
+    its type, and the call changes nothing."""
+    llm = make()
+    before = state(llm)
+    prompt = [5, bad, 7]
+    with pytest.raises(ValueError, match="prompt token ids must be ints, got " + re.escape(shown)):
+        if api == "generate":
+            llm.generate([GOOD, prompt], GREEDY, use_tqdm=False)  # type: ignore[arg-type]
+        else:
+            llm.add_request(prompt, GREEDY)  # type: ignore[arg-type]
+    assert state(llm) == before and llm.engine._arrivals == 0
+
+
+def test_numpy_integer_token_ids_are_accepted_as_plain_ints() -> None:
+    """ENG-9: numpy integer scalars (prompt ids and stop ids) are accepted, stored as plain ints, and generate
+    exactly what the same ints do."""
+    llm = make()
+    params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(np.int64(VOCAB - 1),))  # type: ignore[arg-type]
+    assert params.stop_token_ids == (VOCAB - 1,) and type(params.stop_token_ids[0]) is int
+    out = llm.generate([[np.int64(t) for t in GOOD]], params, use_tqdm=False)[0]  # type: ignore[arg-type]
+    assert all(type(t) is int for t in out.prompt_token_ids) and out.prompt_token_ids == GOOD
+    assert out.token_ids == hf_greedy(checkpoint("qwen3"), [GOOD], [8])[0]
+    rid = llm.add_request([np.uint8(t) for t in GOOD], GREEDY)  # type: ignore[misc]
+    assert all(type(t) is int for t in llm.engine.by_arrival[rid].seq.token_ids)
+
+
+@pytest.mark.parametrize(("params", "shown"), [([None], "NoneType"), ([{}], "dict"), ([GREEDY, None], "NoneType")])
+def test_sampling_params_list_elements_must_be_sampling_params(params: list[Any], shown: str) -> None:
+    """ENG-9: in a list of sampling params each element must be a SamplingParams (None only as the whole
+    argument); the error names the index, and nothing is added."""
+    llm = make()
+    before = state(llm)
+    index = len(params) - 1
+    with pytest.raises(ValueError, match=rf"sampling_params\[{index}\] must be a SamplingParams, got {shown}"):
+        llm.generate([GOOD] * len(params), params, use_tqdm=False)
+    assert state(llm) == before and llm.engine._arrivals == 0
+
+
+def word_level_tokenizer(folder: Path) -> Path:
+    """A folder holding a whitespace word-level tokenizer.json over a few words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_a_prompt_with_a_lone_surrogate_is_a_value_error_naming_the_prompt(tmp_path: Path) -> None:
+    """ENG-9: a text prompt that is not valid Unicode is a ValueError naming the prompt's index (not a TypeError
+    from inside the tokenizer), and nothing is added."""
+    llm = make()
+    llm.tokenizer = load_tokenizer(word_level_tokenizer(tmp_path))
+    assert len(llm.generate(["a b"], GREEDY, use_tqdm=False)[0].prompt_token_ids) == 2
+    before = state(llm)
+    with pytest.raises(ValueError, match=r"prompt 1: prompt text is not valid Unicode.*index 2"):
+        llm.generate(["a b", "a \ud800 b"], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        llm.add_request("\udfff", GREEDY)
+    assert state(llm) == before
+
+
+def test_an_empty_model_path_is_refused() -> None:
+    """ENG-9: model='' is refused naming `model`, not read as the current directory."""
+    with pytest.raises(ValueError, match=r"model must be .* got an empty string"):
+        LLM("")
