@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from optimized import cpu_defaults
 from optimized.engine import Engine, EngineLimits, Request, SchedulerConfig, describe, validate_request
 from optimized.loader import load_model
 from optimized.model_runner import ModelRunner
@@ -147,6 +148,7 @@ class LLM:
         dev = _device(device)
         torch_dtype = _dtype(dtype, dev)
         model_dir = self._model_dir(model)
+        cpu_defaults.cap_threads()  # ENG-27: before the first forward, so the thread pool starts at its size
         from kernels.backend import get_backend
 
         try:

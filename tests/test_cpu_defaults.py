@@ -63,3 +63,17 @@ def test_threads_are_lowered_to_the_usable_cpus_and_never_raised(monkeypatch: py
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_llm_caps_the_threads_when_it_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENG-27: making an LLM applies the cap (here: as if this process could use one CPU)."""
+    from optimized import LLM
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(cpu_defaults, "usable_cpus", lambda: 1)
+    try:
+        torch.set_num_threads(2)
+        LLM()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
