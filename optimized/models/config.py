@@ -151,16 +151,17 @@ def _refuse_sliding_window(d: dict[str, Any], family: str, num_layers: int) -> N
     if layer_types is not None:
         if not isinstance(layer_types, list) or len(layer_types) != num_layers:
             raise ValueError(f"config.json: layer_types must list num_hidden_layers ({num_layers}) entries")
-        if any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"config.json: layer_types other than 'full_attention' are not supported: {layer_types}")
+        other = [t for t in layer_types if t != "full_attention"]
+        if other:
+            raise ValueError(f"config.json: layer_types other than 'full_attention' are not supported: {_short(other)}")
         return
     window = d.get("sliding_window", SLIDING_WINDOW_DEFAULT)  # an absent key is transformers' default, not null
     if d.get("use_sliding_window") and window is not None:
         first = d.get("max_window_layers", MAX_WINDOW_LAYERS_DEFAULT)
         if isinstance(first, bool) or not isinstance(first, int) or first < num_layers:
             raise ValueError(
-                f"config.json: use_sliding_window is not supported (sliding_window {window!r} "
-                f"from layer max_window_layers={first!r} of num_hidden_layers={num_layers})"
+                f"config.json: use_sliding_window is not supported (sliding_window {_short(window)} "
+                f"from layer max_window_layers={_short(first)} of num_hidden_layers={num_layers})"
             )
 
 
