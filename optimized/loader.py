@@ -222,6 +222,14 @@ def check_headers(c: ModelConfig, model_dir: Path, files: list[Path]) -> None:
         raise ValueError(f"checkpoint {model_dir} lacks tensors for: {', '.join(missing[:8])}")
 
 
+_FINITE_CHUNK = 1 << 24  # elements per isfinite pass: its bool temporary stays at 16 MB, whatever the tensor
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[a : a + _FINITE_CHUNK]).all()) for a in range(0, flat.numel(), _FINITE_CHUNK))
+
+
 def _load_file(model: CausalLM, path: Path, expected: dict[Piece, str], loaded: set[Piece]) -> None:
     """Each tensor of ``path`` into its parameter piece, checked finite in the model's dtype there (CKPT-6)."""
     params = dict(model.named_parameters())
@@ -235,7 +243,7 @@ def _load_file(model: CausalLM, path: Path, expected: dict[Piece, str], loaded: 
             if target in loaded:
                 raise ValueError(f"checkpoint tensor {name!r} appears twice")
             dest = _copy(params[target[0]].data, f.get_tensor(name), target[1], name)
-            if not bool(torch.isfinite(dest).all()):
+            if not _all_finite(dest):
                 raise ValueError(f"checkpoint tensor {name!r} in {path} holds non-finite values (NaN or Inf) "
                                  f"as {dest.dtype}")
             loaded.add(target)

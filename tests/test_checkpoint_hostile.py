@@ -142,6 +142,25 @@ def test_non_finite_weights_are_refused_by_name(value: float, source: Path, tmp_
     refused(folder, K_PROJ, "non-finite")
 
 
+@pytest.mark.parametrize("index", [0, -1])
+def test_the_finiteness_check_covers_every_chunk(
+    index: int, source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CKPT-6: the check runs over bounded chunks of each tensor; with chunks of 7 elements (not dividing the
+    tensor's), a NaN in its first or its last element is still found, and the clean folder still loads."""
+    monkeypatch.setattr(loader_module, "_FINITE_CHUNK", 7)
+    folder = fresh(source, tmp_path)
+    build(folder)
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t.view(-1)[index] = float("nan")
+        return t
+
+    edit_tensor(folder, K_PROJ, poison)
+    refused(folder, K_PROJ, "non-finite")
+
+
 def test_a_weight_that_overflows_the_engine_dtype_is_refused(source: Path, tmp_path: Path) -> None:
     """CKPT-6: finiteness is checked in the engine's dtype: a float32 weight of 1e6 loads in float64 but would be
     infinite in float16, so there it is refused by name."""
