@@ -7,15 +7,19 @@ uses is resolved here, as transformers' config class of that family resolves
 it (its defaults for absent fields included), so a config that parses builds a
 model with no further surprises; anything the decoder cannot honour (other
 activations, scaled or partial RoPE, sliding windows, quantized weights) is
-refused with a ValueError naming the field.
+refused with a ValueError naming the field. Every size is bounded (``LIMITS``, CKPT-3) so that no field alone asks
+for an absurd allocation, and every eos id lies inside the vocabulary (CKPT-4); the files themselves are read as
+hostile bytes (``optimized.checkpoint_files``, CKPT-1).
 """
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from optimized.checkpoint_files import read_json_object, regular_file
 
 FAMILIES = ("qwen3", "qwen2", "llama")
 # transformers' defaults, per family, for fields config.json leaves out (None: the query head count, resp.
@@ -24,6 +28,19 @@ KV_HEADS_DEFAULT: dict[str, int | None] = {"qwen3": 32, "qwen2": 32, "llama": No
 HEAD_DIM_DEFAULT: dict[str, int | None] = {"qwen3": 128, "qwen2": None, "llama": None}
 MAX_WINDOW_LAYERS_DEFAULT = 28  # Qwen2Config and Qwen3Config
 SLIDING_WINDOW_DEFAULT = 4096  # Qwen2Config and Qwen3Config, when use_sliding_window is true and the key is absent
+# Upper bounds on the sizes (CKPT-3), each far above any released model of these families (largest seen: vocabulary
+# 262k, hidden 16k, MLP 53k, 126 layers, 128 heads, head_dim 256, context 10M); the memory check
+# (optimized.loader) bounds their products.
+LIMITS = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 18,
+    "num_hidden_layers": 1 << 10,
+    "num_attention_heads": 1 << 12,
+    "num_key_value_heads": 1 << 12,
+    "head_dim": 1 << 12,
+    "max_position_embeddings": 1 << 24,
+}
 
 
 @dataclass(frozen=True)
@@ -54,26 +71,45 @@ class ModelConfig:
 
 def _int(d: dict[str, Any], key: str, minimum: int = 1) -> int:
     value = d.get(key)
+    maximum = LIMITS.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"config.json: {key} must be an integer >= {minimum}, got {value!r}")
+        raise ValueError(f"config.json: {key} must be an integer >= {minimum}, got {_short(value)}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"config.json: {key} must be at most {maximum}, got {_short(value)}")
     return value
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, cut to 80 characters (a hostile config may hold a huge value)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _float(d: dict[str, Any], key: str, default: float) -> float:
     value = d.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"config.json: {key} must be a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"config.json: {key} must be a positive finite number, got {_short(value)}")
     return float(value)
+
+
+def _flag(d: dict[str, Any], key: str) -> bool:
+    """A boolean field: absent or null is false (transformers tests its truth); any other non-bool is refused."""
+    value = d.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"config.json: {key} must be true or false, got {_short(value)}")
+    return bool(value)
 
 
 def _rope_params(d: dict[str, Any], key: str) -> dict[str, Any]:
     """``d[key]`` (``rope_parameters`` or ``rope_scaling``) as a flat, unscaled RoPE description; {} when absent."""
     params = d.get(key) or {}
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"config.json: {key} must be one flat object (not per layer type), got {params!r}")
+        raise ValueError(f"config.json: {key} must be one flat object (not per layer type), got {_short(params)}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in (None, "default"):
-        raise ValueError(f"config.json: {key}.rope_type {rope_type!r} is not supported (only 'default')")
+        raise ValueError(f"config.json: {key}.rope_type {_short(rope_type)} is not supported (only 'default')")
     return params
 
 
@@ -96,7 +132,9 @@ def _refuse_partial_rotary(d: dict[str, Any]) -> None:
         places[f"{key}.partial_rotary_factor"] = (d.get(key) or {}).get("partial_rotary_factor")
     for name, value in places.items():
         if value is not None and (isinstance(value, bool) or value != 1):
-            raise ValueError(f"config.json: {name} {value!r} is not supported (only 1.0: RoPE over the whole head)")
+            raise ValueError(
+                f"config.json: {name} {_short(value)} is not supported (only 1.0: RoPE over the whole head)"
+            )
 
 
 def _refuse_sliding_window(d: dict[str, Any], family: str, num_layers: int) -> None:
@@ -113,16 +151,17 @@ def _refuse_sliding_window(d: dict[str, Any], family: str, num_layers: int) -> N
     if layer_types is not None:
         if not isinstance(layer_types, list) or len(layer_types) != num_layers:
             raise ValueError(f"config.json: layer_types must list num_hidden_layers ({num_layers}) entries")
-        if any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"config.json: layer_types other than 'full_attention' are not supported: {layer_types}")
+        other = [t for t in layer_types if t != "full_attention"]
+        if other:
+            raise ValueError(f"config.json: layer_types other than 'full_attention' are not supported: {_short(other)}")
         return
     window = d.get("sliding_window", SLIDING_WINDOW_DEFAULT)  # an absent key is transformers' default, not null
     if d.get("use_sliding_window") and window is not None:
         first = d.get("max_window_layers", MAX_WINDOW_LAYERS_DEFAULT)
         if isinstance(first, bool) or not isinstance(first, int) or first < num_layers:
             raise ValueError(
-                f"config.json: use_sliding_window is not supported (sliding_window {window!r} "
-                f"from layer max_window_layers={first!r} of num_hidden_layers={num_layers})"
+                f"config.json: use_sliding_window is not supported (sliding_window {_short(window)} "
+                f"from layer max_window_layers={_short(first)} of num_hidden_layers={num_layers})"
             )
 
 
@@ -143,26 +182,30 @@ def _head_dim(d: dict[str, Any], family: str, hidden: int, heads: int) -> int:
     return head_dim
 
 
-def _eos_ids(d: dict[str, Any]) -> tuple[int, ...]:
+def eos_ids(d: dict[str, Any], vocab_size: int, file: str = "config.json") -> tuple[int, ...]:
+    """``eos_token_id`` (an id or a list of ids; null or absent: none), each inside the vocabulary (CKPT-4): an id
+    the model can never emit would keep generation from ever stopping on it."""
     value = d.get("eos_token_id")
     ids = [] if value is None else value if isinstance(value, list) else [value]
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ValueError(f"config.json: eos_token_id must be token ids, got {value!r}")
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ValueError(
+                f"{file}: eos_token_id must be token ids in [0, vocab_size={vocab_size}), got {_short(value)}"
+            )
     return tuple(ids)
 
 
 def _family(d: dict[str, Any]) -> str:
     family = d.get("model_type")
     if family not in FAMILIES:
-        raise ValueError(f"config.json: model_type must be one of {FAMILIES}, got {family!r}")
+        raise ValueError(f"config.json: model_type must be one of {FAMILIES}, got {_short(family)}")
     return str(family)
 
 
 def parse_config(d: dict[str, Any]) -> ModelConfig:
     family = _family(d)
     if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act must be 'silu', got {d.get('hidden_act')!r}")
+        raise ValueError(f"config.json: hidden_act must be 'silu', got {_short(d.get('hidden_act'))}")
     if d.get("quantization_config") is not None:
         raise ValueError("config.json: quantization_config is not supported (only unquantized weights)")
     num_layers = _int(d, "num_hidden_layers")
@@ -176,10 +219,11 @@ def parse_config(d: dict[str, Any]) -> ModelConfig:
         )
     rope_theta = _rope_theta(d)  # first: it checks that both RoPE objects are flat objects
     _refuse_partial_rotary(d)
-    attention_bias = bool(d.get("attention_bias", False))
+    attention_bias = _flag(d, "attention_bias")
+    vocab_size = _int(d, "vocab_size")
     return ModelConfig(
         family=family,
-        vocab_size=_int(d, "vocab_size"),
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=_int(d, "intermediate_size"),
         num_layers=num_layers,
@@ -189,26 +233,30 @@ def parse_config(d: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         max_position_embeddings=_int(d, "max_position_embeddings"),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_flag(d, "tie_word_embeddings"),
         qkv_bias=True if family == "qwen2" else attention_bias,
         o_bias=False if family == "qwen2" else attention_bias,
-        mlp_bias=family == "llama" and bool(d.get("mlp_bias", False)),
+        mlp_bias=family == "llama" and _flag(d, "mlp_bias"),
         qk_norm=family == "qwen3",
-        eos_token_ids=_eos_ids(d),
+        eos_token_ids=eos_ids(d, vocab_size),
     )
 
 
 def load_config(model_dir: Path) -> ModelConfig:
-    """config.json, with generation_config.json's eos ids appended (transformers' generate stops at those)."""
+    """config.json, with generation_config.json's eos ids appended (transformers' generate stops at those).
+
+    Either file damaged (not a regular file, too large, not UTF-8 JSON, not an object) is a ValueError naming it;
+    a field refusal names config.json and the field."""
     path = model_dir / "config.json"
-    if not path.is_file():
+    if not regular_file(path):
         raise ValueError(f"model: {model_dir} has no config.json")
-    with path.open() as f:
-        config = parse_config(json.load(f))
+    try:
+        config = parse_config(read_json_object(path))
+    except RecursionError:  # a deeply nested field, printed in a refusal
+        raise ValueError(f"{path}: nested too deeply") from None
     gen_path = model_dir / "generation_config.json"
-    if gen_path.is_file():
-        with gen_path.open() as f:
-            extra = _eos_ids(json.load(f))
+    if regular_file(gen_path):
+        extra = eos_ids(read_json_object(gen_path), config.vocab_size, "generation_config.json")
         eos = config.eos_token_ids + tuple(t for t in extra if t not in config.eos_token_ids)
         config = replace(config, eos_token_ids=tuple(dict.fromkeys(eos)))
     return config
