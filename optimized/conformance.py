@@ -1,7 +1,11 @@
-"""Conformance workloads and the normative replay loop (shared/conformance/README.md).
+"""Conformance workloads, the reader of their JSON-lines files, and the normative replay loop.
 
 A workload is validated whole before any scheduler exists, so a malformed one
-changes nothing and is reported by field. ``replay`` drives any implementation
+changes nothing and is reported by field; ``read_workloads`` validates a whole
+file before any of it is replayed, and treats it as hostile bytes: bounded
+size, strict UTF-8, bounded nesting, every integer an int64 (spec/cli.md,
+CLI-7). Whatever the bytes, the reader returns workloads that replay without
+error or raises ``WorkloadError`` naming the line. ``replay`` drives any implementation
 that exposes the reference's API (``SchedulerConfig``, ``SamplingParams``,
 ``Sequence``, ``Scheduler``) and returns the trace records; an empty decode ends
 the trace exactly where the lesson's ``assert scheduled_seqs`` fires.
@@ -10,10 +14,12 @@ the trace exactly where the lesson's ``assert scheduled_seqs`` fires.
 from __future__ import annotations
 
 import importlib
+import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, BinaryIO
 
 import reference
 from optimized.errors import EmptyDecodeError, WorkloadError
@@ -21,6 +27,12 @@ from optimized.errors import EmptyDecodeError, WorkloadError
 CONFIG_FIELDS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "eos")
 # A replay builds every block: bound what one line of input can make this process allocate.
 MAXIMUMS = {"num_blocks": 1 << 20, "block_size": 1 << 16}
+# Every integer of a workload is an int64 (token ids are hashed and stored as int64).
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# What one input may hold (CLI-7).
+MAX_LINE_BYTES = 1 << 20
+MAX_INPUT_BYTES = 1 << 26
+MAX_DEPTH = 16
 
 
 @dataclass(frozen=True)
@@ -39,11 +51,19 @@ class Workload:
     requests: list[Request]
 
 
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut short: an error message stays one short line whatever the input held."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
 def _int(value: Any, where: str, minimum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise WorkloadError(f"{where} must be an integer, got {value!r}")
+        raise WorkloadError(f"{where} must be an integer, got {_shown(value)}")
     if minimum is not None and value < minimum:
-        raise WorkloadError(f"{where} must be >= {minimum}, got {value}")
+        raise WorkloadError(f"{where} must be >= {minimum}, got {_shown(value)}")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise WorkloadError(f"{where} must fit in int64 (below 2**63 in magnitude), got {_shown(value)}")
     return value
 
 
@@ -161,3 +181,68 @@ def replay(workload: Workload, impl: ModuleType, on_schedule: StepHook | None = 
         trace.append(record)
         step += 1
     return trace
+
+
+# One left-to-right pass finds the brackets outside strings: a string (escapes included; an unterminated
+# one runs to the end of the line, so nothing is scanned twice) or a bracket.
+_STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]', re.DOTALL)
+_NESTING = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def _too_deep(text: str) -> bool:
+    """Whether the arrays and objects of ``text`` nest deeper than MAX_DEPTH (brackets in strings do not count)."""
+    depth = 0
+    for m in _STRING_OR_BRACKET.finditer(text):
+        depth += _NESTING.get(m.group(), 0)
+        if depth > MAX_DEPTH:
+            return True
+    return False
+
+
+def _lines(stream: BinaryIO) -> list[bytes]:
+    """The stream's lines, refusing a line over MAX_LINE_BYTES or a stream over MAX_INPUT_BYTES without reading on."""
+    lines: list[bytes] = []
+    total = 0
+    while line := stream.readline(MAX_LINE_BYTES + 1):
+        total += len(line)
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            raise WorkloadError(f"line {len(lines) + 1}: longer than {MAX_LINE_BYTES} bytes")
+        if total > MAX_INPUT_BYTES:
+            raise WorkloadError(f"input longer than {MAX_INPUT_BYTES} bytes")
+        lines.append(line)
+    return lines
+
+
+def _json_line(raw: bytes) -> Any:
+    """One line as JSON: strict UTF-8, nested at most MAX_DEPTH deep; WorkloadError otherwise."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise WorkloadError(f"not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+    if _too_deep(text):
+        raise WorkloadError(f"nested deeper than {MAX_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise WorkloadError(f"not JSON ({e.msg} at column {e.colno})") from None
+    except ValueError as e:  # e.g. an integer of more digits than int() converts
+        raise WorkloadError(f"not JSON ({_shown(str(e))})") from None
+
+
+def read_workloads(stream: BinaryIO) -> list[Workload]:
+    """Every workload of a JSON-lines byte stream, all validated before any is replayed (CONF-6, CLI-7).
+
+    Blank lines and lines without a ``workload`` key are skipped; anything else wrong raises WorkloadError
+    naming the line.
+    """
+    workloads: list[Workload] = []
+    for number, raw in enumerate(_lines(stream), start=1):
+        if not raw.strip():
+            continue
+        try:
+            obj = _json_line(raw)
+            if isinstance(obj, dict) and "workload" in obj:
+                workloads.append(parse_workload(obj["workload"]))
+        except WorkloadError as e:
+            raise WorkloadError(f"line {number}: {e}") from None
+    return workloads

@@ -24,6 +24,10 @@ import time
 from dataclasses import dataclass
 from types import ModuleType
 
+from optimized.commands.arguments import any_int, bounded_int
+
+MAX_REPEAT = 1000
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -110,16 +114,15 @@ def best_of(impl: ModuleType, w: Workload, tokens: list[int], repeat: int) -> Re
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="64 and 128 requests instead of 256 and 512")
-    p.add_argument("--repeat", type=int, default=None,
+    p.add_argument("--repeat", type=bounded_int(1, MAX_REPEAT), default=None,
                    help="runs per side and workload, the best kept (default 3, quick 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=any_int, default=0)
 
 
 def main(args: argparse.Namespace) -> int:
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
-    if repeat < 1:
-        print("nanoverify bench scheduler: --repeat must be >= 1")
-        return 2
+    if not 1 <= repeat <= MAX_REPEAT:
+        raise ValueError(f"--repeat must be in [1, {MAX_REPEAT}], got {repeat}")
     reference = importlib.import_module("reference")
     optimized = importlib.import_module("optimized")
     rng = random.Random(args.seed + 1)

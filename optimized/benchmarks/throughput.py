@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from optimized.commands.arguments import MAX_COUNT, MAX_THREADS
 from optimized.llm import DTYPES, LLM
 from optimized.sampling_params import SamplingParams
 
@@ -131,7 +132,26 @@ def _arg(args: argparse.Namespace, name: str) -> Any:
     return DEFAULTS[name] if value is None else value
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """ValueError naming the first setting out of range, before anything is loaded or set.
+
+    The command line refuses these at parse time already (optimized/commands/bench.py); this is the same rule for
+    a caller that builds the Namespace itself.
+    """
+    for name in ("num_requests", "max_input_len", "max_output_len", "hf_batch_size", "threads"):
+        value = _arg(args, name)
+        if value is None and name == "threads":
+            continue
+        most = MAX_THREADS if name == "threads" else MAX_COUNT
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer in [1, {most}], got {value!r}")
+    seed = _arg(args, "seed")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"--seed must be an integer, got {seed!r}")
+
+
 def main(args: argparse.Namespace) -> int:
+    check_arguments(args)
     threads = int(_arg(args, "threads") or torch.get_num_threads())
     torch.set_num_threads(threads)  # both sides run under this one setting
     hf_batch_size = int(_arg(args, "hf_batch_size"))
@@ -139,6 +159,9 @@ def main(args: argparse.Namespace) -> int:
     runner = llm.engine.runner
     vocab = llm.engine.limits.vocab_size
     num, max_in, max_out, seed = (_arg(args, k) for k in ("num_requests", "max_input_len", "max_output_len", "seed"))
+    if max_in + max_out > llm.engine.limits.max_model_len:
+        raise ValueError(f"--max-input-len {max_in} + --max-output-len {max_out} exceeds the model's "
+                         f"max_model_len={llm.engine.limits.max_model_len}")
     w = make_workload(num, max_in, max_out, vocab, seed)
     warmup = make_workload(4, max_in, 4, vocab, seed + 1)
     dtype, device = runner.dtype, runner.device

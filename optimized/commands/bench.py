@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from optimized.commands.arguments import MAX_THREADS, any_int, bounded_int, checkpoint_folder
+
 HELP = "benchmarks: 'scheduler' (reference vs optimized scheduler) and 'throughput' (the engine)"
 
 
@@ -21,16 +23,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     scheduler.add_arguments(sched)
     tp = sub.add_parser("throughput", help="tokens per second of the engine on a random workload")
-    tp.add_argument("--model", metavar="DIR", default=None, help="a Hugging Face model directory")
+    tp.add_argument("--model", metavar="DIR", type=checkpoint_folder, default=None,
+                    help="a Hugging Face model directory")
     # Defaults (None) come from optimized.benchmarks.throughput.DEFAULTS: one source for the workload.
-    tp.add_argument("--num-requests", type=int, default=None)
-    tp.add_argument("--max-input-len", type=int, default=None)
-    tp.add_argument("--max-output-len", type=int, default=None)
-    tp.add_argument("--threads", type=int, default=None, help="torch CPU threads, the same for both sides")
-    tp.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 (default: the model's)")
+    tp.add_argument("--num-requests", type=bounded_int(1), default=None)
+    tp.add_argument("--max-input-len", type=bounded_int(1), default=None)
+    tp.add_argument("--max-output-len", type=bounded_int(1), default=None)
+    tp.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=None,
+                    help="torch CPU threads, the same for both sides (default: torch's)")
+    tp.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16", "float16"],
+                    help="default: the model's")
     tp.add_argument("--device", default=None, help="cuda, cpu... (default: cuda when available)")
-    tp.add_argument("--seed", type=int, default=0)
-    tp.add_argument("--hf-batch-size", type=int, default=None, help="batch size of the transformers baseline")
+    tp.add_argument("--seed", type=any_int, default=0)
+    tp.add_argument("--hf-batch-size", type=bounded_int(1), default=None,
+                    help="batch size of the transformers baseline")
 
 
 def main(args: argparse.Namespace) -> int:

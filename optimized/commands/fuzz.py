@@ -5,8 +5,10 @@ runs ``CHUNK_EXAMPLES`` examples seeded with ``seed + c``, so the same
 ``--seed`` replays the same chunks. A failure stops the run (exit 1) and prints,
 under headings of this command's own, the failing program, its
 ``@reproduce_failure`` blob and the commands that reproduce it; a run that
-finds nothing exits 0. Machines whose module is not written yet are reported
-and skipped.
+finds nothing exits 0. ``--minutes inf`` runs until interrupted: Ctrl-C then
+prints the progress so far and exits 130 (spec/cli.md, CLI-6). A ``--reproduce``
+blob that does not decode is bad input (exit 2), not a finding. Machines whose
+module is not written yet are reported and skipped.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from optimized.commands import arguments
+
 if TYPE_CHECKING:
     import hypothesis
     from hypothesis.stateful import RuleBasedStateMachine
@@ -28,12 +32,15 @@ if TYPE_CHECKING:
 HELP = "fuzz the scheduler with the hypothesis state machines (fuzz profile) for N minutes"
 CHUNK_EXAMPLES = 5
 PROGRESS_EVERY_S = 10.0
+INTERRUPTED = 128 + 2  # the shell's status for a command ended by SIGINT
 BLOB = re.compile(r"@reproduce_failure\('([^']+)', b'([^']+)'\)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--minutes", type=float, default=None, help="how long to fuzz (fractions allowed; required)")
-    p.add_argument("--seed", type=int, default=None, help="seed of the run (default: random, printed)")
+    p.add_argument("--minutes", type=arguments.minutes, default=None,
+                   help="how long to fuzz (fractions allowed; required); inf runs until Ctrl-C, which prints the "
+                   "progress and exits 130")
+    p.add_argument("--seed", type=arguments.any_int, default=None, help="seed of the run (default: random, printed)")
     p.add_argument("--machine", default=None, help="run only this registered machine")
     p.add_argument("--no-shrink", action="store_true",
                    help="report the first failing program as found, without minimising it (faster)")
@@ -47,8 +54,8 @@ def main(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"nanoverify fuzz: needs the test extras (pip install 'nanoverify[test]'): {e}", file=sys.stderr)
         return 2
-    if args.reproduce is None and (args.minutes is None or args.minutes < 0):
-        print(f"nanoverify fuzz: --minutes must be given and >= 0, got {args.minutes}", file=sys.stderr)
+    if args.reproduce is None and args.minutes is None:
+        print("nanoverify fuzz: --minutes is required (a number >= 0, or inf)", file=sys.stderr)
         return 2
     names = [args.machine] if args.machine is not None else list(machines.MACHINES)
     if args.reproduce is not None and args.machine is None:
@@ -86,7 +93,13 @@ def fuzz(factories: dict[str, type[RuleBasedStateMachine]], seed: int, minutes: 
     # At least one chunk per machine, however short the run.
     while chunk < len(order) or time.monotonic() - start < minutes * 60.0:
         name = order[chunk % len(order)]
-        error = run_chunk(factories[name], stats[name], seed + chunk, shrink)
+        try:
+            error = run_chunk(factories[name], stats[name], seed + chunk, shrink)
+        except KeyboardInterrupt:
+            report_progress(start, stats)
+            print(f"nanoverify fuzz: interrupted after {time.monotonic() - start:.1f}s ({chunk} chunks), "
+                  "nothing found", flush=True)
+            return INTERRUPTED
         if error is not None:
             report_progress(start, stats)
             report_failure(name, error, f"--minutes {minutes:g} --seed {seed}{'' if shrink else ' --no-shrink'}")
@@ -139,6 +152,7 @@ def reproduce(name: str, machine: type[RuleBasedStateMachine], blob: str) -> int
 
     from optimized.machines import FUZZ_SETTINGS, Stats
 
+    check_blob(blob)
     test = machine_test(machine, Stats(), hypothesis.settings(**FUZZ_SETTINGS))
     test = hypothesis.reproduce_failure(hypothesis.__version__, blob.encode())(test)
     error = call(test)
@@ -148,6 +162,19 @@ def reproduce(name: str, machine: type[RuleBasedStateMachine], blob: str) -> int
         return 0
     report_failure(name, error, None)
     return 1
+
+
+def check_blob(blob: str) -> None:
+    """ValueError unless ``blob`` decodes as a @reproduce_failure blob: a typo is bad input, not a finding."""
+    from hypothesis.core import decode_failure  # what reproduce_failure itself decodes with
+    from hypothesis.errors import InvalidArgument
+
+    if not blob.isascii():
+        raise ValueError(f"--reproduce: not a @reproduce_failure blob (not ASCII): {blob[:40]!r}")
+    try:
+        decode_failure(blob.encode())
+    except InvalidArgument:
+        raise ValueError(f"--reproduce: not a @reproduce_failure blob: {blob[:40]!r}") from None
 
 
 def report_progress(start: float, stats: dict[str, Stats]) -> None:

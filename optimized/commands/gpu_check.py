@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
-from pathlib import Path
+
+from optimized.commands.arguments import positive_seconds, work_folder
 
 HELP = "check the engine on a GPU: kernel tests, eager vs CUDA graphs, throughput vs transformers, decode floor"
 
@@ -19,11 +20,12 @@ HELP = "check the engine on a GPU: kernel tests, eager vs CUDA graphs, throughpu
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     p.add_argument("--tiny", action="store_true", help="tiny shapes and workload (the CPU dry run)")
-    p.add_argument("--work", type=Path, default=None, help="folder for checkpoints, logs and results (default: a "
-                   "temporary folder, removed afterwards)")
+    p.add_argument("--work", type=work_folder, default=None,
+                   help="folder for checkpoints, logs and results (default: a temporary folder, removed afterwards)")
     p.add_argument("--keep", action="store_true", help="keep the temporary work folder")
     p.add_argument("--stages", default=None, help="comma-separated subset of the stages, in their usual order")
-    p.add_argument("--deadline-s", type=float, default=None, help="override the profile's whole-run deadline")
+    p.add_argument("--deadline-s", type=positive_seconds, default=None,
+                   help="override the profile's whole-run deadline (seconds, finite, > 0)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -50,9 +52,6 @@ def main(args: argparse.Namespace) -> int:
             return 2
         stages = tuple(s for s in STAGES if s in wanted)
     if args.deadline_s is not None:
-        if not args.deadline_s > 0:
-            print(f"nanoverify gpu-check: deadline-s must be > 0, got {args.deadline_s}", file=sys.stderr)
-            return 2
         profile = replace(profile, deadline_s=float(args.deadline_s))
     code, table = check(profile, args.work, args.keep, stages)
     print(table, flush=True)

@@ -13,20 +13,22 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
+
+from optimized.commands.arguments import any_int, bounded_int, checkpoint_folder
 
 HELP = "serve a few hundred requests on the default model in check mode and report"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model)")
-    p.add_argument("--num-requests", type=int, default=256)
-    p.add_argument("--max-input-len", type=int, default=128)
-    p.add_argument("--max-output-len", type=int, default=96)
-    p.add_argument("--num-kvcache-blocks", type=int, default=320)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", type=checkpoint_folder, default=None,
+                   help="checkpoint folder (default: the embedded default model)")
+    p.add_argument("--num-requests", type=bounded_int(1), default=256)
+    p.add_argument("--max-input-len", type=bounded_int(2), default=128)
+    p.add_argument("--max-output-len", type=bounded_int(1), default=96)
+    p.add_argument("--num-kvcache-blocks", type=bounded_int(1), default=320)
+    p.add_argument("--block-size", type=bounded_int(2), default=16)
+    p.add_argument("--max-num-seqs", type=bounded_int(1), default=128)
+    p.add_argument("--seed", type=any_int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the reference shadow (check mode is on by default)")
 
 
@@ -41,21 +43,11 @@ def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], lis
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except ValueError as e:
-        print(f"nanoverify run: {e}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
+    """Serve the workload and print the report; a ValueError (bad input) is one line from optimized/cli.py."""
     import time
 
     from optimized import LLM, SamplingParams
 
-    for name, least in (("num_requests", 1), ("max_input_len", 2), ("max_output_len", 1)):
-        if getattr(args, name) < least:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
     llm = LLM(
         args.model,
         check=not args.no_check,
@@ -64,6 +56,10 @@ def _run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
     )
+    longest = llm.engine.limits.max_model_len
+    if args.max_input_len + args.max_output_len > longest:
+        raise ValueError(f"--max-input-len {args.max_input_len} + --max-output-len {args.max_output_len} exceeds "
+                         f"the model's max_model_len={longest}")
     prompts, lens = workload(args, llm.engine.limits.vocab_size)
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
