@@ -34,10 +34,12 @@ class Config:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", type=int, default=50)
-    p.add_argument("--max-tokens", type=int, default=48)
+    from optimized.commands.arguments import MAX_THREADS, bounded_int
+
+    p.add_argument("--num-requests", type=bounded_int(1), default=50)
+    p.add_argument("--max-tokens", type=bounded_int(1, 4096), default=48)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=None, help=argparse.SUPPRESS)
 
 
 def child(args: argparse.Namespace) -> int:

@@ -2,18 +2,20 @@
 
 ``scheduler`` times the reference and the optimized scheduler on the same
 workloads (optimized/benchmarks/scheduler.py); ``throughput`` runs the engine
-(optimized/benchmarks/throughput.py, loaded only when asked for, since it
-imports torch).
+against transformers (optimized/benchmarks/throughput.py); ``threads`` runs the
+engine under each CPU setting, idle and beside a busy core
+(optimized/benchmarks/busy_core.py). The engine's benchmarks import torch, so
+they are loaded only when asked for.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 
 from optimized.commands.arguments import MAX_THREADS, any_int, bounded_int, checkpoint_folder
 
-HELP = "benchmarks: 'scheduler' (reference vs optimized scheduler) and 'throughput' (the engine)"
+HELP = ("benchmarks: 'scheduler' (reference vs optimized scheduler), 'throughput' (the engine vs transformers), "
+        "'threads' (CPU settings, idle and with a busy core)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     tp.add_argument("--seed", type=any_int, default=0)
     tp.add_argument("--hf-batch-size", type=bounded_int(1), default=None,
                     help="batch size of the transformers baseline")
+    threads = sub.add_parser("threads", help="the engine under each thread count and OpenMP wait policy, "
+                             "idle and with another process spinning on one core")
+    from optimized.benchmarks import busy_core
+
+    busy_core.add_arguments(threads)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -44,12 +51,11 @@ def main(args: argparse.Namespace) -> int:
         from optimized.benchmarks import scheduler
 
         return scheduler.main(args)
-    try:
-        throughput = importlib.import_module("optimized.benchmarks.throughput")
-    except ModuleNotFoundError as e:
-        if e.name != "optimized.benchmarks.throughput":
-            raise
-        print("nanoverify bench throughput: not implemented yet")
-        return 2
+    if args.bench == "threads":
+        from optimized.benchmarks import busy_core
+
+        return busy_core.main(args)
+    from optimized.benchmarks import throughput
+
     code: int = throughput.main(args)
     return code
