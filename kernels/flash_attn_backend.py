@@ -32,6 +32,9 @@ def _check_block_size(k_cache: torch.Tensor) -> None:
 
 class FlashAttnBackend:
     name = "flash-attn"
+    capturable = True
+    reads_cache_in_place = True
+    needs_decode_plan = False
 
     def store_kv(
         self,
@@ -71,6 +74,10 @@ class FlashAttnBackend:
         )
         return out
 
+    def plan_decode(self, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> None:
+        """No per-step state: decode reads each row's context in place (never called: ``needs_decode_plan`` False)."""
+        return None
+
     def decode(
         self,
         q: torch.Tensor,
@@ -79,6 +86,7 @@ class FlashAttnBackend:
         context_lens: torch.Tensor,
         block_tables: torch.Tensor,
         scale: float,
+        plan: object | None = None,
     ) -> torch.Tensor:
         _check_block_size(k_cache)
         out: torch.Tensor = _flash_attn().flash_attn_with_kvcache(
