@@ -1,10 +1,13 @@
 """Attention backends: the paged KV store, prefill and decode behind one Protocol, chosen by name.
 
 Invariants: every backend implements the same contract (spec/kernels.md, KERN-1..KERN-5) and is interchangeable
-up to the tolerances stated there; the torch backend is the oracle. ``get_backend(None, device)`` picks the best
-backend that can run on ``device`` — flash-attn on CUDA when ``flash_attn`` imports, else Triton on CUDA; on the CPU
-the compiled C kernels ("cpu") when they build and load, else torch, with a warning saying why (KERN-24) — and an
-explicit name that cannot run raises ValueError naming the backend and the reason.
+up to the tolerances stated there; the torch backend is the oracle. Each declares what the engine may ask of it
+(``capturable``, ``reads_cache_in_place``, ``needs_decode_plan``: KERN-15), and the engine reads those, never a
+backend's name; state a backend keeps for one decode step is its own plan, opaque to the engine.
+``get_backend(None, device)`` picks the best backend that can run on ``device`` — flash-attn on CUDA when
+``flash_attn`` imports, else Triton on CUDA; on the CPU the compiled C kernels ("cpu") when they build and load,
+else torch, with a warning saying why (KERN-24) — and an explicit name that cannot run raises ValueError naming the
+backend and the reason.
 """
 
 from __future__ import annotations

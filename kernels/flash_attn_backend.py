@@ -4,7 +4,9 @@ Invariants: used only on CUDA when ``flash_attn`` imports (get_backend checks bo
 flash-attn is not installable on the CPU-only development machine, so nothing here has run; the Triton and torch
 backends are the tested ones. flash-attn 2 requires the paged cache's block size to be a multiple of 256 (checked
 here, a ValueError otherwise); its causal mask is aligned to the bottom-right corner, which is exactly "queries are
-the last qlen positions of the context". Behaviour for a context length of 0 is flash-attn's, not KERN-4's.
+the last qlen positions of the context". Behaviour for a context length of 0 is flash-attn's, not KERN-4's. Its
+decode reads the paged cache through the block table (``reads_cache_in_place``) and, with the Triton store, launches
+without host syncs (``capturable``, as vLLM captures it); prefill reads lengths on the host, but is never captured.
 """
 
 from __future__ import annotations

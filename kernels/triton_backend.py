@@ -2,7 +2,8 @@
 
 Invariants: each method is the Triton twin of the TorchBackend method of the same name (spec/kernels.md KERN-1..5);
 it runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (how the tests drive it). Decode launches depend only on
-tensor shapes, never on tensor values, so they can be captured in a CUDA graph.
+tensor shapes, never on tensor values, so they can be captured in a CUDA graph (``capturable``); decode reads each
+key through the block table, never an entry past a row's context (``reads_cache_in_place``), so it needs no plan.
 """
 
 from __future__ import annotations
