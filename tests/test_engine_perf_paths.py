@@ -286,6 +286,18 @@ def test_runner_obeys_the_declared_decode_capabilities(
             assert got_plan is expected_plan
 
 
+def test_graphed_decode_steps_never_plan() -> None:
+    """ENG-21, KERN-15: with enforce_eager=False (the CPU stand-in graph) a backend declaring needs_decode_plan is
+    never asked to plan, and every decode gets no plan (one made at capture would be stale); tokens unchanged."""
+    llm = make(enforce_eager=False)
+    spy = CapabilitySpy(reads_cache_in_place=False, needs_decode_plan=True)
+    llm.engine.runner.backend = spy
+    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS], use_tqdm=False)
+    assert [o.token_ids for o in outs] == hf_greedy(checkpoint("llama"), PROMPTS, MAX_TOKENS)
+    assert llm.engine.runner.graph_steps == llm.engine.stats.decode_steps > 0
+    assert spy.plans == [] and spy.decodes and all(plan is None for _, plan in spy.decodes)
+
+
 @pytest.mark.parametrize("capturable", [True, False])
 def test_cuda_graphs_follow_the_declared_capturable(monkeypatch: pytest.MonkeyPatch, capturable: bool) -> None:
     """ENG-21, KERN-15: on CUDA (faked: the model loads on the CPU) enforce_eager=None captures decode graphs exactly
