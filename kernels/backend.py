@@ -1,27 +1,50 @@
 """Attention backends: the paged KV store, prefill and decode behind one Protocol, chosen by name.
 
 Invariants: every backend implements the same contract (spec/kernels.md, KERN-1..KERN-5) and is interchangeable
-up to the tolerances stated there; the torch backend is the oracle. ``get_backend(None, device)`` picks the best
-backend that can run on ``device`` — flash-attn on CUDA when ``flash_attn`` imports, else Triton on CUDA; on the CPU
-the compiled C kernels ("cpu") when they build and load, else torch, with a warning saying why (KERN-24) — and an
-explicit name that cannot run raises ValueError naming the backend and the reason.
+up to the tolerances stated there; the torch backend is the oracle. Each declares what the engine may ask of it
+(``capturable``, ``reads_cache_in_place``, ``needs_decode_plan``: KERN-15), and the engine reads those, never a
+backend's name; state a backend keeps for one decode step is its own plan, opaque to the engine.
+``get_backend(None, device)`` picks the best backend that can run on ``device`` — flash-attn on CUDA when
+``flash_attn`` imports, else Triton on CUDA; on the CPU the compiled C kernels ("cpu") when they build and load,
+else torch, with a warning saying why (KERN-24) — and an explicit name that cannot run raises ValueError naming the
+backend and the reason.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import warnings
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 import torch
 
-from kernels import cpu_build, paged_attention
+from kernels import cpu_build
+from kernels.torch_backend import TorchBackend
 
 BACKEND_NAMES = ("torch", "cpu", "triton", "flash-attn")
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "DecodePlan", "TorchBackend", "flash_attn_available", "get_backend"]
+
+
+# A backend's per-step decode state: made by its ``plan_decode``, handed back unchanged to its ``decode`` in every
+# layer of that step; opaque to the runner and the decoder (KERN-15).
+DecodePlan: TypeAlias = object
 
 
 class AttentionBackend(Protocol):
+    """The KV store, prefill and decode, and what the engine may ask of them (KERN-15).
+
+    Capabilities, each declared by every backend as a class attribute:
+    ``capturable``: store_kv and decode launch without host syncs, so a CUDA graph may capture a decode step (ENG-21).
+    ``reads_cache_in_place``: decode reads each row's context through its block-table row, whatever the table width,
+    without gathering blocks, so the runner hands it the whole batch in the scheduler's order (ENG-19).
+    ``needs_decode_plan``: an eager decode step calls ``plan_decode`` once and passes the plan to every layer's
+    ``decode`` (ENG-19, ENG-23); decode must still accept ``plan=None`` (graph steps and direct calls never plan).
+    """
+
     name: str
+    capturable: bool
+    reads_cache_in_place: bool
+    needs_decode_plan: bool
 
     def store_kv(
         self,
@@ -43,6 +66,10 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor: ...
 
+    def plan_decode(self, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> DecodePlan:
+        """The state every layer's decode of one step shares; called only when ``needs_decode_plan``."""
+        ...
+
     def decode(
         self,
         q: torch.Tensor,
@@ -51,52 +78,8 @@ class AttentionBackend(Protocol):
         context_lens: torch.Tensor,
         block_tables: torch.Tensor,
         scale: float,
+        plan: DecodePlan | None = None,
     ) -> torch.Tensor: ...
-
-
-class TorchBackend:
-    """Reference paged attention in plain torch; runs anywhere, matches transformers' eager arithmetic."""
-
-    name = "torch"
-
-    def store_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        paged_attention.store_kv(k, v, k_cache, v_cache, slot_mapping)
-
-    def prefill(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        context_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        return paged_attention.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
-
-    def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        context_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        return paged_attention.paged_decode(q, k_cache, v_cache, context_lens, block_tables, scale)
-
-
-def reads_cache_in_place(backend: AttentionBackend) -> bool:
-    """Whether ``backend``'s decode reads exactly each row's context, whatever the table width: sorting rows by
-    length and trimming tables per range (ENG-19) would gain it nothing."""
-    return getattr(backend, "reads_cache_in_place", False) is True
 
 
 def _best_cpu_backend() -> str:

@@ -15,7 +15,9 @@ from kernels import cpu_attention, paged_attention
 
 class CpuBackend:
     name = "cpu"
+    capturable = False  # CPU only: there are no CUDA graphs to capture it in
     reads_cache_in_place = True
+    needs_decode_plan = False
 
     def store_kv(
         self,
@@ -41,6 +43,10 @@ class CpuBackend:
             return cpu_attention.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
         return paged_attention.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
+    def plan_decode(self, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> None:
+        """No per-step state: decode reads each row's context in place (never called: ``needs_decode_plan`` False)."""
+        return None
+
     def decode(
         self,
         q: torch.Tensor,
@@ -49,6 +55,7 @@ class CpuBackend:
         context_lens: torch.Tensor,
         block_tables: torch.Tensor,
         scale: float,
+        plan: object | None = None,
     ) -> torch.Tensor:
         if cpu_attention.supports(q, k_cache, v_cache):
             return cpu_attention.paged_decode(q, k_cache, v_cache, context_lens, block_tables, scale)

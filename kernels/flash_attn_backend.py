@@ -4,7 +4,9 @@ Invariants: used only on CUDA when ``flash_attn`` imports (get_backend checks bo
 flash-attn is not installable on the CPU-only development machine, so nothing here has run; the Triton and torch
 backends are the tested ones. flash-attn 2 requires the paged cache's block size to be a multiple of 256 (checked
 here, a ValueError otherwise); its causal mask is aligned to the bottom-right corner, which is exactly "queries are
-the last qlen positions of the context". Behaviour for a context length of 0 is flash-attn's, not KERN-4's.
+the last qlen positions of the context". Behaviour for a context length of 0 is flash-attn's, not KERN-4's. Its
+decode reads the paged cache through the block table (``reads_cache_in_place``) and, with the Triton store, launches
+without host syncs (``capturable``, as vLLM captures it); prefill reads lengths on the host, but is never captured.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ def _check_block_size(k_cache: torch.Tensor) -> None:
 
 class FlashAttnBackend:
     name = "flash-attn"
+    capturable = True
+    reads_cache_in_place = True
+    needs_decode_plan = False
 
     def store_kv(
         self,
@@ -71,6 +76,10 @@ class FlashAttnBackend:
         )
         return out
 
+    def plan_decode(self, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> None:
+        """No per-step state: decode reads each row's context in place (never called: ``needs_decode_plan`` False)."""
+        return None
+
     def decode(
         self,
         q: torch.Tensor,
@@ -79,6 +88,7 @@ class FlashAttnBackend:
         context_lens: torch.Tensor,
         block_tables: torch.Tensor,
         scale: float,
+        plan: object | None = None,
     ) -> torch.Tensor:
         _check_block_size(k_cache)
         out: torch.Tensor = _flash_attn().flash_attn_with_kvcache(

@@ -9,7 +9,7 @@ the attention kernels return zeros, not NaN, for it) — and the whole block-tab
 no stale row or column of an earlier, wider step survives. The graph is abstract: ``capture(fn)`` runs fn once and
 returns an object whose ``replay()`` re-executes it and whose ``output`` holds the latest result in place — a
 ``torch.cuda.CUDAGraph`` on CUDA, ``EagerGraph`` (replays the Python function onto the same output tensor) in tests.
-On CUDA the forward must be capturable: no host syncs, so use the Triton backend (the torch store_kv syncs).
+On CUDA the forward must be capturable (no host syncs): the runner requires a backend that declares ``capturable``.
 """
 
 from __future__ import annotations

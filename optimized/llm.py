@@ -155,7 +155,7 @@ class LLM:
             backend = get_backend(attention_backend, dev)
         except ValueError as e:
             raise ValueError(f"attention_backend: {e}") from None
-        if enforce_eager is False and dev.type == "cuda" and backend.name == "torch":
+        if enforce_eager is False and dev.type == "cuda" and not backend.capturable:
             raise ValueError("enforce_eager=False on CUDA needs attention_backend 'triton' or 'flash-attn'")
         net = load_model(model_dir, torch_dtype, dev)
         c = net.config
@@ -173,7 +173,7 @@ class LLM:
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
         if enforce_eager is None:
-            enforce_eager = dev.type != "cuda" or backend.name == "torch"
+            enforce_eager = dev.type != "cuda" or not backend.capturable
         self.enforce_eager = enforce_eager
         runner = ModelRunner(
             net,

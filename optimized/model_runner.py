@@ -11,28 +11,29 @@ iteration per sequence and none per token. Logits are computed, and a token
 drawn, only for sequences whose prompt is complete after this step; the others
 get ``PLACEHOLDER``, which the scheduler discards. Every row's token is a pure
 function of its own logits and draw parameters, so the runner may order rows as
-it likes: an eager decode step with a backend that gathers blocks (torch) sorts
-them by context length and attends in ranges that gather only their own width
-(ENG-19), while a backend that reads the cache in place (the compiled CPU
-decode) gets the whole batch in the scheduler's order; greedy rows never touch
+it likes. What a decode step does follows the backend's declared capabilities,
+never its name: a backend that does not read the cache in place (it gathers the
+blocks of its table width, as torch does) gets the rows sorted by context length,
+a backend that reads it in place gets the whole batch in the scheduler's order
+(ENG-19); a backend that needs a decode plan is asked for one once per eager
+decode step and gets it back in every layer (ENG-23); greedy rows never touch
 the random draw (ENG-20). With ``enforce_eager=False`` a decode step of at most
 ``max_num_seqs`` sequences runs through ``GraphRunner``'s bucketed static
-buffers instead (ENG-21): a CUDA graph on CUDA, the eager stand-in on the CPU.
+buffers instead (ENG-21): a CUDA graph on CUDA, which needs a ``capturable``
+backend, the eager stand-in on the CPU.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from kernels.backend import AttentionBackend, reads_cache_in_place
-from kernels.paged_attention import decode_range
+from kernels.backend import AttentionBackend
 from kernels.rotary import rotary_cos_sin
 from kernels.sampling import sample
 from optimized.block_math import batch_slot_mapping, blocks_for
@@ -40,11 +41,6 @@ from optimized.graph_runner import DecodeMetadata, GraphFactory, GraphRunner, cu
 from optimized.models.decoder import AttentionContext, CausalLM
 
 PLACEHOLDER = -1  # the token handed to postprocess for an unfinished prefill chunk
-# An eager decode step splits its (length-sorted) rows into at most this many ranges of at least MIN_SPLIT_ROWS
-# rows: each range costs a few dozen small ops per layer, paid for by a narrower gather whose keys stay in cache
-# for the products (measured at 256 rows of 2..384 tokens: 1 range 67 ms, 4: 18 ms, 16: 7.7 ms, 64: 11.8 ms).
-MAX_DECODE_SPLITS = 16
-MIN_SPLIT_ROWS = 16
 # On the CPU a step of more tokens than this runs its row-wise work (norms, projections, rotary, MLP) in slices of
 # this many rows, whose intermediates stay in cache (measured: the MLP of an 8094-token prefill, 111 ms whole,
 # 96 ms in slices of 256 rows; matrix products give the same values per row either way).
@@ -78,8 +74,6 @@ class DrawParams:
 
 
 I64 = npt.NDArray[np.int64]
-# How a decode step runs: through the graph runner, eagerly on the whole batch, or eagerly in length-sorted ranges.
-DecodeWay = Literal["graph", "whole", "ranges"]
 
 
 @dataclass
@@ -100,17 +94,6 @@ def _block_tables(seqs: Sequence[ScheduledSeq]) -> I64:
     for i, s in enumerate(seqs):
         table[i, : len(s.block_table)] = s.block_table
     return table
-
-
-def decode_splits(
-    context_lens: I64, block_size: int, max_splits: int = MAX_DECODE_SPLITS, min_rows: int = MIN_SPLIT_ROWS
-) -> tuple[tuple[int, int, int], ...]:
-    """Row ranges ``(a, b, columns)`` of a decode batch sorted by context length, each as wide as its longest row:
-    at most ``max_splits`` ranges, of at least ``min_rows`` rows unless there is only one."""
-    batch = len(context_lens)
-    num = max(1, min(max_splits, batch // min_rows))
-    bounds = [batch * i // num for i in range(num + 1)]
-    return tuple((a, b, blocks_for(int(context_lens[b - 1]), block_size)) for a, b in itertools.pairwise(bounds))
 
 
 def prepare(seqs: Sequence[ScheduledSeq], is_prefill: bool, block_size: int) -> StepInputs:
@@ -174,8 +157,6 @@ class ModelRunner:
         self.kv_views = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(c.num_layers)]
         self.cos_sin = rotary_cos_sin(c.head_dim, max_model_len, c.rope_theta, self.dtype, self.device)
         self.graph_steps = 0  # decode steps served by the graph runner
-        self.max_decode_splits = MAX_DECODE_SPLITS
-        self.min_split_rows = MIN_SPLIT_ROWS
         self.row_chunk = CPU_ROW_CHUNK
         self.graphs: GraphRunner | None = None
         if not enforce_eager:
@@ -183,10 +164,10 @@ class ModelRunner:
 
     def _graph_runner(self, max_batch: int, max_blocks: int, factory: GraphFactory | None) -> GraphRunner:
         on_cuda = self.device.type == "cuda"
-        if on_cuda and self.backend.name == "torch":
+        if on_cuda and not self.backend.capturable:
             raise ValueError(
-                "enforce_eager=False on CUDA needs a capturable attention backend ('triton' or 'flash-attn'): "
-                "the torch store_kv synchronises with the host"
+                f"enforce_eager=False on CUDA needs a capturable attention backend ('triton' or 'flash-attn'), "
+                f"not {self.backend.name!r}"
             )
         if factory is None and on_cuda:
             factory = cuda_graph_factory()
@@ -223,25 +204,25 @@ class ModelRunner:
         if is_prefill:
             return self._run(seqs, True, draws)
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            return self._run(seqs, False, draws, "graph")
-        if reads_cache_in_place(self.backend):
-            # It reads exactly each row's context: sorting and ranges would only add work.
-            return self._run(seqs, False, draws, "whole")
-        # Eager decode: rows by context length, so each attention range gathers only about its own width.
+            return self._run(seqs, False, draws, graphed=True)
+        if self.backend.reads_cache_in_place:
+            # Its cost follows each row's own context, so the scheduler's order is as good as any.
+            return self._run(seqs, False, draws)
+        # It gathers its table's width: rows by context length, so a planned range gathers only about its own width.
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_tokens)
-        drawn = self._run([seqs[i] for i in order], False, [draws[i] for i in order], "ranges")
+        drawn = self._run([seqs[i] for i in order], False, [draws[i] for i in order])
         tokens = [PLACEHOLDER] * len(seqs)
         for i, t in zip(order, drawn, strict=True):
             tokens[i] = t
         return tokens
 
     def _run(
-        self, seqs: Sequence[ScheduledSeq], is_prefill: bool, draws: Sequence[DrawParams], way: DecodeWay = "whole"
+        self, seqs: Sequence[ScheduledSeq], is_prefill: bool, draws: Sequence[DrawParams], graphed: bool = False
     ) -> list[int]:
-        """One forward; ``way`` says how a decode step runs (a prefill ignores it)."""
+        """One forward, rows in the order given; ``graphed`` decode steps run through the graph runner."""
         inp = prepare(seqs, is_prefill, self.block_size)
         input_ids, positions = self._tensor(inp.input_ids), self._tensor(inp.positions)
-        if not is_prefill and way == "graph":
+        if graphed:
             assert self.graphs is not None
             hidden = self.graphs.run(
                 input_ids,
@@ -261,11 +242,10 @@ class ModelRunner:
                 block_tables=self._tensor(inp.block_tables, torch.int32),
                 cos_sin=self.cos_sin,
             )
-            if not is_prefill and way == "ranges":
-                self._plan_decode(ctx, inp.context_lens)
-            if self.device.type == "cpu":
-                ctx.row_chunk = self.row_chunk
-            hidden = self.model(input_ids, positions, ctx, self.kv_views)
+            if not is_prefill and self.backend.needs_decode_plan:
+                ctx.decode_plan = self.backend.plan_decode(ctx.context_lens, ctx.block_tables, self.block_size)
+            row_chunk = self.row_chunk if self.device.type == "cpu" else 0
+            hidden = self.model(input_ids, positions, ctx, self.kv_views, row_chunk)
         tokens = [PLACEHOLDER] * len(seqs)
         if len(inp.sample_rows) == 0:
             return tokens
@@ -274,16 +254,6 @@ class ModelRunner:
         for i, t in zip(inp.sample_rows.tolist(), drawn, strict=True):
             tokens[i] = t
         return tokens
-
-    def _plan_decode(self, ctx: AttentionContext, context_lens: I64) -> None:
-        """The step's decode ranges (ENG-19); for the torch backend also their masks and block ids, made here once
-        rather than in every layer (ENG-23)."""
-        ctx.decode_splits = decode_splits(context_lens, self.block_size, self.max_decode_splits, self.min_split_rows)
-        if self.backend.name == "torch":
-            ctx.decode_ranges = tuple(
-                decode_range(a, b, ctx.context_lens[a:b], ctx.block_tables[a:b, :w], self.block_size, False)
-                for a, b, w in ctx.decode_splits
-            )
 
     def _sample(self, logits: torch.Tensor, rows: list[DrawParams], positions: I64) -> list[int]:
         """``kernels.sampling.sample`` per row; greedy rows take the argmax directly (sample's greedy branch)."""

@@ -1,5 +1,7 @@
-"""The engine's fast paths change no token: length-sorted decode ranges (planned once per step), greedy rows without
-the random draw, the trimmed-table torch decode, row slices; and the throughput benchmark states how it was fair."""
+"""The engine's fast paths change no token: length-sorted decode ranges (planned once per step by the torch backend),
+greedy rows without the random draw, the trimmed-table torch decode, row slices; each backend capability the runner
+reads (capturable, reads_cache_in_place, needs_decode_plan) is declared truly and obeyed; and the throughput
+benchmark states how it was fair."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ import pytest
 import torch
 
 import optimized.model_runner as model_runner
-from kernels import paged_attention
+from kernels import cpu_build, paged_attention
+from kernels.backend import DecodePlan
 from kernels.sampling import sample
+from kernels.torch_backend import RangePlan, TorchBackend, decode_splits
 from optimized import LLM, SamplingParams
-from optimized.model_runner import decode_splits
 from tests.engine_fixtures import VOCAB, checkpoint, hf_greedy, one_thread, set_root
 
 
@@ -43,25 +46,37 @@ def make(**kwargs: Any) -> LLM:
 
 
 def test_decode_splits_cover_the_batch_with_widths_that_fit() -> None:
-    """ENG-19: ranges are contiguous, cover every row once, respect the limits, and each is as wide as its last
-    (longest) row needs."""
-    lens = np.sort(np.random.default_rng(0).integers(1, 200, 37)).astype(np.int64)
-    for max_splits, min_rows in ((32, 8), (3, 1), (8, 40), (1, 1)):
-        splits = decode_splits(lens, 4, max_splits, min_rows)
-        assert splits[0][0] == 0 and splits[-1][1] == len(lens)
-        assert all(b == c for (_, b, _), (c, _, _) in itertools.pairwise(splits))
-        assert len(splits) <= max_splits and (len(splits) == 1 or all(b - a >= min_rows for a, b, _ in splits))
-        for a, b, width in splits:
-            assert width == -(-int(lens[b - 1]) // 4) and all(-(-int(n) // 4) <= width for n in lens[a:b])
+    """ENG-19: ranges are contiguous, cover every row once, respect the limits, and each is as wide as its longest
+    row needs, whether the rows come sorted (the last row is the longest) or not."""
+    drawn = np.random.default_rng(0).integers(1, 200, 37)
+    for lens in (sorted(drawn.tolist()), drawn.tolist()):
+        for max_splits, min_rows in ((32, 8), (3, 1), (8, 40), (1, 1)):
+            splits = decode_splits(lens, 4, max_splits, min_rows)
+            assert splits[0][0] == 0 and splits[-1][1] == len(lens)
+            assert all(b == c for (_, b, _), (c, _, _) in itertools.pairwise(splits))
+            assert len(splits) <= max_splits and (len(splits) == 1 or all(b - a >= min_rows for a, b, _ in splits))
+            for a, b, width in splits:
+                assert width == -(-max(lens[a:b]) // 4)
 
 
-def test_split_decode_equals_transformers() -> None:
+def test_split_decode_equals_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-19: with a range per row (the most splitting) float64 greedy output is still transformers'."""
     llm = make()
-    llm.engine.runner.min_split_rows = 1
+    backend = llm.engine.runner.backend
+    assert isinstance(backend, TorchBackend)
+    backend.min_split_rows = 1
+    ranges: list[int] = []
+    plan_decode = backend.plan_decode
+
+    def counting(*args: Any) -> RangePlan:
+        plan = plan_decode(*args)
+        ranges.append(len(plan.ranges))
+        return plan
+
+    monkeypatch.setattr(backend, "plan_decode", counting)
     outs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS], use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_greedy(checkpoint("llama"), PROMPTS, MAX_TOKENS)
-    assert llm.engine.stats.decode_steps > 0
+    assert len(ranges) == llm.engine.stats.decode_steps > 0 and max(ranges) == len(PROMPTS)
 
 
 def test_greedy_rows_skip_the_draw(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,7 +154,7 @@ def test_planned_decode_ranges_equal_paged_decode(dtype: torch.dtype) -> None:
         table[row, : -(-n // block_size)] = ids[used : used + -(-n // block_size)]
         used += -(-n // block_size)
     q = torch.randn(8, heads, dim, generator=gen, dtype=dtype)
-    splits = decode_splits(lens.numpy().astype(np.int64), block_size, 3, 2)
+    splits = decode_splits(lens.tolist(), block_size, 3, 2)
     assert len(splits) == 3
     expected = torch.cat(
         [paged_attention.paged_decode(q[a:b], both[0], both[1], lens[a:b], table[a:b, :w], 0.3) for a, b, w in splits]
@@ -168,12 +183,12 @@ def _first_prefill_hidden(chunk: int) -> tuple[torch.Tensor, list[list[int]]]:
     seen: list[torch.Tensor] = []
     original = runner.model.forward
 
-    def recording(*args: Any) -> torch.Tensor:
-        out: torch.Tensor = original(*args)
+    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out: torch.Tensor = original(*args, **kwargs)
         seen.append(out)
         return out
 
-    runner.model.forward = recording  # type: ignore[method-assign, assignment]
+    runner.model.forward = recording  # type: ignore[method-assign]
     outs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS], use_tqdm=False)
     return seen[0], [o.token_ids for o in outs]
 
@@ -186,6 +201,168 @@ def test_row_slices_change_no_value() -> None:
     assert whole.shape[0] > 3 and torch.equal(whole, sliced)
     _, tokens = _first_prefill_hidden(2)
     assert tokens == hf_greedy(checkpoint("llama"), PROMPTS, MAX_TOKENS)
+
+
+class CapabilitySpy:
+    """The torch backend under the capabilities a test declares, logging each plan it makes and each decode call
+    (its rows' context lengths and the plan it was handed)."""
+
+    name = "spy"
+
+    def __init__(self, *, reads_cache_in_place: bool, needs_decode_plan: bool, capturable: bool = False) -> None:
+        self.capturable = capturable
+        self.reads_cache_in_place = reads_cache_in_place
+        self.needs_decode_plan = needs_decode_plan
+        self.inner = TorchBackend()
+        self.plans: list[DecodePlan] = []
+        self.decodes: list[tuple[list[int], DecodePlan | None]] = []
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        self.inner.store_kv(k, v, k_cache, v_cache, slots)
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return self.inner.prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+
+    def plan_decode(self, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> DecodePlan:
+        plan = self.inner.plan_decode(context_lens, block_tables, block_size)
+        self.plans.append(plan)
+        return plan
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        scale: float,
+        plan: DecodePlan | None = None,
+    ) -> torch.Tensor:
+        self.decodes.append((context_lens.tolist(), plan))
+        return self.inner.decode(q, k_cache, v_cache, context_lens, block_tables, scale, plan)
+
+
+@pytest.mark.parametrize(("in_place", "planned"), [(True, False), (False, False), (True, True), (False, True)])
+def test_runner_obeys_the_declared_decode_capabilities(
+    monkeypatch: pytest.MonkeyPatch, in_place: bool, planned: bool
+) -> None:
+    """ENG-19, ENG-23, KERN-15: a backend declaring reads_cache_in_place gets each eager decode step's whole batch in
+    the scheduler's order, one that does not gets it sorted by context length; one declaring needs_decode_plan is
+    asked for one plan per decode step (never for a prefill) and gets that very plan back in every layer, the
+    others plan nothing and get None. Greedy float64 tokens stay transformers'."""
+    llm = make()
+    runner = llm.engine.runner
+    spy = CapabilitySpy(reads_cache_in_place=in_place, needs_decode_plan=planned)
+    runner.backend = spy
+    batches: list[list[int]] = []  # the scheduler's decode batches: each row's context length, in its order
+    run = runner.run
+
+    def watched(seqs: Any, is_prefill: bool, draws: Any) -> list[int]:
+        if not is_prefill:
+            batches.append([s.num_tokens for s in seqs])
+        return run(seqs, is_prefill, draws)
+
+    monkeypatch.setattr(runner, "run", watched)
+    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS], use_tqdm=False)
+    assert [o.token_ids for o in outs] == hf_greedy(checkpoint("llama"), PROMPTS, MAX_TOKENS)
+    assert any(b != sorted(b) for b in batches)  # an order that sorting changes
+    layers = runner.model.config.num_layers
+    assert len(spy.decodes) == layers * len(batches) and len(spy.plans) == (len(batches) if planned else 0)
+    for step, lens in enumerate(batches):
+        expected_plan = spy.plans[step] if planned else None
+        for got_lens, got_plan in spy.decodes[step * layers : (step + 1) * layers]:
+            assert got_lens == (lens if in_place else sorted(lens))
+            assert got_plan is expected_plan
+
+
+def test_graphed_decode_steps_never_plan() -> None:
+    """ENG-21, KERN-15: with enforce_eager=False (the CPU stand-in graph) a backend declaring needs_decode_plan is
+    never asked to plan, and every decode gets no plan (one made at capture would be stale); tokens unchanged."""
+    llm = make(enforce_eager=False)
+    spy = CapabilitySpy(reads_cache_in_place=False, needs_decode_plan=True)
+    llm.engine.runner.backend = spy
+    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS], use_tqdm=False)
+    assert [o.token_ids for o in outs] == hf_greedy(checkpoint("llama"), PROMPTS, MAX_TOKENS)
+    assert llm.engine.runner.graph_steps == llm.engine.stats.decode_steps > 0
+    assert spy.plans == [] and spy.decodes and all(plan is None for _, plan in spy.decodes)
+
+
+@pytest.mark.parametrize("capturable", [True, False])
+def test_cuda_graphs_follow_the_declared_capturable(monkeypatch: pytest.MonkeyPatch, capturable: bool) -> None:
+    """ENG-21, KERN-15: on CUDA (faked: the model loads on the CPU) enforce_eager=None captures decode graphs exactly
+    when the backend declares capturable, and enforce_eager=False with a backend that does not is a ValueError
+    naming enforce_eager, raised before any weight loads."""
+    import kernels.backend
+    from optimized.loader import load_model
+
+    spy = CapabilitySpy(reads_cache_in_place=True, needs_decode_plan=False, capturable=capturable)
+    loads: list[str] = []
+
+    def load_on_cpu(folder: Any, dtype: torch.dtype, device: torch.device) -> Any:
+        loads.append(device.type)
+        return load_model(folder, dtype, torch.device("cpu"))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels.backend, "get_backend", lambda name, device: spy)
+    monkeypatch.setattr("optimized.llm.load_model", load_on_cpu)
+    llm = make(device="cuda")
+    assert loads == ["cuda"] and llm.enforce_eager is not capturable
+    assert (llm.engine.runner.graphs is not None) is capturable
+    if capturable:
+        assert make(device="cuda", enforce_eager=False).engine.runner.graphs is not None
+    else:
+        with pytest.raises(ValueError, match="enforce_eager"):
+            make(device="cuda", enforce_eager=False)
+        assert loads == ["cuda"]
+
+
+def test_backends_declare_their_capabilities_truly() -> None:
+    """KERN-15, KERN-20, KERN-24: each backend's declared (capturable, reads_cache_in_place, needs_decode_plan); a
+    backend declaring reads_cache_in_place reads no table entry past a row's context (a block id there that names
+    no block changes nothing), while torch, which does not, gathers its whole table width (the same id fails)."""
+    from kernels.cpu_backend import CpuBackend
+    from kernels.flash_attn_backend import FlashAttnBackend
+    from kernels.triton_backend import TritonBackend
+
+    declared = {
+        cls.name: (cls.capturable, cls.reads_cache_in_place, cls.needs_decode_plan)
+        for cls in (TorchBackend, CpuBackend, TritonBackend, FlashAttnBackend)
+    }
+    assert declared == {
+        "torch": (False, False, True),
+        "cpu": (False, True, False),
+        "triton": (True, True, False),
+        "flash-attn": (True, True, False),
+    }
+    gen = torch.Generator().manual_seed(2)
+    block_size, num_blocks = 4, 12
+    k_cache = torch.randn(num_blocks, block_size, 2, 8, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, 2, 8, generator=gen)
+    q = torch.randn(3, 4, 8, generator=gen)
+    lens = torch.tensor([5, 2, 8], dtype=torch.int32)
+    table = torch.tensor([[3, 7, -1], [1, -1, -1], [0, 9, -1]], dtype=torch.int32)
+    poisoned = table.clone()
+    poisoned[poisoned < 0] = num_blocks + 40  # past every context: read only by a backend that gathers the width
+    expected = paged_attention.paged_decode(q, k_cache, v_cache, lens, table, 0.3)
+    in_place: list[Any] = [TritonBackend()]
+    if cpu_build.unavailable_reason() is None:
+        in_place.append(CpuBackend())
+    for backend in in_place:
+        got = backend.decode(q, k_cache, v_cache, lens, poisoned, 0.3)
+        torch.testing.assert_close(got, expected, rtol=5e-6, atol=5e-6)
+    with pytest.raises((IndexError, RuntimeError)):
+        TorchBackend().decode(q, k_cache, v_cache, lens, poisoned, 0.3)
 
 
 def test_throughput_benchmark_states_its_fairness(

@@ -5,9 +5,9 @@ The runner's backend is replaced by a spy that delegates to the engine's default
 its layer and rows; ``ModelRunner.run`` is wrapped to snapshot the batch the scheduler granted (each sequence's
 ``num_cached_tokens``, ``num_scheduled_tokens``, tokens and block table) before the step, and a forward pre-hook
 records the input ids and positions the model gets. Each step is then checked against the grant alone. The spy
-is named ``"spy"``, not ``"torch"``, so decode reaches the backend's ``decode`` (the torch backend's precomputed
-ranges, ENG-23, call the paged kernel directly). Every scenario also ends in transformers' greedy tokens, so the
-KV the runner skipped recomputing was the right KV.
+declares that it gathers its table's width (not ``reads_cache_in_place``), so decode rows come sorted by context
+length (ENG-19), and plans decode steps exactly when the backend it wraps does. Every scenario also ends in
+transformers' greedy tokens, so the KV the runner skipped recomputing was the right KV.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.backend import AttentionBackend
+from kernels.backend import AttentionBackend, DecodePlan
 from optimized import LLM, SamplingParams
 from optimized.model_runner import PLACEHOLDER, DrawParams, ModelRunner, ScheduledSeq
 from tests.engine_fixtures import checkpoint, hf_greedy, one_thread, set_root
@@ -46,8 +46,12 @@ class SpyBackend:
     """The engine's default backend (the compiled "cpu" one where it builds), with every call logged (layer found
     from the cache tensor it is handed)."""
 
+    capturable = False
+    reads_cache_in_place = False
+
     def __init__(self, inner: AttentionBackend, runner: ModelRunner) -> None:
         self.name = "spy"
+        self.needs_decode_plan = inner.needs_decode_plan
         self.inner = inner
         self.layer_of = {k.data_ptr(): i for i, (k, _) in enumerate(runner.kv_views)}
         self.calls: list[Call] = []
@@ -74,6 +78,9 @@ class SpyBackend:
         self.calls.append(Call("prefill", layer, q.shape[0], cu_seqlens_q=cu, context_lens=lens))
         return self.inner.prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
+    def plan_decode(self, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> DecodePlan:
+        return self.inner.plan_decode(context_lens, block_tables, block_size)
+
     def decode(
         self,
         q: torch.Tensor,
@@ -82,10 +89,11 @@ class SpyBackend:
         context_lens: torch.Tensor,
         block_tables: torch.Tensor,
         scale: float,
+        plan: DecodePlan | None = None,
     ) -> torch.Tensor:
         layer = self.layer_of[k_cache.data_ptr()]
         self.calls.append(Call("decode", layer, q.shape[0], context_lens=tuple(context_lens.tolist())))
-        return self.inner.decode(q, k_cache, v_cache, context_lens, block_tables, scale)
+        return self.inner.decode(q, k_cache, v_cache, context_lens, block_tables, scale, plan)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ Tokens of every sequence in a step are concatenated into one [N, hidden] tensor;
 ``AttentionContext`` says where each one's KV goes (``slot_mapping``) and which
 cached KV it attends to (block tables, context lengths). Each layer writes its
 new K/V into its cache before attending, so a prefill chunk sees the KV cached
-by earlier chunks and by prefix-cache hits. q/k/v and gate/up are packed into
+by earlier chunks and by prefix-cache hits. Attention goes through the step's
+backend only (``store_kv``, then ``prefill`` or ``decode`` with the backend's
+own plan for the step): no attention kernel is called past it. q/k/v and gate/up are packed into
 one matrix each (the loader fills the packed rows from the checkpoint's
 separate tensors), in the order q, k, v and gate, up. The arithmetic follows
 transformers' modeling code op for op so that float64 greedy output matches it.
@@ -19,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.backend import AttentionBackend
+from kernels.backend import AttentionBackend, DecodePlan
 from kernels.norm import add_rms_norm, rms_norm
-from kernels.paged_attention import DecodeRange, paged_decode_ranges
 from kernels.rotary import rotary_rows, rotate
 from optimized.models.config import ModelConfig
 
@@ -30,7 +31,8 @@ Rows = tuple[tuple[int, int], ...]
 
 @dataclass
 class AttentionContext:
-    """One step's attention metadata, shared by every layer."""
+    """One step's attention metadata, shared by every layer: what every backend needs, and the backend's own plan
+    for the step (made by its ``plan_decode`` when it asks for one, handed back to its ``decode`` untouched)."""
 
     backend: AttentionBackend
     is_prefill: bool
@@ -39,15 +41,7 @@ class AttentionContext:
     context_lens: torch.Tensor  # int32 [B]
     block_tables: torch.Tensor  # int32 [B, W], -1 padded
     cos_sin: torch.Tensor  # [max_position, head_dim]
-    # Decode only, optional: (first row, end row, table columns) of row ranges whose contexts all fit in that many
-    # columns; each range attends on its own, gathering only that width (rows sorted by context length upstream).
-    decode_splits: tuple[tuple[int, int, int], ...] = ()
-    # The torch backend's form of the same ranges (masks and block ids made once per step, ENG-23); when set, the
-    # torch backend's decode runs on them directly.
-    decode_ranges: tuple[DecodeRange, ...] = ()
-    # Rows per slice of the row-wise work (norms, projections, rotary, MLP) in a step of more tokens than this, so
-    # each slice's intermediates stay in the CPU cache (ENG-23); 0 = the whole batch at once.
-    row_chunk: int = 0
+    decode_plan: DecodePlan | None = None
 
 
 def row_slices(n: int, chunk: int) -> Rows:
@@ -116,19 +110,10 @@ class Attention(nn.Module):
             o = ctx.backend.prefill(
                 q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables, self.scale
             )
-        elif ctx.decode_ranges:
-            o = paged_decode_ranges(q, k_cache, v_cache, ctx.decode_ranges, self.scale)
-        elif ctx.decode_splits:
-            o = torch.cat(
-                [
-                    ctx.backend.decode(
-                        q[a:b], k_cache, v_cache, ctx.context_lens[a:b], ctx.block_tables[a:b, :width], self.scale
-                    )
-                    for a, b, width in ctx.decode_splits
-                ]
-            )
         else:
-            o = ctx.backend.decode(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, self.scale)
+            o = ctx.backend.decode(
+                q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, self.scale, ctx.decode_plan
+            )
         return o.reshape(q.shape[0], self.q_size)
 
 
@@ -202,11 +187,13 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         ctx: AttentionContext,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        row_chunk: int = 0,
     ) -> torch.Tensor:
-        """Final hidden states [N, hidden] (normed); logits are computed only for the rows sampled."""
+        """Final hidden states [N, hidden] (normed); logits are computed only for the rows sampled. A step of more
+        than ``row_chunk`` rows runs its row-wise work in slices of that many rows (0: the whole batch, ENG-23)."""
         x = self.embed_tokens(input_ids)
         rope = rotary_rows(positions, ctx.cos_sin, x.dtype)
-        rows = row_slices(x.shape[0], ctx.row_chunk)
+        rows = row_slices(x.shape[0], row_chunk)
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=False):
             x, residual = layer(x, residual, rope, ctx, kv, rows)
