@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from optimized import LLM
+
 FAMILIES = ("qwen3", "qwen2", "llama")
 VOCAB = 256
 
@@ -93,6 +95,14 @@ def with_config(family: str, name: str, **changes: Any) -> Path:
             cfg.update(changes)
             (folder / name).write_text(json.dumps(cfg))
     return folder
+
+
+def make_llm(folder: Path | None = None, *, family: str = "qwen3", **overrides: Any) -> LLM:
+    """An engine on ``folder`` (default: the family's tiny checkpoint) in float64, checked against the shadow,
+    with 4-token blocks; ``overrides`` are LLM keyword arguments and win over these.
+    A test module binds its own sizes once: ``make = partial(make_llm, num_kvcache_blocks=16)``."""
+    args: dict[str, Any] = {"dtype": "float64", "check": True, "kvcache_block_size": 4, **overrides}
+    return LLM(str(folder or checkpoint(family)), **args)
 
 
 @cache

@@ -33,17 +33,13 @@ from optimized import LLM
 from optimized import loader as loader_module
 from optimized.loader import load_model
 from optimized.models import CausalLM, load_config
-from tests.engine_fixtures import FAMILIES, checkpoint, one_thread, set_root
+from tests.engine_fixtures import FAMILIES, checkpoint
 
 K_PROJ = "model.layers.1.self_attn.k_proj.weight"
 SECONDS = 20  # far above any case's time (milliseconds), far below the old code's 170 s of growing memory
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    set_root(tmp_path_factory.mktemp("engine"))
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("engine_env")
 
 
 def write_tokenizer(path: Path) -> None:

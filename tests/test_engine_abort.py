@@ -6,31 +6,23 @@ engine's, so aborting one request is seen to change no other request's tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
 
 from invariants import check_state, snapshot
 from optimized import LLM, RequestOutput, SamplingParams
-from tests.engine_fixtures import checkpoint, one_thread, set_root
+from tests.engine_fixtures import make_llm
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    set_root(tmp_path_factory.mktemp("engine"))
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("engine_env")
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 PROMPTS = [list(range(10, 19)), [7, 8, 9], list(range(30, 40))]
 
 
-def make(**kwargs: Any) -> LLM:
-    args: dict[str, Any] = {"dtype": "float64", "check": True, "kvcache_block_size": 4, "num_kvcache_blocks": 16,
-                            "max_model_len": 96}
-    return LLM(str(checkpoint("qwen3")), **{**args, **kwargs})
+make = partial(make_llm, num_kvcache_blocks=16, max_model_len=96)
 
 
 def fresh(prompts: list[list[int]], **kwargs: Any) -> list[list[int]]:

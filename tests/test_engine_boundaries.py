@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -11,23 +11,15 @@ from optimized import LLM, SamplingParams
 from optimized.cli import main as cli_main
 from optimized.conformance import parse_workload
 from optimized.errors import WorkloadError
-from tests.engine_fixtures import checkpoint, one_thread, set_root
+from tests.engine_fixtures import make_llm
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    set_root(tmp_path_factory.mktemp("engine"))
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("engine_env")
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
 
 
-def make(**kwargs: Any) -> LLM:
-    args: dict[str, Any] = {"dtype": "float64", "check": True, "kvcache_block_size": 4, "num_kvcache_blocks": 16,
-                            "max_model_len": 48}
-    return LLM(str(checkpoint("qwen3")), **{**args, **kwargs})
+make = partial(make_llm, num_kvcache_blocks=16, max_model_len=48)
 
 
 def tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:

@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
 
 from optimized import LLM, SamplingParams
 from optimized.shadow import ShadowDivergence
-from tests.engine_fixtures import checkpoint, one_thread, set_root, with_config
+from tests.engine_fixtures import checkpoint, make_llm, with_config
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    set_root(tmp_path_factory.mktemp("engine"))
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("engine_env")
 
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
 
-def make(folder: Any = None, check: bool = True) -> LLM:
-    folder = folder or checkpoint("qwen3")
-    return LLM(str(folder), dtype="float64", check=check, kvcache_block_size=2, num_kvcache_blocks=32)
+make = partial(make_llm, kvcache_block_size=2, num_kvcache_blocks=32)
 
 
 def test_check_mode_is_off_by_default_and_counts_steps() -> None:

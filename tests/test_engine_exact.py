@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from optimized import LLM, SamplingParams
-from tests.engine_fixtures import FAMILIES, VOCAB, checkpoint, hf_greedy, one_thread, set_root, with_config
+from tests.engine_fixtures import FAMILIES, VOCAB, checkpoint, hf_greedy, with_config
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    set_root(tmp_path_factory.mktemp("engine"))
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("engine_env")
 
 
 def prompts_with_shared_prefixes(seed: int = 7) -> list[list[int]]:

@@ -11,7 +11,8 @@ engine's; the tests compare them token for token.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import pytest
@@ -19,14 +20,9 @@ import torch
 
 from invariants import check_state, snapshot
 from optimized import LLM, RequestOutput, SamplingParams
-from tests.engine_fixtures import checkpoint, one_thread, set_root
+from tests.engine_fixtures import make_llm
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    set_root(tmp_path_factory.mktemp("engine"))
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("engine_env")
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
@@ -37,9 +33,7 @@ class ModelFault(RuntimeError):
     pass
 
 
-def make(**kwargs: Any) -> LLM:
-    args: dict[str, Any] = {"dtype": "float64", "check": True, "kvcache_block_size": 4, "num_kvcache_blocks": 16}
-    return LLM(str(checkpoint("qwen3")), **{**args, **kwargs})
+make = partial(make_llm, num_kvcache_blocks=16)
 
 
 def fresh(prompts: list[list[int]], **kwargs: Any) -> list[list[int]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,14 +10,9 @@ import torch
 
 from optimized import LLM, SamplingParams
 from optimized.graph_runner import EagerGraph
-from tests.engine_fixtures import VOCAB, checkpoint, one_thread, set_root
+from tests.engine_fixtures import VOCAB, checkpoint
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    set_root(tmp_path_factory.mktemp("engine"))
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("engine_env")
 
 
 RNG = random.Random(5)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +22,12 @@ from safetensors.torch import load_file, save_file
 from optimized import LLM, SamplingParams
 from optimized.loader import load_model
 from optimized.models import parse_config
-from tests.engine_fixtures import FAMILIES, checkpoint, hf_greedy, one_thread, set_root
+from tests.engine_fixtures import FAMILIES, checkpoint, hf_greedy
 
 Tensors = dict[str, torch.Tensor]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    set_root(tmp_path_factory.mktemp("engine"))
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("engine_env")
 
 
 def copy_checkpoint(tmp_path: Path) -> Path:

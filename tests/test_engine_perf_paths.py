@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
-from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +21,10 @@ from kernels import cpu_build, paged_attention
 from kernels.backend import DecodePlan
 from kernels.sampling import sample
 from kernels.torch_backend import RangePlan, TorchBackend, decode_splits
-from optimized import LLM, SamplingParams
-from tests.engine_fixtures import VOCAB, checkpoint, hf_greedy, one_thread, set_root
+from optimized import SamplingParams
+from tests.engine_fixtures import VOCAB, checkpoint, hf_greedy, make_llm
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    set_root(tmp_path_factory.mktemp("engine"))
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("engine_env")
 
 
 RNG = random.Random(3)
@@ -37,12 +32,9 @@ PROMPTS = [[RNG.randrange(VOCAB) for _ in range(RNG.randrange(1, 40))] for _ in 
 MAX_TOKENS = [3 + (5 * i) % 17 for i in range(12)]
 
 
-def make(**kwargs: Any) -> LLM:
-    # The torch backend: the sorted decode ranges under test are its path (the in-place "cpu" backend takes whole
-    # batches, ENG-19).
-    args: dict[str, Any] = {"dtype": "float64", "check": True, "kvcache_block_size": 4, "num_kvcache_blocks": 160,
-                            "attention_backend": "torch"}
-    return LLM(str(checkpoint("llama")), **{**args, **kwargs})
+# The torch backend: the sorted decode ranges under test are its path (the in-place "cpu" backend takes whole
+# batches, ENG-19).
+make = partial(make_llm, family="llama", num_kvcache_blocks=160, attention_backend="torch")
 
 
 def test_decode_splits_cover_the_batch_with_widths_that_fit() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,23 +14,16 @@ import pytest
 from invariants import snapshot
 from optimized import LLM, SamplingParams
 from optimized.tokenizer import load_tokenizer
-from tests.engine_fixtures import VOCAB, checkpoint, hf_greedy, one_thread, set_root
+from tests.engine_fixtures import VOCAB, checkpoint, hf_greedy, make_llm
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    set_root(tmp_path_factory.mktemp("engine"))
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("engine_env")
 
 
 GOOD = [5, 6, 7, 8, 9]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
-def make(**kwargs: Any) -> LLM:
-    args: dict[str, Any] = {"dtype": "float64", "check": True, "kvcache_block_size": 4, "num_kvcache_blocks": 10}
-    return LLM(str(checkpoint("qwen3")), **{**args, "max_model_len": 48, **kwargs})
+make = partial(make_llm, num_kvcache_blocks=10, max_model_len=48)
 
 
 def _nan_temperature() -> SamplingParams:

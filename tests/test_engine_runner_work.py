@@ -12,7 +12,7 @@ transformers' greedy tokens, so the KV the runner skipped recomputing was the ri
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,14 +22,9 @@ import torch
 from kernels.backend import AttentionBackend, DecodePlan
 from optimized import LLM, SamplingParams
 from optimized.model_runner import PLACEHOLDER, DrawParams, ModelRunner, ScheduledSeq
-from tests.engine_fixtures import checkpoint, hf_greedy, one_thread, set_root
+from tests.engine_fixtures import checkpoint, hf_greedy
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    set_root(tmp_path_factory.mktemp("engine"))
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("engine_env")
 
 
 @dataclass(frozen=True)

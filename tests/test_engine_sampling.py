@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
 
-from optimized import LLM, SamplingParams
-from tests.engine_fixtures import VOCAB, checkpoint, one_thread, set_root
+from optimized import SamplingParams
+from tests.engine_fixtures import VOCAB, make_llm
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    set_root(tmp_path_factory.mktemp("engine"))
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("engine_env")
 
 
 RNG = random.Random(11)
@@ -25,9 +20,7 @@ CROWD = [[RNG.randrange(VOCAB) for _ in range(RNG.randrange(3, 24))] for _ in ra
 SEEDED = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=20, seed=42)
 
 
-def make(**kwargs: Any) -> LLM:
-    args: dict[str, Any] = {"dtype": "float64", "check": True, "kvcache_block_size": 4, "num_kvcache_blocks": 96}
-    return LLM(str(checkpoint("qwen3")), **{**args, **kwargs})
+make = partial(make_llm, num_kvcache_blocks=96)
 
 
 def crowd_params() -> list[SamplingParams]:

@@ -11,21 +11,17 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
 
 from invariants import check_state, snapshot
 from optimized import LLM, RequestOutput, SamplingParams
-from tests.engine_fixtures import checkpoint, one_thread, set_root
+from tests.engine_fixtures import make_llm
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    set_root(tmp_path_factory.mktemp("engine"))
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("engine_env")
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
@@ -38,8 +34,7 @@ JOBS = [
 ]
 
 
-def make() -> LLM:
-    return LLM(str(checkpoint("qwen3")), dtype="float64", check=True, kvcache_block_size=4, num_kvcache_blocks=24)
+make = partial(make_llm, num_kvcache_blocks=24)
 
 
 def alone(prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -25,9 +25,9 @@ import torch
 
 from kernels import cpu_attention, cpu_build, paged_attention
 from kernels.backend import get_backend
-from optimized import LLM, SamplingParams
+from optimized import SamplingParams
 from optimized.model_runner import DrawParams, ScheduledSeq
-from tests.engine_fixtures import VOCAB, checkpoint, hf_greedy, one_thread, set_root
+from tests.engine_fixtures import VOCAB, checkpoint, hf_greedy, make_llm
 
 CPU = torch.device("cpu")
 # float32: the C kernels sum each dot product in their own order and torch's GEMM in its, so scores of magnitude ~10
@@ -606,36 +606,33 @@ def test_chooser_falls_back_to_torch_and_says_why(fresh_cache: Path, monkeypatch
         assert get_backend(None, CPU).name == "torch"
 
 
-def test_engine_decodes_the_whole_batch_in_the_schedulers_order(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("engine_env")
+def test_engine_decodes_the_whole_batch_in_the_schedulers_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-19, KERN-24: on the CPU the engine picks the "cpu" backend and its eager decode hands each layer's decode
     the whole batch, in the scheduler's order (no sorting, no ranges); float64 greedy output is transformers'."""
-    set_root(tmp_path_factory.mktemp("engine"))
     rng = random.Random(5)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 30))] for _ in range(7)]
     max_tokens = [4 + 3 * i for i in range(7)]
-    with one_thread():
-        llm = LLM(str(checkpoint("qwen3")), dtype="float64", check=True, kvcache_block_size=4, num_kvcache_blocks=96)
-        runner = llm.engine.runner
-        assert runner.backend.name == "cpu" and runner.graphs is None
-        batches: list[list[int]] = []
-        calls: list[list[int]] = []
-        run, decode = runner.run, runner.backend.decode
+    llm = make_llm(num_kvcache_blocks=96)
+    runner = llm.engine.runner
+    assert runner.backend.name == "cpu" and runner.graphs is None
+    batches: list[list[int]] = []
+    calls: list[list[int]] = []
+    run, decode = runner.run, runner.backend.decode
 
-        def watched_run(seqs: Sequence[ScheduledSeq], is_prefill: bool, draws: Sequence[DrawParams]) -> list[int]:
-            if not is_prefill:
-                batches.append([s.num_tokens for s in seqs])
-            return run(seqs, is_prefill, draws)
+    def watched_run(seqs: Sequence[ScheduledSeq], is_prefill: bool, draws: Sequence[DrawParams]) -> list[int]:
+        if not is_prefill:
+            batches.append([s.num_tokens for s in seqs])
+        return run(seqs, is_prefill, draws)
 
-        def watched_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, *rest: Any) -> Any:
-            calls.append(lens.tolist())
-            return decode(q, k, v, lens, *rest)
+    def watched_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, *rest: Any) -> Any:
+        calls.append(lens.tolist())
+        return decode(q, k, v, lens, *rest)
 
-        monkeypatch.setattr(runner, "run", watched_run)
-        monkeypatch.setattr(runner.backend, "decode", watched_decode)
-        params = [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens]
-        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(runner, "run", watched_run)
+    monkeypatch.setattr(runner.backend, "decode", watched_decode)
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens]
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     layers = runner.model.config.num_layers
     assert any(len(b) > 1 and b != sorted(b) for b in batches)  # an order that sorting would have changed
     assert calls == [b for b in batches for _ in range(layers)]
