@@ -93,6 +93,7 @@ def prompt(start: int, n: int) -> list[int]:
 
 # --- where the sequence stands ------------------------------------------------------------------
 
+@pytest.mark.clause("ABORT-1", "ABORT-2", "ABORT-6")
 def test_abort_a_running_sequence_releases_its_blocks_in_reverse_order() -> None:
     """ABORT-1, ABORT-2, ABORT-6: a running sequence leaves running; its blocks go to the free tail, last first."""
     p = Pair(config())
@@ -113,6 +114,7 @@ def test_abort_a_running_sequence_releases_its_blocks_in_reverse_order() -> None
         p.assert_agree()
 
 
+@pytest.mark.clause("ABORT-1")
 def test_abort_waiting_sequences_anywhere_in_the_queue() -> None:
     """ABORT-1: the head, the middle and the tail of waiting; the others keep their order."""
     p = Pair(config(budget=4))
@@ -128,6 +130,7 @@ def test_abort_waiting_sequences_anywhere_in_the_queue() -> None:
     p.assert_agree()
 
 
+@pytest.mark.clause("ABORT-1", "ABORT-5")
 def test_abort_a_preempted_sequence() -> None:
     """ABORT-1, ABORT-5: a victim back at the head of waiting, holding nothing, can be aborted."""
     p = Pair(config(num_blocks=2))
@@ -145,6 +148,7 @@ def test_abort_a_preempted_sequence() -> None:
     assert snapshot(p.ref).used_block_ids == set()
 
 
+@pytest.mark.clause("ABORT-1", "ABORT-3", "CHUNK-2")
 def test_abort_mid_chunk_keeps_the_finished_chunks_in_the_prefix_cache() -> None:
     """ABORT-1, ABORT-3, CHUNK-2: the head of waiting holding blocks mid-prefill is aborted; the blocks its
     chunks filled stay hashed and a later request with the same prefix hits them; the rest are plain free."""
@@ -169,6 +173,7 @@ def test_abort_mid_chunk_keeps_the_finished_chunks_in_the_prefix_cache() -> None
     p.assert_agree()
 
 
+@pytest.mark.clause("ABORT-2", "CACHE-5")
 def test_abort_a_sharer_keeps_the_shared_block_for_the_other() -> None:
     """ABORT-2, CACHE-5: a block two tables hold drops to one reference and stays used."""
     p = Pair(config())
@@ -185,6 +190,7 @@ def test_abort_a_sharer_keeps_the_shared_block_for_the_other() -> None:
     p.assert_agree()
 
 
+@pytest.mark.clause("ABORT-5", "INV-3")
 def test_aborting_everything_leaves_the_cache_idle() -> None:
     """ABORT-5, INV-3: with every request aborted, no block is used and the cache still hits."""
     p = Pair(config(num_blocks=8, budget=6))
@@ -214,6 +220,7 @@ def refused(p: Pair, act: Callable[[], None], match: str, error: type[Exception]
     assert fields(before[1], p.opt_seqs) == fields(after[1], p.opt_seqs)
 
 
+@pytest.mark.clause("ABORT-4")
 def test_refused_aborts_change_nothing() -> None:
     """ABORT-4: never added, finished, aborted twice: ValueError on both, nothing changed."""
     p = Pair(config())
@@ -234,6 +241,7 @@ def test_refused_aborts_change_nothing() -> None:
     p.assert_agree()
 
 
+@pytest.mark.clause("ABORT-4")
 @pytest.mark.parametrize("budget", [5, 64])  # mid-prefill (one waiting, one running); mid-decode
 def test_both_refuse_an_abort_mid_step(budget: int) -> None:
     """ABORT-4: between schedule() and postprocess() both refuse with RuntimeError, and nothing changes."""
@@ -252,6 +260,7 @@ def test_both_refuse_an_abort_mid_step(budget: int) -> None:
 
 # --- the failed step ------------------------------------------------------------------------------
 
+@pytest.mark.clause("FAULT-2")
 def test_abort_step_after_a_failed_prefill_registers_nothing() -> None:
     """FAULT-2: the failed prefill's members are aborted in batch order; the blocks it would have filled carry no
     hash, so a later request with the same prompt hits nothing; the request behind the batch is untouched."""
@@ -275,6 +284,7 @@ def test_abort_step_after_a_failed_prefill_registers_nothing() -> None:
     assert s.block_manager.can_allocate(again) == 0
 
 
+@pytest.mark.clause("FAULT-1", "FAULT-2")
 def test_abort_step_after_a_failed_decode_keeps_its_victim_queued() -> None:
     """FAULT-1, FAULT-2: a failed decode step's batch is aborted; the sequence it preempted stays waiting, holding
     nothing, and runs to the end afterwards with no block leaked."""
@@ -296,6 +306,7 @@ def test_abort_step_after_a_failed_decode_keeps_its_victim_queued() -> None:
     assert b.num_completion_tokens == 3 and snapshot(s).used_block_ids == set()
 
 
+@pytest.mark.clause("FAULT-2")
 def test_abort_step_refuses_a_batch_that_is_not_the_scheduled_one() -> None:
     """FAULT-2: abort_step takes exactly the scheduled batch; anything else is a ValueError changing nothing."""
     s = ref.Scheduler(config(budget=5))
@@ -325,6 +336,7 @@ def _aborted_running() -> tuple[SchedulerState, SchedulerState, int]:
     return before, snapshot(s), seqs[0].seq_id
 
 
+@pytest.mark.clause("ABORT-1", "ABORT-2", "ABORT-3")
 def test_the_abort_contract_accepts_a_real_abort_and_reports_corruptions() -> None:
     """ABORT-1, ABORT-2, ABORT-3: the machine's abort check is silent on a real abort and names each corruption."""
     before, after, seq_id = _aborted_running()
@@ -346,6 +358,7 @@ def test_the_abort_contract_accepts_a_real_abort_and_reports_corruptions() -> No
     assert "ABORT-3" in clauses(lambda st: st.hash_to_block_id.clear())
 
 
+@pytest.mark.clause("FAULT-2")
 def test_the_failed_step_contract_reports_a_registered_block() -> None:
     """FAULT-2: registering what the failed step computed, or keeping a member queued, is reported."""
     s = ref.Scheduler(config())

@@ -14,6 +14,7 @@ from optimized.benchmarks import busy_core
 from optimized.cli import main
 
 
+@pytest.mark.clause("ENG-27")
 def test_a_child_run_reports_its_time_and_the_threads_it_ran_on(capsys: pytest.CaptureFixture[str]) -> None:
     """ENG-27: the child serves the workload and prints one JSON line; --threads is applied."""
     assert main(["bench", "threads", "--child", "--num-requests", "2", "--max-tokens", "2", "--threads", "1"]) == 0
@@ -21,6 +22,7 @@ def test_a_child_run_reports_its_time_and_the_threads_it_ran_on(capsys: pytest.C
     assert result["wall"] > 0 and result["threads"] == 1
 
 
+@pytest.mark.clause("ENG-27")
 def test_each_configuration_runs_in_its_own_process_with_its_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-27: a configuration's wait policy reaches the child's environment ("unset" switches our default off)."""
     seen: list[dict[str, str]] = []
@@ -37,6 +39,7 @@ def test_each_configuration_runs_in_its_own_process_with_its_policy(monkeypatch:
     assert "OMP_WAIT_POLICY" not in seen[1] and seen[1]["NANOVERIFY_CPU_DEFAULTS"] == "0"
 
 
+@pytest.mark.clause("ENG-27")
 def test_the_busy_core_spinner_runs_during_the_run_and_is_gone_after(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-27: 'busy' means another process spins while the configuration runs, and only then."""
     spinners: list[int] = []

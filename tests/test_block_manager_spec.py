@@ -38,6 +38,7 @@ def partition_ok(bm: BlockManager, tables: list[list[int]]) -> bool:
             and all(bm.blocks[b].ref_count == counts[b] for b in range(len(bm.blocks))))
 
 
+@pytest.mark.clause("BM-1", "BM-2", "BM-5")
 def test_fresh_blocks_come_from_the_front_and_return_to_the_back() -> None:
     """BM-1, BM-2, BM-5: FIFO free queue; deallocate releases the table from its end; ids never lost."""
     bm = BlockManager(6, BS)
@@ -55,6 +56,7 @@ def test_fresh_blocks_come_from_the_front_and_return_to_the_back() -> None:
     assert bm.blocks[5].ref_count == 1 and bm.blocks[5].hash == -1  # reset for its new owner
 
 
+@pytest.mark.clause("BM-3", "BM-4", "CACHE-5")
 def test_can_allocate_counts_hits_and_the_blocks_they_save() -> None:
     """BM-3, BM-4, CACHE-5: a hit on a used block is shared; a hit on a free one still takes a free block."""
     bm = BlockManager(4, BS)
@@ -78,6 +80,7 @@ def test_can_allocate_counts_hits_and_the_blocks_they_save() -> None:
     assert c.block_table == [0, 1, 2] and list(bm.free_block_ids) == [3]
 
 
+@pytest.mark.clause("CACHE-4", "BM-3")
 def test_the_last_block_is_never_a_hit() -> None:
     """CACHE-4, BM-3: a prompt that is exactly two full cached blocks still recomputes its last block."""
     bm = BlockManager(8, BS)
@@ -88,6 +91,7 @@ def test_the_last_block_is_never_a_hit() -> None:
     assert bm.can_allocate(b) == 1
 
 
+@pytest.mark.clause("CACHE-4")
 def test_a_hash_hit_needs_equal_tokens() -> None:
     """CACHE-4: a mapped block whose tokens differ (a collision) is no hit."""
     bm = BlockManager(8, BS)
@@ -98,6 +102,7 @@ def test_a_hash_hit_needs_equal_tokens() -> None:
     assert bm.can_allocate(seq(list(range(9)))) == 0
 
 
+@pytest.mark.clause("CACHE-1")
 def test_hash_chain_is_xxh64_over_previous_hash_and_int64_tokens() -> None:
     """CACHE-1: the spec's byte layout, computed here from scratch."""
     first = xxhash.xxh64(struct.pack("<4q", 1, 2, 3, 4)).intdigest()
@@ -107,6 +112,7 @@ def test_hash_chain_is_xxh64_over_previous_hash_and_int64_tokens() -> None:
     assert compute_hash([5, 6, 7, 8]) != second  # the same tokens after another prefix hash differently
 
 
+@pytest.mark.clause("CACHE-2")
 def test_hash_blocks_registers_the_blocks_this_step_filled() -> None:
     """CACHE-2: only blocks completed by this step's tokens, chained from the block before them."""
     bm = BlockManager(8, BS)
@@ -122,6 +128,7 @@ def test_hash_blocks_registers_the_blocks_this_step_filled() -> None:
     assert bm.hash_to_block_id == {bm.blocks[0].hash: 0, h1: 1} and bm.blocks[2].hash == -1
 
 
+@pytest.mark.clause("CACHE-3")
 def test_released_blocks_keep_their_hash_until_taken_again() -> None:
     """CACHE-3: a finished sequence's prefix is still a hit; reusing the block forgets the mapping."""
     bm = BlockManager(3, BS)
@@ -138,6 +145,7 @@ def test_released_blocks_keep_their_hash_until_taken_again() -> None:
     assert bm.can_allocate(seq(list(range(6)))) == -1
 
 
+@pytest.mark.clause("BM-6")
 def test_a_new_block_is_needed_exactly_when_the_last_token_opens_one() -> None:
     """BM-6: can_append / may_append test len % block_size == 1."""
     bm = BlockManager(3, BS)
@@ -159,6 +167,7 @@ def test_a_new_block_is_needed_exactly_when_the_last_token_opens_one() -> None:
     assert len(a) % BS == 1 and not bm.can_append(a)
 
 
+@pytest.mark.clause("EDGE-1")
 def test_block_size_one_takes_no_block_and_then_indexes_past_the_table() -> None:
     """EDGE-1: with block_size 1, len % 1 == 1 never holds, so decode takes no block and hash_blocks overruns."""
     bm = BlockManager(4, 1)  # built directly: SchedulerConfig would refuse block_size 1
@@ -176,6 +185,7 @@ def test_block_size_one_takes_no_block_and_then_indexes_past_the_table() -> None
         bm.hash_blocks(a)
 
 
+@pytest.mark.clause("KNOB-4", "EDGE-1")
 @pytest.mark.parametrize(("field", "value"), [
     ("block_size", 1), ("block_size", 0), ("num_blocks", 0), ("max_num_seqs", 0),
     ("max_num_batched_tokens", 0), ("num_blocks", 2.0), ("eos", True),

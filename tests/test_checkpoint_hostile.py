@@ -110,12 +110,14 @@ def edit_json(path: Path, **changes: Any) -> None:
     path.write_text(json.dumps(data))
 
 
+@pytest.mark.clause("CKPT-7")
 def test_the_source_folder_serves_text(source: Path, tmp_path: Path) -> None:
     """CKPT-7: the undamaged folder loads, tokenizer included, so every refusal below comes from its damage."""
     llm = build(fresh(source, tmp_path))
     assert llm.tokenizer.decode(llm.tokenizer.encode("héllo")) == "héllo"
 
 
+@pytest.mark.clause("CKPT-6")
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.bool, torch.int64, torch.uint8])
 def test_non_floating_weights_are_refused_by_name(dtype: torch.dtype, source: Path, tmp_path: Path) -> None:
     """CKPT-6: an integer or bool weight is refused, naming the tensor and its file (not cast into zeros)."""
@@ -124,6 +126,7 @@ def test_non_floating_weights_are_refused_by_name(dtype: torch.dtype, source: Pa
     refused(folder, K_PROJ, str(folder / "model.safetensors"), "floating point")
 
 
+@pytest.mark.clause("CKPT-6")
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_weights_are_refused_by_name(value: float, source: Path, tmp_path: Path) -> None:
     """CKPT-6: one NaN or infinite element anywhere in a weight is refused, naming the tensor."""
@@ -138,6 +141,7 @@ def test_non_finite_weights_are_refused_by_name(value: float, source: Path, tmp_
     refused(folder, K_PROJ, "non-finite")
 
 
+@pytest.mark.clause("CKPT-6")
 @pytest.mark.parametrize("index", [0, -1])
 def test_the_finiteness_check_covers_every_chunk(
     index: int, source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -157,6 +161,7 @@ def test_the_finiteness_check_covers_every_chunk(
     refused(folder, K_PROJ, "non-finite")
 
 
+@pytest.mark.clause("CKPT-6")
 def test_a_weight_that_overflows_the_engine_dtype_is_refused(source: Path, tmp_path: Path) -> None:
     """CKPT-6: finiteness is checked in the engine's dtype: a float32 weight of 1e6 loads in float64 but would be
     infinite in float16, so there it is refused by name."""
@@ -177,6 +182,7 @@ BAD_EOS: dict[str, tuple[str, Any]] = {
 }
 
 
+@pytest.mark.clause("CKPT-4")
 @pytest.mark.parametrize("case", sorted(BAD_EOS))
 def test_eos_outside_the_vocabulary_is_refused(case: str, source: Path, tmp_path: Path) -> None:
     """CKPT-4: an eos id the model can never emit (>= vocab_size, or negative; alone or in a list; in config.json
@@ -187,6 +193,7 @@ def test_eos_outside_the_vocabulary_is_refused(case: str, source: Path, tmp_path
     refused(folder, file, "eos_token_id", "vocab_size=256")
 
 
+@pytest.mark.clause("CKPT-4")
 def test_eos_at_the_vocabulary_edge_is_served(source: Path, tmp_path: Path) -> None:
     """CKPT-4: the last id of the vocabulary, and id 0, are valid eos ids."""
     folder = fresh(source, tmp_path)
@@ -194,6 +201,7 @@ def test_eos_at_the_vocabulary_edge_is_served(source: Path, tmp_path: Path) -> N
     assert build(folder).engine.runner.model.config.eos_token_ids == (0, 255)
 
 
+@pytest.mark.clause("CKPT-2", "CKPT-3")
 def test_more_layers_than_the_checkpoint_holds_is_refused_at_once(source: Path, tmp_path: Path) -> None:
     """CKPT-2, CKPT-3: num_hidden_layers beyond the checkpoint is refused from the headers, before the model is
     built: 10**6 (beyond the bound) and 3 (on 2 layers) alike, each in well under a second."""
@@ -216,6 +224,7 @@ HUGE_FIELDS = [
 ]
 
 
+@pytest.mark.clause("CKPT-3")
 @pytest.mark.parametrize("field", HUGE_FIELDS)
 def test_huge_sizes_are_refused_by_name_before_allocating(field: str, source: Path, tmp_path: Path) -> None:
     """CKPT-3: each size field is bounded, so no single field can ask for terabytes (the rotary table is sized by
@@ -225,6 +234,7 @@ def test_huge_sizes_are_refused_by_name_before_allocating(field: str, source: Pa
     refused(folder, field, "at most")
 
 
+@pytest.mark.clause("CKPT-2")
 def test_a_config_larger_than_the_machine_is_refused_by_name(source: Path, tmp_path: Path) -> None:
     """CKPT-2: sizes each within their bounds whose model needs more than the machine's physical memory are
     refused, naming the fields, before anything is allocated."""
@@ -234,6 +244,7 @@ def test_a_config_larger_than_the_machine_is_refused_by_name(source: Path, tmp_p
     refused(folder, "hidden_size=65536", "num_hidden_layers=1000", "more than this machine's")
 
 
+@pytest.mark.clause("CKPT-2")
 def test_the_memory_check_counts_the_weights(
     source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -249,6 +260,7 @@ def test_the_memory_check_counts_the_weights(
     refused(folder, "vocab_size=256", "more than this machine's 500000")
 
 
+@pytest.mark.clause("CKPT-2")
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("tied", [False, True])
 def test_required_tensors_are_the_models_parameters(family: str, tied: bool, tmp_path: Path) -> None:
@@ -396,6 +408,7 @@ DAMAGED: dict[str, tuple[Callable[[Path], None], tuple[str, ...]]] = {
 }
 
 
+@pytest.mark.clause("CKPT-3")
 @pytest.mark.parametrize(("field", "raw"), [("hidden_size", "9" * 4000), ("model_type", '"' + "x" * 10**6 + '"')])
 def test_a_huge_value_makes_a_short_refusal(field: str, raw: str, source: Path, tmp_path: Path) -> None:
     """CKPT-3: a refusal quotes a huge value shortened (a 4000-digit size, a megabyte string), not in full."""
@@ -406,6 +419,7 @@ def test_a_huge_value_makes_a_short_refusal(field: str, raw: str, source: Path, 
     assert len(str(info.value)) < 300
 
 
+@pytest.mark.clause("CKPT-1", "CKPT-3", "CKPT-5")
 @pytest.mark.parametrize("case", sorted(DAMAGED))
 def test_a_damaged_file_is_one_value_error_naming_it(case: str, source: Path, tmp_path: Path) -> None:
     """CKPT-1, CKPT-3, CKPT-5: a damaged config.json, generation_config.json, tokenizer file or safetensors file
@@ -476,6 +490,7 @@ def _json_file(folder: Path, name: str) -> tuple[Path, bytes, Any, int]:
     return path, data[:8], json.loads(data[8 : 8 + n]), 8 + n
 
 
+@pytest.mark.clause("CKPT-7")
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(file=st.sampled_from(FILES), data=st.data())
 def test_replaced_json_values_load_or_are_refused(file: str, data: st.DataObject, source: Path) -> None:
@@ -493,6 +508,7 @@ def test_replaced_json_values_load_or_are_refused(file: str, data: st.DataObject
         loads_or_is_refused(folder)
 
 
+@pytest.mark.clause("CKPT-7")
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(file=st.sampled_from(FILES), data=st.data())
 def test_flipped_or_cut_bytes_load_or_are_refused(file: str, data: st.DataObject, source: Path) -> None:
@@ -510,6 +526,7 @@ def test_flipped_or_cut_bytes_load_or_are_refused(file: str, data: st.DataObject
         loads_or_is_refused(folder)
 
 
+@pytest.mark.clause("CKPT-7")
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(length=st.integers(0, 2**64 - 1) | st.integers(0, 5000))
 def test_any_safetensors_length_field_loads_or_is_refused(length: int, source: Path) -> None:

@@ -63,6 +63,7 @@ GARBAGE: dict[str, list[list[str]]] = {
 CASES = [(command, args) for command, table in GARBAGE.items() for args in table]
 
 
+@pytest.mark.clause("CLI-1", "CLI-2", "CLI-5")
 @pytest.mark.parametrize(("command", "args"), CASES, ids=[f"{c or 'top'}:{' '.join(a)}" for c, a in CASES])
 def test_garbage_is_one_line_and_exit_2(command: str, args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """CLI-1, CLI-2, CLI-5: every subcommand, any garbage (negative, nan, inf, huge, not a number, a missing file, a
@@ -75,6 +76,7 @@ def test_garbage_is_one_line_and_exit_2(command: str, args: list[str], capsys: p
     assert err.startswith(f"nanoverify {command}".rstrip() + ":") and "Traceback" not in err, err
 
 
+@pytest.mark.clause("CLI-2")
 def test_parse_time_messages_name_the_flag_and_the_rule(capsys: pytest.CaptureFixture[str]) -> None:
     """CLI-2: bench throughput's --threads -3 (a RuntimeError deep in torch before), --threads 0 (silently 2 threads
     before) and --num-requests -1 (a ZeroDivisionError before) are refused at parse time, by flag and range."""
@@ -84,6 +86,7 @@ def test_parse_time_messages_name_the_flag_and_the_rule(capsys: pytest.CaptureFi
         assert f"argument {flag}: must be an integer in [1, " in err and f"got '{value}'" in err
 
 
+@pytest.mark.clause("CLI-1")
 def test_value_and_os_errors_of_any_command_are_one_line(monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """CLI-1: whatever a command raises as ValueError (the loader's bad-checkpoint messages) or OSError (an unwritable
@@ -105,6 +108,7 @@ def test_value_and_os_errors_of_any_command_are_one_line(monkeypatch: pytest.Mon
         assert capsys.readouterr().err == line + "\n"
 
 
+@pytest.mark.clause("CLI-1")
 def test_a_damaged_checkpoint_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """CLI-1: a real loader error (a checkpoint folder whose config.json is not JSON) through `generate`."""
     (tmp_path / "config.json").write_text("{", encoding="utf-8")
@@ -113,6 +117,7 @@ def test_a_damaged_checkpoint_is_one_line(tmp_path: Path, capsys: pytest.Capture
     assert err.startswith("nanoverify generate: ") and err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.clause("CLI-4")
 def test_ctrl_c_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """CLI-4: KeyboardInterrupt in any command ends it with one line and status 130, no traceback."""
     def interrupted(args: argparse.Namespace) -> int:
@@ -130,6 +135,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
+@pytest.mark.clause("CLI-3")
 @pytest.mark.parametrize("args", [
     ["replay", str(ROOT / "optimized" / "data" / "conformance.jsonl")],
     ["fuzz", "--minutes", "0", "--seed", "1", "--machine", "reference"],
@@ -147,6 +153,7 @@ def test_a_reader_that_closes_the_pipe_early_ends_the_command_quietly(args: list
     assert (done.returncode, done.stderr) == (141, "")
 
 
+@pytest.mark.clause("CLI-3")
 def test_a_reader_that_reads_a_little_then_closes(tmp_path: Path) -> None:
     """CLI-3: the same when some output was read first (`| head -c 100`), mid-way through the traces."""
     lines = (ROOT / "optimized" / "data" / "conformance.jsonl").read_text(encoding="utf-8")
@@ -161,6 +168,7 @@ def test_a_reader_that_reads_a_little_then_closes(tmp_path: Path) -> None:
     assert head.startswith(b'{"trace": [')
 
 
+@pytest.mark.clause("CLI-5")
 def test_a_prompt_argument_that_is_not_utf8_is_refused(tmp_path: Path) -> None:
     """CLI-5: `nanoverify generate $'caf\\xe9'` (a Latin-1 byte in argv) gave a TypeError traceback; now one line naming
     the byte, exit 2, before any model loads."""
@@ -171,6 +179,7 @@ def test_a_prompt_argument_that_is_not_utf8_is_refused(tmp_path: Path) -> None:
                                     "0xe9 at position 3) (see nanoverify generate --help)\n")
 
 
+@pytest.mark.clause("CLI-6")
 def test_fuzz_minutes_nan_and_negative_are_refused_inf_is_accepted(capsys: pytest.CaptureFixture[str]) -> None:
     """CLI-6: --minutes nan used to run one round and exit 0; nan and negatives are refused, inf is a number."""
     for value in ("nan", "-0.5", "-inf"):
@@ -179,6 +188,7 @@ def test_fuzz_minutes_nan_and_negative_are_refused_inf_is_accepted(capsys: pytes
     assert arguments.minutes("inf") == math.inf and arguments.minutes("0") == 0.0
 
 
+@pytest.mark.clause("CLI-6")
 def test_fuzz_inf_runs_until_ctrl_c_then_reports_and_exits_130(monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """CLI-6: --minutes inf runs chunk after chunk until interrupted; Ctrl-C prints the progress and exits 130."""
@@ -199,6 +209,7 @@ def test_fuzz_inf_runs_until_ctrl_c_then_reports_and_exits_130(monkeypatch: pyte
     assert calls == [5, 6, 7, 8]
 
 
+@pytest.mark.clause("CLI-6")
 def test_fuzz_garbage_blob_is_bad_input_not_a_finding(capsys: pytest.CaptureFixture[str]) -> None:
     """CLI-6: a --reproduce blob that does not decode was reported as a FAILURE of the machine (exit 1)."""
     assert main(["fuzz", "--machine", "reference", "--reproduce", "garbage"]) == 2
@@ -206,6 +217,7 @@ def test_fuzz_garbage_blob_is_bad_input_not_a_finding(capsys: pytest.CaptureFixt
     assert out == "" and err == "nanoverify fuzz: --reproduce: not a @reproduce_failure blob: 'garbage'\n"
 
 
+@pytest.mark.clause("CLI-6", "CLI-7")
 def test_help_documents_inf_and_the_limits(capsys: pytest.CaptureFixture[str]) -> None:
     """CLI-6, CLI-7: --help says what inf does and what the replay reader accepts."""
     for argv, words in ((["fuzz", "--help"], "inf runs until Ctrl-C"), (["replay", "--help"], "at most 64 MiB")):

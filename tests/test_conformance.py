@@ -85,6 +85,7 @@ def replay_checked(sample: dict[str, Any]) -> tuple[list[dict[str, Any]], list[V
     return trace, schedulers[0].violations
 
 
+@pytest.mark.clause("CONF-2", "CONF-3", "CONF-4", "CONF-5", "KNOB-1", "KNOB-3")
 @pytest.mark.parametrize("index", range(len(SAMPLES)))
 def test_sample_replays_identically_with_every_clause_checked(index: int) -> None:
     """CONF-2, CONF-3, CONF-4, CONF-5, KNOB-1, KNOB-3: identical trace, no violation, batches within the knobs."""
@@ -100,6 +101,7 @@ def test_sample_replays_identically_with_every_clause_checked(index: int) -> Non
         assert all(0 <= b < config["num_blocks"] for _, _, table in record["batch"] for b in table)
 
 
+@pytest.mark.clause("CONF-4", "EDGE-2", "ADMIT-2", "ADMIT-1")
 def test_the_samples_are_as_described() -> None:
     """CONF-4, EDGE-2, ADMIT-2: 80 samples; the 3 that end in the empty decode are the 3 that break ADMIT-1."""
     assert len(SAMPLES) == 80
@@ -146,11 +148,13 @@ def differing(scheduler: type[reference.Scheduler]) -> int:
     return count
 
 
+@pytest.mark.clause("BM-2")
 def test_the_traces_pin_the_free_queue_order() -> None:
     """BM-2: a LIFO free queue hands out other block ids, and the traces see it."""
     assert differing(LifoFreeQueue) > 0
 
 
+@pytest.mark.clause("PREEMPT-2")
 def test_the_traces_pin_the_victim() -> None:
     """PREEMPT-2: preempting the oldest instead of the newest changes some trace."""
     assert differing(OldestVictim) > 0

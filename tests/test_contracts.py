@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -34,6 +35,7 @@ def crosshair(target: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.clause("CONTRACT-1", "CONTRACT-2", "CONTRACT-3", "CONTRACT-4", "CONTRACT-5", "CONTRACT-6", "CONTRACT-7")
 def test_crosshair_finds_nothing_in_block_math() -> None:
     """CONTRACT-1, CONTRACT-2, CONTRACT-3, CONTRACT-4, CONTRACT-5, CONTRACT-6, CONTRACT-7.
 
@@ -44,6 +46,7 @@ def test_crosshair_finds_nothing_in_block_math() -> None:
     assert result.stdout.strip() == ""
 
 
+@pytest.mark.clause("CONTRACT-7")
 def test_crosshair_catches_every_wrong_variant() -> None:
     """CONTRACT-7: each deliberately wrong variant violates its contract, and crosshair says where."""
     result = crosshair("tests/contract_mutants.py")
@@ -52,6 +55,7 @@ def test_crosshair_catches_every_wrong_variant() -> None:
     assert caught == set(MUTANTS), result.stdout
 
 
+@pytest.mark.clause("CONTRACT-6")
 @given(st.data())
 def test_batch_slot_mapping_equals_per_token_definition(data: st.DataObject) -> None:
     """CONTRACT-6: the runner's numpy slot mapping equals slot_of applied token by token."""

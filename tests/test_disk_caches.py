@@ -155,6 +155,7 @@ def compile_counter(monkeypatch: pytest.MonkeyPatch, output: bytes) -> list[list
     return calls
 
 
+@pytest.mark.clause("DISK-1", "DISK-2")
 @pytest.mark.parametrize("size", [1000, 4096, "half"])
 def test_a_truncated_library_is_rebuilt_never_mapped(good_library: Library, tmp_path: Path, size: int | str) -> None:
     """DISK-1, DISK-2: a library truncated at rest (to 1,000 or 4,096 bytes, or half its size) is never handed to
@@ -171,6 +172,7 @@ def test_a_truncated_library_is_rebuilt_never_mapped(good_library: Library, tmp_
     assert_whole(target, good_library.data)
 
 
+@pytest.mark.clause("DISK-2", "DISK-3")
 def test_two_processes_finding_a_damaged_library_compile_it_once(good_library: Library, tmp_path: Path) -> None:
     """DISK-2, DISK-3: two processes started together on a truncated library both load a good one and decode
     right; the real compiler runs once, since the second waits on the entry's lock and then finds it whole."""
@@ -185,6 +187,7 @@ def test_two_processes_finding_a_damaged_library_compile_it_once(good_library: L
     assert_whole(target)
 
 
+@pytest.mark.clause("DISK-1", "DISK-2")
 def test_a_library_without_a_matching_checksum_is_rebuilt_before_loading(
     good_library: Library, kernel_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -215,6 +218,7 @@ def test_a_library_without_a_matching_checksum_is_rebuilt_before_loading(
     assert len(calls) == 3
 
 
+@pytest.mark.clause("DISK-2", "KERN-24")
 def test_a_checked_library_the_loader_refuses_is_rebuilt_once(
     good_library: Library, kernel_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -241,6 +245,7 @@ def dead_pid() -> int:
     return int(done.stdout)
 
 
+@pytest.mark.clause("DISK-6")
 def test_a_killed_builds_temp_file_is_removed_at_the_next_build(
     good_library: Library, kernel_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -261,6 +266,7 @@ def test_a_killed_builds_temp_file_is_removed_at_the_next_build(
             live.kill()
 
 
+@pytest.mark.clause("DISK-7", "KERN-24")
 @pytest.mark.parametrize("home", ["/proc", "a-file"])
 def test_an_unwritable_kernel_cache_falls_back_to_torch(
     home: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -343,6 +349,7 @@ DAMAGES: dict[str, tuple[str, Callable[[bytes], bytes] | None]] = {
 }
 
 
+@pytest.mark.clause("DISK-4", "DISK-5")
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_a_damaged_default_model_is_made_again_whole(
     damage: str, good_model: dict[str, bytes], model_cache: Path, monkeypatch: pytest.MonkeyPatch
@@ -363,6 +370,7 @@ def test_a_damaged_default_model_is_made_again_whole(
     assert scratch(model_cache) == []
 
 
+@pytest.mark.clause("DISK-4")
 def test_a_whole_default_model_is_used_as_it_is(
     good_model: dict[str, bytes], model_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -404,6 +412,7 @@ def start_making(root: Path, wait_s: float) -> subprocess.Popen[str]:
     return process
 
 
+@pytest.mark.clause("DISK-5", "DISK-6")
 def test_a_make_killed_midway_leaves_nothing_behind(
     good_model: dict[str, bytes], model_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -420,6 +429,7 @@ def test_a_make_killed_midway_leaves_nothing_behind(
     assert scratch(model_cache) == []
 
 
+@pytest.mark.clause("DISK-6")
 def test_scratch_of_a_live_maker_is_never_removed(
     good_model: dict[str, bytes], model_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -447,6 +457,7 @@ def test_scratch_of_a_live_maker_is_never_removed(
             live.kill()
 
 
+@pytest.mark.clause("DISK-5")
 def test_a_use_during_a_make_waits_for_it_and_makes_nothing(
     good_model: dict[str, bytes], model_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -465,6 +476,7 @@ def test_a_use_during_a_make_waits_for_it_and_makes_nothing(
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == good_model
 
 
+@pytest.mark.clause("DISK-7")
 @pytest.mark.parametrize("where", ["HOME=/proc", "HOME=a file", "NANOVERIFY_CACHE=a file"])
 def test_an_unwritable_cache_is_one_clear_error(where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """DISK-7: with HOME=/proc or HOME a regular file (and no NANOVERIFY_CACHE), or NANOVERIFY_CACHE a regular file,

@@ -35,6 +35,7 @@ def fits(r: Request, config: dict[str, int]) -> bool:
     return ceil_div(len(r.prompt) + r.max_tokens - 1, config["block_size"]) <= config["num_blocks"]
 
 
+@pytest.mark.clause("EDGE-2", "DECODE-4", "ADMIT-1")
 def test_hypothesis_finds_the_empty_decode_when_requests_may_overflow() -> None:
     """EDGE-2, DECODE-4: without ADMIT-1 the search reaches `assert scheduled_seqs`."""
     stats = Stats()
@@ -43,6 +44,7 @@ def test_hypothesis_finds_the_empty_decode_when_requests_may_overflow() -> None:
     assert stats.violations == 0  # nothing else went wrong on the way
 
 
+@pytest.mark.clause("ADMIT-1", "ADMIT-2")
 def test_hypothesis_never_finds_it_when_requests_obey_the_rule() -> None:
     """ADMIT-1, ADMIT-2: the same search over admitted requests runs clean."""
     stats = Stats()
@@ -89,6 +91,7 @@ def replay_bounded(workload: Workload) -> list[dict[str, Any]]:
     return replay(workload, reference, on_schedule=count)
 
 
+@pytest.mark.clause("ADMIT-2", "EDGE-2")
 @given(workloads(admitted=False))
 def test_every_empty_decode_comes_from_a_request_breaking_the_rule(workload: Workload) -> None:
     """ADMIT-2, EDGE-2: a trace that ends in the empty decode has a request with ceil((P + M - 1)/bs) > num_blocks.
@@ -104,6 +107,7 @@ def ends_in_empty_decode(workload: Workload) -> bool:
     return replay_bounded(workload)[-1].get("error") == "empty decode"
 
 
+@pytest.mark.clause("EDGE-2", "ADMIT-2", "ADMIT-1")
 def test_find_returns_a_minimal_workload_that_empties_the_decode() -> None:
     """EDGE-2, ADMIT-2: hypothesis' find() reaches the empty decode, and its minimal workload breaks ADMIT-1."""
     workload = find(workloads(admitted=False), ends_in_empty_decode,
@@ -112,6 +116,7 @@ def test_find_returns_a_minimal_workload_that_empties_the_decode() -> None:
     assert not fits(workload.requests[0], workload.config)
 
 
+@pytest.mark.clause("ADMIT-3", "ADMIT-2")
 @given(workloads(admitted=True))
 def test_admitted_workloads_finish_within_the_liveness_bound(workload: Workload) -> None:
     """ADMIT-3: steps <= sum(M + ceil(P/B)) + sum over preemptions of ceil((P + M - 1)/B); ADMIT-2: no empty decode."""
@@ -129,6 +134,7 @@ def test_admitted_workloads_finish_within_the_liveness_bound(workload: Workload)
     assert sorted(finished) == sorted(by_id)  # everyone finished, once
 
 
+@pytest.mark.clause("KNOB-3")
 @given(workloads(admitted=True))
 def test_a_cache_that_holds_everyone_never_preempts(workload: Workload) -> None:
     """KNOB-3: with num_blocks >= the sum of all footprints, nothing waits for blocks."""

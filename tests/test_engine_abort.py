@@ -49,6 +49,7 @@ def assert_idle(llm: LLM) -> None:
     assert llm.engine.stats.compared_steps == llm.engine.stats.steps
 
 
+@pytest.mark.clause("ABORT-7")
 def test_step_api_serves_what_generate_serves() -> None:
     """ABORT-7: add_request/step/has_unfinished_requests give generate()'s tokens; each output comes back once."""
     llm = make()
@@ -61,6 +62,7 @@ def test_step_api_serves_what_generate_serves() -> None:
     assert_idle(llm)
 
 
+@pytest.mark.clause("ABORT-7", "ENG-9")
 def test_add_request_refuses_like_generate_and_changes_nothing() -> None:
     """ABORT-7, ENG-9: a refused request names the limit; nothing is queued and no seed is drawn."""
     llm = make()
@@ -84,6 +86,7 @@ def test_add_request_refuses_like_generate_and_changes_nothing() -> None:
     assert_idle(llm)
 
 
+@pytest.mark.clause("ABORT-1", "ABORT-8")
 def test_abort_a_waiting_request() -> None:
     """ABORT-1, ABORT-8: aborted before its first step: no tokens, finish_reason abort, never returned by step()."""
     llm = make()
@@ -98,6 +101,7 @@ def test_abort_a_waiting_request() -> None:
     assert_idle(llm)
 
 
+@pytest.mark.clause("ABORT-1", "ABORT-3", "ABORT-6")
 def test_abort_mid_chunk_and_the_cache_keeps_its_finished_chunks() -> None:
     """ABORT-1, ABORT-3, ABORT-6: a prompt aborted between two chunks of its prefill; the full blocks its first
     chunk computed are hit by a later request with the same prompt, whose tokens are still exact."""
@@ -117,6 +121,7 @@ def test_abort_mid_chunk_and_the_cache_keeps_its_finished_chunks() -> None:
     assert_idle(llm)
 
 
+@pytest.mark.clause("ABORT-2", "ABORT-8")
 def test_abort_a_running_request_keeps_its_tokens_and_spares_the_others() -> None:
     """ABORT-2, ABORT-8: a running request aborted after some decode steps returns the tokens it had, a prefix of
     its full output; the others are unchanged, and a same-prompt request hits its released blocks."""
@@ -136,6 +141,7 @@ def test_abort_a_running_request_keeps_its_tokens_and_spares_the_others() -> Non
     assert_idle(llm)
 
 
+@pytest.mark.clause("ABORT-4", "ABORT-8")
 def test_abort_refusals_and_no_ops() -> None:
     """ABORT-4, ABORT-8: an id never issued is a ValueError; a finished or already aborted request is left alone."""
     llm = make()
@@ -155,6 +161,7 @@ def test_abort_refusals_and_no_ops() -> None:
     assert_idle(llm)
 
 
+@pytest.mark.clause("ABORT-5", "ABORT-7")
 def test_generate_after_aborts_is_exact() -> None:
     """ABORT-5, ABORT-7: aborts leave an engine whose generate() equals a fresh engine's, with no leak."""
     llm = make(num_kvcache_blocks=8, max_num_batched_tokens=8)

@@ -26,6 +26,7 @@ def tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+@pytest.mark.clause("ENG-25")
 def test_a_tiny_temperature_is_greedy() -> None:
     """ENG-25: temperature 1e-40 (finite, positive) gives the greedy tokens, not the garbage of inf logits."""
     llm = make()
@@ -34,6 +35,7 @@ def test_a_tiny_temperature_is_greedy() -> None:
     assert len({t for row in greedy for t in row}) > 1
 
 
+@pytest.mark.clause("ENG-25", "ENG-9")
 def test_top_k_past_the_vocabulary_is_off_and_past_int64_refused() -> None:
     """ENG-25, ENG-9: top_k >= vocab draws exactly as top_k=-1; top_k >= 2**63 is refused when made."""
     llm = make()
@@ -44,6 +46,7 @@ def test_top_k_past_the_vocabulary_is_off_and_past_int64_refused() -> None:
     assert llm.engine.stats.failed_steps == 0
 
 
+@pytest.mark.clause("ENG-9")
 @pytest.mark.parametrize(
     ("call", "field"),
     [
@@ -60,6 +63,7 @@ def test_bad_arguments_are_value_errors_naming_the_field(call: Any, field: str) 
         call()
 
 
+@pytest.mark.clause("ENG-9")
 def test_generate_refuses_arguments_of_the_wrong_shape_and_changes_nothing() -> None:
     """ENG-9: prompts and sampling_params of the wrong type are refused before anything is added."""
     llm = make()
@@ -73,6 +77,7 @@ def test_generate_refuses_arguments_of_the_wrong_shape_and_changes_nothing() -> 
         make(), SamplingParams(temperature=0.0, max_tokens=3))
 
 
+@pytest.mark.clause("ENG-24")
 def test_a_failure_outside_the_model_makes_the_engine_refuse_further_use(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-24: after an exception inside a step that the model did not raise, every later call is refused."""
     llm = make()
@@ -90,6 +95,7 @@ def test_a_failure_outside_the_model_makes_the_engine_refuse_further_use(monkeyp
             later()
 
 
+@pytest.mark.clause("ENG-17")
 def test_run_command_refuses_bad_arguments_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     """ENG-17: `nanoverify run` names the bad argument and exits 2, no traceback."""
     assert cli_main(["run", "--max-input-len", "1"]) == 2
@@ -97,6 +103,7 @@ def test_run_command_refuses_bad_arguments_with_exit_2(capsys: pytest.CaptureFix
     assert "max-input-len" in err and "Traceback" not in err
 
 
+@pytest.mark.clause("CONF-6")
 def test_a_workload_cannot_ask_for_an_unbounded_cache() -> None:
     """CONF-6: a replayed workload's num_blocks is bounded, so one input line cannot exhaust memory."""
     workload = {"config": {"block_size": 4, "num_blocks": 1 << 21, "max_num_seqs": 1, "max_num_batched_tokens": 8,

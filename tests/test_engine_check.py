@@ -21,6 +21,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 make = partial(make_llm, kvcache_block_size=2, num_kvcache_blocks=32)
 
 
+@pytest.mark.clause("ENG-15")
 def test_check_mode_is_off_by_default_and_counts_steps() -> None:
     """ENG-15: check mode is off unless asked; when on, every step is compared."""
     assert LLM(str(checkpoint("qwen3")), num_kvcache_blocks=8).engine.shadow is None
@@ -29,6 +30,7 @@ def test_check_mode_is_off_by_default_and_counts_steps() -> None:
     assert llm.engine.stats.compared_steps == llm.engine.stats.steps > 0
 
 
+@pytest.mark.clause("ENG-15")
 def test_reordered_batch_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-15: a batch in another order than the reference's raises, with both states dumped."""
     llm = make()
@@ -44,6 +46,7 @@ def test_reordered_batch_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "--- engine scheduler ---" in str(err.value) and "--- reference scheduler ---" in str(err.value)
 
 
+@pytest.mark.clause("ENG-15")
 def test_different_finish_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-15: a scheduler that finishes other requests than the reference raises."""
     llm = make(with_config("qwen3", "eos7", eos_token_id=7))
@@ -57,6 +60,7 @@ def test_different_finish_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
 
+@pytest.mark.clause("ENG-15")
 def test_corrupted_block_table_is_caught() -> None:
     """ENG-15: a block table corrupted between steps is caught at the next comparison."""
     llm = make()

@@ -45,6 +45,7 @@ def run_engine(folder: Path, kwargs: dict[str, Any], params: list[SamplingParams
     return llm, [o.token_ids for o in outs]
 
 
+@pytest.mark.clause("ENG-1", "ENG-2", "ENG-3", "ENG-4", "ENG-5", "ENG-6", "ENG-13")
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_greedy_matches_transformers(family: str, setting: str) -> None:
@@ -64,6 +65,7 @@ def test_greedy_matches_transformers(family: str, setting: str) -> None:
     assert len({tuple(out) for out in got}) == len(got)
 
 
+@pytest.mark.clause("ENG-12", "ENG-13")
 def test_eos_from_config_stops_like_transformers() -> None:
     """ENG-12, ENG-13: the config's eos (first id: the scheduler's; further ids: engine stop tokens) ends a request
     with finish_reason "stop", where transformers stops too."""
@@ -85,6 +87,7 @@ def test_eos_from_config_stops_like_transformers() -> None:
         assert ignored[0].token_ids == plain and ignored[0].finish_reason == "length"
 
 
+@pytest.mark.clause("ENG-12")
 def test_stop_token_ids_finish_request() -> None:
     """ENG-12: a drawn stop token ends its request ("stop") and leaves the scheduler's decisions identical to
     the reference's; the other requests run on unchanged."""

@@ -85,6 +85,7 @@ def drain(llm: LLM) -> dict[int, RequestOutput]:
 
 
 # (failing call, tokens request 0 had): the first prefill; a decode after request 2's own prefill
+@pytest.mark.clause("FAULT-1", "FAULT-2")
 @pytest.mark.parametrize(("k", "had"), [(1, 0), (3, 1)])
 def test_a_failed_step_errors_its_batch_and_the_rest_is_served(monkeypatch: pytest.MonkeyPatch, k: int,
                                                                 had: int) -> None:
@@ -109,6 +110,7 @@ def test_a_failed_step_errors_its_batch_and_the_rest_is_served(monkeypatch: pyte
     assert llm.engine.stats.compared_steps == llm.engine.stats.steps
 
 
+@pytest.mark.clause("FAULT-2")
 def test_a_failed_chunk_is_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     """FAULT-2: the second chunk of a prefill fails; only the first chunk's blocks stay cached, and a request with
     the same prompt afterwards hits exactly those and generates exact tokens."""
@@ -129,6 +131,7 @@ def test_a_failed_chunk_is_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     consistent(llm, idle=True)
 
 
+@pytest.mark.clause("FAULT-3")
 @pytest.mark.parametrize("k", [1, 4])
 def test_generate_is_reusable_after_a_fault(monkeypatch: pytest.MonkeyPatch, k: int) -> None:
     """FAULT-3: generate() re-raises, having aborted its own requests: the engine is idle, no block leaks, and the
@@ -146,6 +149,7 @@ def test_generate_is_reusable_after_a_fault(monkeypatch: pytest.MonkeyPatch, k: 
     assert llm.engine.stats.compared_steps == llm.engine.stats.steps
 
 
+@pytest.mark.clause("FAULT-1", "FAULT-3")
 def test_a_fault_in_generate_keeps_add_request_work_queued(monkeypatch: pytest.MonkeyPatch) -> None:
     """FAULT-1, FAULT-3: a request added with add_request before generate() and outside the failed batch stays
     queued through the fault and is served afterwards with exact tokens."""
@@ -162,6 +166,7 @@ def test_a_fault_in_generate_keeps_add_request_work_queued(monkeypatch: pytest.M
     consistent(llm, idle=True)
 
 
+@pytest.mark.clause("FAULT-3")
 def test_an_error_outside_the_model_is_not_cleaned_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """FAULT-3: only model faults are handled; an exception from postprocess leaves the step unfinished and
     reaches the caller as itself, with no cleanup attempted over the untrusted state."""
@@ -177,6 +182,7 @@ def test_an_error_outside_the_model_is_not_cleaned_up(monkeypatch: pytest.Monkey
     assert llm.engine.stats.aborted_requests == 0 and llm.engine.stats.failed_steps == 0
 
 
+@pytest.mark.clause("ABORT-7", "FAULT-1")
 def test_outputs_waiting_for_step_survive_a_fault(monkeypatch: pytest.MonkeyPatch) -> None:
     """ABORT-7, FAULT-1: an add_request output that finished while generate() ran waits for step(); a failed
     step() loses neither it nor the failed request's "error" output."""
@@ -246,6 +252,7 @@ def refuses_further_use(llm: LLM, cause: str) -> None:
             later()
 
 
+@pytest.mark.clause("FAULT-4")
 @pytest.mark.parametrize("api", ["generate", "step"])
 @pytest.mark.parametrize("error", [KeyboardInterrupt, Bug])
 @pytest.mark.parametrize("point", sorted(POINTS))
@@ -277,6 +284,7 @@ def test_an_exception_anywhere_in_a_step_propagates_and_leaves_no_half_state(
     consistent(llm, idle=True)
 
 
+@pytest.mark.clause("FAULT-5")
 @pytest.mark.parametrize(("first", "then"), [(ModelFault, KeyboardInterrupt), (KeyboardInterrupt, Bug)])
 def test_a_cleanup_that_fails_never_masks_the_fault(monkeypatch: pytest.MonkeyPatch, first: type[BaseException],
                                                     then: type[BaseException]) -> None:
@@ -293,6 +301,7 @@ def test_a_cleanup_that_fails_never_masks_the_fault(monkeypatch: pytest.MonkeyPa
     refuses_further_use(llm, first.__name__)
 
 
+@pytest.mark.clause("FAULT-5")
 def test_generate_cleanup_that_fails_never_masks_the_fault(monkeypatch: pytest.MonkeyPatch) -> None:
     """FAULT-5: the model raises a KeyboardInterrupt and aborting generate's own requests afterwards raises: the
     KeyboardInterrupt propagates, and the engine refuses further use, naming what broke it in the abort."""
@@ -306,6 +315,7 @@ def test_generate_cleanup_that_fails_never_masks_the_fault(monkeypatch: pytest.M
     refuses_further_use(llm, "Bug: injected after abort")
 
 
+@pytest.mark.clause("FAULT-4")
 @pytest.mark.parametrize("error", [KeyboardInterrupt, Bug])
 @pytest.mark.parametrize("operation", ["add", "abort"])
 def test_an_exception_half_way_through_an_add_or_an_abort_leaves_the_engine_refusing(
@@ -334,6 +344,7 @@ class Unprintable(Exception):
         raise ValueError("no message for you")
 
 
+@pytest.mark.clause("FAULT-5")
 def test_an_exception_that_cannot_be_printed_still_propagates_as_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     """FAULT-5: recording why the engine is broken never raises over the original exception, even when its str()
     raises; the refusal then names its type."""

@@ -34,6 +34,7 @@ def run(enforce_eager: bool | None, **extra: Any) -> tuple[LLM, list[list[int]]]
     return llm, [o.token_ids for o in outs]
 
 
+@pytest.mark.clause("ENG-21", "KERN-16", "KERN-17", "KERN-18", "KERN-19")
 def test_graph_decode_equals_eager_across_buckets_preemption_and_prefix_hits() -> None:
     """ENG-21, KERN-16, KERN-17, KERN-18, KERN-19: with enforce_eager=False every decode step replays a bucket's
     graph over the static buffers, and the tokens (greedy and seeded) equal eager decode's, with preemptions and
@@ -55,6 +56,7 @@ def test_graph_decode_equals_eager_across_buckets_preemption_and_prefix_hits() -
     assert graphs.block_tables.shape[1] == -(-graphed.engine.limits.max_model_len // 4)
 
 
+@pytest.mark.clause("ENG-21", "KERN-18")
 def test_graph_buffers_are_cleared_between_steps() -> None:
     """ENG-21, KERN-18: after the run the static block table holds only the last step's rows; the rest is -1."""
     llm, _ = run(False)
@@ -65,6 +67,7 @@ def test_graph_buffers_are_cleared_between_steps() -> None:
     assert bool((graphs.slot_mapping[live:] == -1).all())
 
 
+@pytest.mark.clause("ENG-14", "ENG-21")
 def test_enforce_eager_default_and_validation() -> None:
     """ENG-14, ENG-21: enforce_eager None means eager on the CPU; a non-bool is a ValueError naming the field."""
     llm = LLM(str(checkpoint("qwen3")), dtype="float64", **SETTINGS)
@@ -73,6 +76,7 @@ def test_enforce_eager_default_and_validation() -> None:
         LLM(str(checkpoint("qwen3")), enforce_eager="no")  # type: ignore[arg-type]
 
 
+@pytest.mark.clause("ENG-21")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_refuse_the_torch_backend() -> None:
     """ENG-21: on CUDA, graphs need a capturable backend; the torch store_kv syncs with the host."""

@@ -107,6 +107,7 @@ BAD_TENSORS: dict[str, tuple[Callable[[Tensors], Tensors | tuple[Tensors, Tensor
 }
 
 
+@pytest.mark.clause("ENG-1")
 @pytest.mark.parametrize("case", sorted(BAD_TENSORS))
 def test_bad_tensor_is_refused_by_name(case: str, tmp_path: Path) -> None:
     """ENG-1: an unknown, missing, duplicated or mis-shaped checkpoint tensor is a ValueError naming it (the
@@ -118,6 +119,7 @@ def test_bad_tensor_is_refused_by_name(case: str, tmp_path: Path) -> None:
         build(folder)
 
 
+@pytest.mark.clause("ENG-1")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_missing_tensor_is_named(family: str, tmp_path: Path) -> None:
     """ENG-1: whichever single tensor a checkpoint lacks (a packed shard, a norm, a bias, the embedding...), the
@@ -134,6 +136,7 @@ def test_every_missing_tensor_is_named(family: str, tmp_path: Path) -> None:
             load_model(folder, torch.float64, torch.device("cpu"))
 
 
+@pytest.mark.clause("ENG-1")
 def test_untouched_copy_and_split_files_load(tmp_path: Path) -> None:
     """ENG-1: the refusals above come from the edits: the same copy, and the same tensors split over two files
     without a duplicate, load and serve."""
@@ -196,6 +199,7 @@ BAD_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
+@pytest.mark.clause("ENG-1", "ENG-26")
 @pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
 def test_unsupported_config_is_refused_by_name(case: str, tmp_path: Path) -> None:
     """ENG-1, ENG-26: activations other than SiLU, scaled or partial RoPE, sliding windows (however the config
@@ -232,6 +236,7 @@ NO_OPS: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.mark.clause("ENG-26")
 @pytest.mark.parametrize("case", sorted(NO_OPS))
 def test_refusals_stop_where_transformers_changes_nothing(case: str, tmp_path: Path) -> None:
     """ENG-26: the sliding-window and partial-RoPE refusals follow transformers' reading: a window that reaches
@@ -243,6 +248,7 @@ def test_refusals_stop_where_transformers_changes_nothing(case: str, tmp_path: P
     assert greedy(folder) == expected
 
 
+@pytest.mark.clause("ENG-26")
 def test_rms_norm_eps_reaches_every_norm(tmp_path: Path) -> None:
     """ENG-26: rms_norm_eps is honoured: a large one changes transformers' tokens, and the engine's equal them (an
     eps missing from any norm, q/k norms included, would show)."""
@@ -263,6 +269,7 @@ MINIMAL = {
 }
 
 
+@pytest.mark.clause("ENG-26")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_absent_and_null_fields_resolve_as_transformers_config(family: str) -> None:
     """ENG-26: a field config.json leaves out, or sets to null, takes the value transformers' config class of
@@ -296,6 +303,7 @@ FAMILY_REFUSALS = [
 ]
 
 
+@pytest.mark.clause("ENG-26")
 @pytest.mark.parametrize(("family", "changes", "field"), FAMILY_REFUSALS)
 def test_family_specific_config_refusals(family: str, changes: dict[str, Any], field: str) -> None:
     """ENG-26: Llama has no sliding attention, so any use_sliding_window is refused; a null head_dim, which
@@ -313,6 +321,7 @@ ROPE_BASES: dict[str, tuple[dict[str, Any], float]] = {
 }
 
 
+@pytest.mark.clause("ENG-1")
 @pytest.mark.parametrize("case", sorted(ROPE_BASES))
 def test_rope_base_reaches_the_model_as_transformers_reads_it(case: str, tmp_path: Path) -> None:
     """ENG-1: RoPE's base comes from ``rope_parameters.rope_theta`` or the older top-level ``rope_theta``, as

@@ -37,6 +37,7 @@ MAX_TOKENS = [3 + (5 * i) % 17 for i in range(12)]
 make = partial(make_llm, family="llama", num_kvcache_blocks=160, attention_backend="torch")
 
 
+@pytest.mark.clause("ENG-19")
 def test_decode_splits_cover_the_batch_with_widths_that_fit() -> None:
     """ENG-19: ranges are contiguous, cover every row once, respect the limits, and each is as wide as its longest
     row needs, whether the rows come sorted (the last row is the longest) or not."""
@@ -51,6 +52,7 @@ def test_decode_splits_cover_the_batch_with_widths_that_fit() -> None:
                 assert width == -(-max(lens[a:b]) // 4)
 
 
+@pytest.mark.clause("ENG-19")
 def test_split_decode_equals_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-19: with a range per row (the most splitting) float64 greedy output is still transformers'."""
     llm = make()
@@ -71,6 +73,7 @@ def test_split_decode_equals_transformers(monkeypatch: pytest.MonkeyPatch) -> No
     assert len(ranges) == llm.engine.stats.decode_steps > 0 and max(ranges) == len(PROMPTS)
 
 
+@pytest.mark.clause("ENG-20")
 def test_greedy_rows_skip_the_draw(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-20: an all-greedy run never calls the sampler; a mixed run sends it only the sampled rows, and the
     tokens equal one sampler call over the whole batch."""
@@ -106,6 +109,7 @@ def _whole_batch_sample(
     return out
 
 
+@pytest.mark.clause("KERN-20", "KERN-4")
 def test_torch_decode_ignores_extra_table_columns() -> None:
     """KERN-20, KERN-4: decode over a table trimmed to the widest context equals decode over the same table with
     extra -1 columns (float32 softmax order only), and a zero-context row stays zero either way."""
@@ -131,6 +135,7 @@ def test_torch_decode_ignores_extra_table_columns() -> None:
     assert torch.equal(poked[0], trimmed_out[0])
 
 
+@pytest.mark.clause("KERN-21")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_planned_decode_ranges_equal_paged_decode(dtype: torch.dtype) -> None:
     """KERN-21: paged_decode_ranges is bit for bit paged_decode over each range with its trimmed table, with k and v
@@ -185,6 +190,7 @@ def _first_prefill_hidden(chunk: int) -> tuple[torch.Tensor, list[list[int]]]:
     return seen[0], [o.token_ids for o in outs]
 
 
+@pytest.mark.clause("ENG-23")
 def test_row_slices_change_no_value() -> None:
     """ENG-23: a forward in slices of 3 rows is bit for bit the whole-batch forward, and float64 greedy output with
     slices of 2 rows (prefill and decode) still equals transformers'."""
@@ -245,6 +251,7 @@ class CapabilitySpy:
         return self.inner.decode(q, k_cache, v_cache, context_lens, block_tables, scale, plan)
 
 
+@pytest.mark.clause("ENG-19", "ENG-23", "KERN-15")
 @pytest.mark.parametrize(("in_place", "planned"), [(True, False), (False, False), (True, True), (False, True)])
 def test_runner_obeys_the_declared_decode_capabilities(
     monkeypatch: pytest.MonkeyPatch, in_place: bool, planned: bool
@@ -278,6 +285,7 @@ def test_runner_obeys_the_declared_decode_capabilities(
             assert got_plan is expected_plan
 
 
+@pytest.mark.clause("ENG-21", "KERN-15")
 def test_graphed_decode_steps_never_plan() -> None:
     """ENG-21, KERN-15: with enforce_eager=False (the CPU stand-in graph) a backend declaring needs_decode_plan is
     never asked to plan, and every decode gets no plan (one made at capture would be stale); tokens unchanged."""
@@ -290,6 +298,7 @@ def test_graphed_decode_steps_never_plan() -> None:
     assert spy.plans == [] and spy.decodes and all(plan is None for _, plan in spy.decodes)
 
 
+@pytest.mark.clause("ENG-21", "KERN-15")
 @pytest.mark.parametrize("capturable", [True, False])
 def test_cuda_graphs_follow_the_declared_capturable(monkeypatch: pytest.MonkeyPatch, capturable: bool) -> None:
     """ENG-21, KERN-15: on CUDA (faked: the model loads on the CPU) enforce_eager=None captures decode graphs exactly
@@ -319,6 +328,7 @@ def test_cuda_graphs_follow_the_declared_capturable(monkeypatch: pytest.MonkeyPa
         assert loads == ["cuda"]
 
 
+@pytest.mark.clause("KERN-15", "KERN-20", "KERN-24")
 def test_backends_declare_their_capabilities_truly() -> None:
     """KERN-15, KERN-20, KERN-24: each backend's declared (capturable, reads_cache_in_place, needs_decode_plan); a
     backend declaring reads_cache_in_place reads no table entry past a row's context (a block id there that names
@@ -357,6 +367,7 @@ def test_backends_declare_their_capabilities_truly() -> None:
         TorchBackend().decode(q, k_cache, v_cache, lens, poisoned, 0.3)
 
 
+@pytest.mark.clause("ENG-22")
 def test_throughput_benchmark_states_its_fairness(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

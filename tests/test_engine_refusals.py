@@ -56,6 +56,7 @@ def state(llm: LLM) -> tuple[Any, ...]:
     return snapshot(engine.scheduler), snapshot(engine.shadow.ref), sorted(engine.live)
 
 
+@pytest.mark.clause("ENG-9", "ENG-10")
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_refused_request_changes_nothing(case: str) -> None:
     """ENG-9, ENG-10: the whole call is refused before any request is added; a request already pending and later
@@ -77,6 +78,7 @@ def test_refused_request_changes_nothing(case: str) -> None:
     assert llm.engine.stats.compared_steps == llm.engine.stats.steps
 
 
+@pytest.mark.clause("ENG-10")
 def test_admission_rule_is_exact() -> None:
     """ENG-10: a request fits when ceil((len(prompt) + max_tokens - 1) / block_size) <= num_blocks."""
     llm = make(num_kvcache_blocks=4)  # 16 slots
@@ -86,6 +88,7 @@ def test_admission_rule_is_exact() -> None:
         llm.generate([[1] * 10], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
 
 
+@pytest.mark.clause("ENG-9")
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
@@ -107,6 +110,7 @@ def test_bad_sampling_params_are_refused_where_made(kwargs: dict[str, Any], fiel
         SamplingParams(**kwargs)
 
 
+@pytest.mark.clause("ENG-9", "ENG-12")
 def test_last_vocabulary_id_is_a_valid_stop() -> None:
     """ENG-9, ENG-12: the bound on stop_token_ids is the vocabulary itself: the last id is accepted, and a stop
     set made of it and of an id greedy decoding draws ends the request there."""
@@ -119,6 +123,7 @@ def test_last_vocabulary_id_is_a_valid_stop() -> None:
     assert out.token_ids == plain[: first + 1] and out.finish_reason == "stop"
 
 
+@pytest.mark.clause("ENG-11")
 def test_text_prompt_without_tokenizer_and_bad_params_type() -> None:
     """ENG-11: a checkpoint without tokenizer files serves token-id prompts; a text prompt is refused clearly."""
     llm = make()
@@ -129,6 +134,7 @@ def test_text_prompt_without_tokenizer_and_bad_params_type() -> None:
     assert llm.generate([GOOD], GREEDY, use_tqdm=False)[0].finish_reason == "length"
 
 
+@pytest.mark.clause("ENG-14")
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
@@ -150,12 +156,14 @@ def test_bad_engine_config_names_the_field(kwargs: dict[str, Any], field: str) -
         make(**kwargs)
 
 
+@pytest.mark.clause("ENG-14")
 def test_bad_model_folder() -> None:
     """ENG-14: a model that is not a checkpoint folder is a ValueError naming it."""
     with pytest.raises(ValueError, match="model"):
         LLM("/nonexistent/checkpoint")
 
 
+@pytest.mark.clause("ENG-9")
 @pytest.mark.parametrize(("bad", "shown"), [(1.0, "1.0 (float)"), (True, "True (bool)"), ([3], "[3] (list)"),
                                            (np.float64(2.0), "np.float64(2.0) (float64)"), ("7", "'7' (str)")])
 @pytest.mark.parametrize("api", ["generate", "add_request"])
@@ -173,6 +181,7 @@ def test_a_token_id_of_the_wrong_type_says_it_must_be_an_int(bad: object, shown:
     assert state(llm) == before and llm.engine._arrivals == 0
 
 
+@pytest.mark.clause("ENG-9")
 def test_numpy_integer_token_ids_are_accepted_as_plain_ints() -> None:
     """ENG-9: numpy integer scalars (prompt ids and stop ids) are accepted, stored as plain ints, and generate
     exactly what the same ints do."""
@@ -186,6 +195,7 @@ def test_numpy_integer_token_ids_are_accepted_as_plain_ints() -> None:
     assert all(type(t) is int for t in llm.engine.by_arrival[rid].seq.token_ids)
 
 
+@pytest.mark.clause("ENG-9")
 @pytest.mark.parametrize(("params", "shown"), [([None], "NoneType"), ([{}], "dict"), ([GREEDY, None], "NoneType")])
 def test_sampling_params_list_elements_must_be_sampling_params(params: list[Any], shown: str) -> None:
     """ENG-9: in a list of sampling params each element must be a SamplingParams (None only as the whole
@@ -208,6 +218,7 @@ def word_level_tokenizer(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.clause("ENG-9")
 def test_a_prompt_with_a_lone_surrogate_is_a_value_error_naming_the_prompt(tmp_path: Path) -> None:
     """ENG-9: a text prompt that is not valid Unicode is a ValueError naming the prompt's index (not a TypeError
     from inside the tokenizer), and nothing is added."""
@@ -222,6 +233,7 @@ def test_a_prompt_with_a_lone_surrogate_is_a_value_error_naming_the_prompt(tmp_p
     assert state(llm) == before
 
 
+@pytest.mark.clause("ENG-9")
 def test_an_empty_model_path_is_refused() -> None:
     """ENG-9: model='' is refused naming `model`, not read as the current directory."""
     with pytest.raises(ValueError, match=r"model must be .* got an empty string"):

@@ -77,6 +77,7 @@ def assert_idle(llm: LLM, failed_steps: int = 0) -> None:
     assert llm.engine.stats.compared_steps == llm.engine.stats.steps and llm.engine.stats.failed_steps == failed_steps
 
 
+@pytest.mark.clause("THREAD-1", "THREAD-2")
 @pytest.mark.parametrize("threads", [2, 4])
 def test_generate_from_several_threads(threads: int) -> None:
     """THREAD-1, THREAD-2: concurrent generate() calls on one LLM each return exactly their own outputs, as they
@@ -98,6 +99,7 @@ def test_generate_from_several_threads(threads: int) -> None:
     assert_idle(llm)
 
 
+@pytest.mark.clause("THREAD-1", "THREAD-2", "ABORT-7")
 def test_step_loop_with_adds_aborts_and_a_generate_from_other_threads() -> None:
     """THREAD-1, THREAD-2, ABORT-7: one thread adds and aborts requests while another loops on step() and a third
     calls generate(); every add_request output is returned exactly once, by step() or abort(), never to
@@ -142,6 +144,7 @@ class ModelFault(RuntimeError):
     pass
 
 
+@pytest.mark.clause("THREAD-2", "FAULT-1", "FAULT-3")
 def test_a_model_fault_in_one_threads_step_reaches_that_thread_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """THREAD-2, FAULT-1, FAULT-3: while three threads generate, one runner call raises. Exactly one caller gets
     the exception; every other caller returns all its outputs, those that finished normally with the tokens they

@@ -15,6 +15,7 @@ PROGRESS = re.compile(r"^\[\s*[\d.]+s\] (\w+): (\d+) examples, \d+ rule applicat
                       r"\d+ preemptions, \d+ prefix-hit tokens, \d+ aborts, (\d+) violations$", re.MULTILINE)
 
 
+@pytest.mark.clause("SCHED-3", "ADMIT-2")
 def test_a_short_clean_run_reports_progress_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     """SCHED-3, ADMIT-2: fractional minutes; every registered machine runs at least one chunk and finds nothing."""
     code = main(["fuzz", "--minutes", "0.05", "--seed", "11"])
@@ -40,6 +41,7 @@ def test_a_machine_not_written_yet_is_reported_not_fatal(monkeypatch: pytest.Mon
     assert main(["fuzz", "--minutes", "0", "--machine", "nosuch"]) == 2
 
 
+@pytest.mark.clause("POST-1")
 def test_a_broken_scheduler_is_reported_with_how_to_reproduce_it(monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """POST-1: postprocess that leaves a chunk's tokens scheduled is caught, and the blob reproduces it."""

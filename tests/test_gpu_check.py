@@ -59,6 +59,7 @@ def _metrics(work: Path, stage: str) -> dict[str, Any]:
     return dict(data["metrics"])
 
 
+@pytest.mark.clause("GPU-1", "GPU-8")
 def test_tiny_run_prints_every_stage_passing_with_its_clause(tiny_run: tuple[Any, Path]) -> None:
     """GPU-1, GPU-8: every stage in order, one row each plus the throughput row, each citing its clause; the
     table is the last thing printed and every row passes, so the exit status is 0."""
@@ -74,6 +75,7 @@ def test_tiny_run_prints_every_stage_passing_with_its_clause(tiny_run: tuple[Any
         assert float(seconds) >= 0 and summary
 
 
+@pytest.mark.clause("GPU-2", "GPU-3")
 def test_tiny_run_kernel_rows(tiny_run: tuple[Any, Path]) -> None:
     """GPU-2, GPU-3: the pytest subset ran under the interpreter and is reported as such; every direct kernel
     check equals torch."""
@@ -90,6 +92,7 @@ def test_tiny_run_kernel_rows(tiny_run: tuple[Any, Path]) -> None:
     assert rows["kernels-direct"][3].startswith("6/6 kernel checks equal torch")
 
 
+@pytest.mark.clause("GPU-4")
 def test_tiny_run_graphs_are_token_exact_and_used(tiny_run: tuple[Any, Path]) -> None:
     """GPU-4: eager and graph decode agree on every token, and the graph LLM really decoded through graphs."""
     proc, work = tiny_run
@@ -99,6 +102,7 @@ def test_tiny_run_graphs_are_token_exact_and_used(tiny_run: tuple[Any, Path]) ->
     assert "0 requests differ" in _rows(proc.stdout)["graphs-exact"][3]
 
 
+@pytest.mark.clause("GPU-5", "GPU-6")
 def test_tiny_run_checkpoint_and_throughput_numbers(tiny_run: tuple[Any, Path]) -> None:
     """GPU-5, GPU-6: the checkpoint loads with every parameter; both engine modes produce exactly the requested
     tokens at a finite positive rate; transformers' subset is stated; the ratios row is their quotient."""
@@ -119,6 +123,7 @@ def test_tiny_run_checkpoint_and_throughput_numbers(tiny_run: tuple[Any, Path]) 
     assert ratio and float(ratio.group(1)) == pytest.approx(rates["engine-graphs"] / rates["engine-eager"], abs=0.01)
 
 
+@pytest.mark.clause("GPU-7")
 def test_tiny_run_decode_floor(tiny_run: tuple[Any, Path]) -> None:
     """GPU-7: a measured CPU copy bandwidth, the floor's bytes from the model and the batch's contexts, and each
     mode's median step no faster than its floor."""
@@ -131,6 +136,7 @@ def test_tiny_run_decode_floor(tiny_run: tuple[Any, Path]) -> None:
         assert r["kv_read_bytes"] > 0 and r["weight_bytes"] > 0
 
 
+@pytest.mark.clause("GPU-7")
 def test_floor_bytes_follow_the_formula(tmp_path: Path) -> None:
     """GPU-7: W counts the tied embedding once (as lm_head) plus the gathered rows; untied, the embedding matrix
     is only gathered; KV bytes are 2 * L * kvh * d * e per token read, plus the new tokens written."""
@@ -149,6 +155,7 @@ def test_floor_bytes_follow_the_formula(tmp_path: Path) -> None:
         assert f.seconds == pytest.approx((expected_w + 19 * per_token) / 1e9)
 
 
+@pytest.mark.clause("GPU-5", "GPU-6")
 def test_the_bench_shapes_are_qwen3_0_6b_and_nano_vllm_bench() -> None:
     """GPU-5, GPU-6: the GPU profile's model and workload are the ones the spec names."""
     assert num_parameters(QWEN3_0_6B) == 596_049_920
@@ -161,6 +168,7 @@ def test_the_bench_shapes_are_qwen3_0_6b_and_nano_vllm_bench() -> None:
     assert sum(GPU.budgets.values()) > GPU.deadline_s and GPU.deadline_s <= 450  # the deadline binds, not the sum
 
 
+@pytest.mark.clause("GPU-1")
 def test_a_crashing_or_overrunning_stage_is_a_row_not_a_crash(tmp_path: Path) -> None:
     """GPU-1: a stage that raises is an ERROR row naming the exception; one past its budget is killed and is a
     TIMEOUT row; stages after a failed checkpoint are SKIPped, as are stages past the deadline."""
@@ -176,6 +184,7 @@ def test_a_crashing_or_overrunning_stage_is_a_row_not_a_crash(tmp_path: Path) ->
     assert table.splitlines()[-1] == "gpu-check: 0/4 rows PASS"
 
 
+@pytest.mark.clause("GPU-8")
 def test_bad_arguments_exit_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:
     """GPU-8: the full profile refuses the CPU; unknown stages and a non-positive deadline are refused."""
     from optimized.cli import main
@@ -190,6 +199,7 @@ def test_bad_arguments_exit_2_naming_the_field(capsys: pytest.CaptureFixture[str
     assert "deadline-s" in capsys.readouterr().err
 
 
+@pytest.mark.clause("GPU-2", "GPU-4")
 def test_verdicts_report_an_interpreted_gpu_run_failures_and_differing_tokens() -> None:
     """GPU-2, GPU-4: a GPU kernel run that was interpreted fails even with every test passing; a failed test fails;
     a request whose graph tokens differ is named with its first differing token."""
@@ -204,6 +214,7 @@ def test_verdicts_report_an_interpreted_gpu_run_failures_and_differing_tokens() 
     assert gpu_stages.token_diffs(3, [[1, 2], [3, 4]], [[1, 2], [3, 5]]) == ["B=3 request 1 differs from token 1"]
 
 
+@pytest.mark.clause("GPU-4")
 def test_graph_info_tells_eager_from_graph_decoding(tmp_path: Path) -> None:
     """GPU-4: an eager LLM has no graph runner; with enforce_eager=False graphs are found, and counted once used."""
     from optimized.llm import LLM
@@ -219,6 +230,7 @@ def test_graph_info_tells_eager_from_graph_decoding(tmp_path: Path) -> None:
     assert used and buckets >= 1
 
 
+@pytest.mark.clause("GPU-3")
 def test_kernel_checks_report_a_corrupted_oracle(tmp_path: Path) -> None:
     """GPU-3: each direct kernel check fails when its torch oracle is corrupted, and a crash is reported by name
     while the other checks still run (interpreter, in a child process so TRITON_INTERPRET precedes triton)."""

@@ -48,6 +48,7 @@ def step_inputs(
     return ids, last, slots, context_lens, tables
 
 
+@pytest.mark.clause("KERN-16")
 def test_buckets() -> None:
     """KERN-16: powers of two to 8, then multiples of 16, ending at max_batch; a step uses the smallest fit."""
     assert decode_buckets(1) == [1]
@@ -64,6 +65,7 @@ def test_buckets() -> None:
         runner.run(ids, positions, slots, lens, torch.zeros(2, MAX_BLOCKS + 1, dtype=torch.int32))
 
 
+@pytest.mark.clause("KERN-17", "KERN-19")
 def test_replay_equals_eager_and_padding_rows_write_nowhere() -> None:
     """KERN-17, KERN-19: outputs equal the eager forward; padding rows write no KV and yield zeros, not NaN."""
     eager_model, graph_model = ToyModel(), ToyModel()
@@ -89,6 +91,7 @@ def test_replay_equals_eager_and_padding_rows_write_nowhere() -> None:
     assert isinstance(graph, EagerGraph) and graph.replays == 2  # batches 8 and 5 share bucket 8
 
 
+@pytest.mark.clause("KERN-18")
 def test_stale_block_table_rows_and_columns_are_cleared() -> None:
     """KERN-18: after a wide batch of 4, a narrow batch of 2 leaves no trace of the old rows or columns."""
     model = ToyModel()
@@ -104,6 +107,7 @@ def test_stale_block_table_rows_and_columns_are_cleared() -> None:
     assert bool((runner.context_lens[2:] == 0).all()) and bool((runner.slot_mapping[2:] == -1).all())
 
 
+@pytest.mark.clause("KERN-16")
 def test_replayed_steps_allocate_no_static_buffers() -> None:
     """KERN-16: buffers and graphs are made once; a replay reuses the same storage and the same graph."""
     model = ToyModel()

@@ -123,6 +123,7 @@ def batch_reports(state: SchedulerState, batch: list[SeqView], is_prefill: bool,
 # --- the sound states -------------------------------------------------------------------------
 
 
+@pytest.mark.clause("INV-9", "INV-20", "INV-5")
 def test_scenario_reaches_the_shapes_the_corruptions_need() -> None:
     """INV-9, INV-20, INV-5: the scenario really has a chunk, a shared block, a free cached block."""
     _, batch, is_prefill = scheduled(2)
@@ -135,6 +136,10 @@ def test_scenario_reaches_the_shapes_the_corruptions_need() -> None:
     assert not scheduled(4)[2]
 
 
+@pytest.mark.clause(
+    "INV-1", "INV-2", "INV-3", "INV-4", "INV-5", "INV-6", "INV-7", "INV-8", "INV-9", "INV-10", "INV-11", "INV-12",
+    "INV-13", "INV-14", "INV-15", "INV-16", "INV-17", "INV-18", "INV-19", "INV-20",
+)
 @pytest.mark.parametrize("step", range(5))
 def test_sound_states_report_nothing(step: int) -> None:
     """INV-1..INV-20: every snapshot of the uncorrupted scenario is clean, at both check points."""
@@ -148,6 +153,7 @@ def test_sound_states_report_nothing(step: int) -> None:
 # --- state invariants -------------------------------------------------------------------------
 
 
+@pytest.mark.clause("INV-1")
 def test_block_missing_from_both_sets() -> None:
     """INV-1: a block id that is neither free nor used is reported."""
     state = between(1)
@@ -155,6 +161,7 @@ def test_block_missing_from_both_sets() -> None:
     assert state_reports(state, "INV-1")
 
 
+@pytest.mark.clause("INV-1")
 def test_block_twice_in_free_queue() -> None:
     """INV-1: a duplicate in the free queue is reported."""
     state = between(1)
@@ -162,6 +169,7 @@ def test_block_twice_in_free_queue() -> None:
     assert state_reports(state, "INV-1")
 
 
+@pytest.mark.clause("INV-1")
 def test_block_both_free_and_used() -> None:
     """INV-1: an id in both the free queue and the used set is reported."""
     state = between(1)
@@ -169,6 +177,7 @@ def test_block_both_free_and_used() -> None:
     assert state_reports(state, "INV-1")
 
 
+@pytest.mark.clause("INV-2")
 def test_ref_count_off_by_one_on_shared_block() -> None:
     """INV-2: a shared block whose ref_count forgets one holder is reported."""
     state = between(1)
@@ -177,6 +186,7 @@ def test_ref_count_off_by_one_on_shared_block() -> None:
     assert state_reports(state, "INV-2")
 
 
+@pytest.mark.clause("INV-2")
 def test_free_block_with_nonzero_ref_count() -> None:
     """INV-2: a free block with ref_count 1 is reported."""
     state = between(1)
@@ -184,6 +194,7 @@ def test_free_block_with_nonzero_ref_count() -> None:
     assert state_reports(state, "INV-2")
 
 
+@pytest.mark.clause("INV-2")
 def test_sequence_holds_a_free_block() -> None:
     """INV-2: a block table naming a free block is reported."""
     state = between(4)
@@ -191,6 +202,7 @@ def test_sequence_holds_a_free_block() -> None:
     assert state_reports(state, "INV-2")
 
 
+@pytest.mark.clause("INV-3")
 def test_leaked_block_at_idle() -> None:
     """INV-3: a used block once every sequence has finished is a leak."""
     state = _copy(_SCENARIO.idle)
@@ -201,6 +213,7 @@ def test_leaked_block_at_idle() -> None:
     assert state_reports(state, "INV-3")
 
 
+@pytest.mark.clause("INV-4")
 def test_running_out_of_arrival_order() -> None:
     """INV-4: two running sequences swapped is reported."""
     state = between(4)
@@ -208,6 +221,7 @@ def test_running_out_of_arrival_order() -> None:
     assert state_reports(state, "INV-4")
 
 
+@pytest.mark.clause("INV-4")
 def test_waiting_before_running_in_arrival_order() -> None:
     """INV-4: a waiting sequence older than a running one (a preempted sequence put at the back) is reported."""
     state = between(1)
@@ -216,6 +230,7 @@ def test_waiting_before_running_in_arrival_order() -> None:
     assert state_reports(state, "INV-4")
 
 
+@pytest.mark.clause("INV-5")
 def test_prefix_table_points_at_rehashed_block() -> None:
     """INV-5: a mapping h -> b where block b carries another hash is reported."""
     state = between(1)
@@ -224,6 +239,7 @@ def test_prefix_table_points_at_rehashed_block() -> None:
     assert state_reports(state, "INV-5")
 
 
+@pytest.mark.clause("INV-5")
 def test_prefix_table_points_at_partial_block() -> None:
     """INV-5: a mapping to a block that is not full is reported."""
     state = between(1)
@@ -232,6 +248,7 @@ def test_prefix_table_points_at_partial_block() -> None:
     assert state_reports(state, "INV-5")
 
 
+@pytest.mark.clause("INV-6")
 def test_cached_tokens_beyond_sequence() -> None:
     """INV-6: num_cached_tokens larger than num_tokens is reported."""
     state = between(4)
@@ -240,6 +257,7 @@ def test_cached_tokens_beyond_sequence() -> None:
     assert state_reports(state, "INV-6")
 
 
+@pytest.mark.clause("INV-6")
 def test_cached_tokens_without_blocks() -> None:
     """INV-6: a sequence with an empty block table but cached tokens is reported."""
     state = between(1)
@@ -249,6 +267,7 @@ def test_cached_tokens_without_blocks() -> None:
     assert state_reports(state, "INV-6")
 
 
+@pytest.mark.clause("INV-6")
 def test_scheduled_tokens_left_after_postprocess() -> None:
     """INV-6: num_scheduled_tokens not reset between steps is reported (and tolerated right after schedule)."""
     state = between(4)
@@ -257,6 +276,7 @@ def test_scheduled_tokens_left_after_postprocess() -> None:
     assert not state_reports(state, "INV-6", between_steps=False)
 
 
+@pytest.mark.clause("INV-7")
 def test_running_sequence_marked_waiting() -> None:
     """INV-7: a running sequence whose status is WAITING is reported."""
     state = between(4)
@@ -264,6 +284,7 @@ def test_running_sequence_marked_waiting() -> None:
     assert state_reports(state, "INV-7")
 
 
+@pytest.mark.clause("INV-7")
 def test_sequence_in_both_queues() -> None:
     """INV-7: a sequence both waiting and running is reported."""
     state = between(1)
@@ -272,6 +293,7 @@ def test_sequence_in_both_queues() -> None:
     assert state_reports(state, "INV-7")
 
 
+@pytest.mark.clause("INV-7")
 def test_waiting_sequence_in_decode_mode() -> None:
     """INV-7: a waiting sequence with is_prefill False is reported."""
     state = between(2)
@@ -279,6 +301,7 @@ def test_waiting_sequence_in_decode_mode() -> None:
     assert state_reports(state, "INV-7")
 
 
+@pytest.mark.clause("INV-15")
 def test_hash_without_full_tokens() -> None:
     """INV-15: a hashed block holding fewer than block_size tokens is reported."""
     state = between(1)
@@ -287,6 +310,7 @@ def test_hash_without_full_tokens() -> None:
     assert state_reports(state, "INV-15")
 
 
+@pytest.mark.clause("INV-15")
 def test_tokens_without_hash() -> None:
     """INV-15: an unhashed block that still lists tokens is reported."""
     state = between(1)
@@ -295,6 +319,7 @@ def test_tokens_without_hash() -> None:
     assert state_reports(state, "INV-15")
 
 
+@pytest.mark.clause("INV-17")
 def test_live_sequence_past_max_tokens() -> None:
     """INV-17: a live sequence holding max_tokens completion tokens should have finished."""
     state = between(4)
@@ -303,6 +328,7 @@ def test_live_sequence_past_max_tokens() -> None:
     assert state_reports(state, "INV-17")
 
 
+@pytest.mark.clause("INV-19")
 def test_running_sequence_missing_its_last_block() -> None:
     """INV-19: a running sequence whose block table lacks a block it needs is reported."""
     state = between(4)
@@ -310,6 +336,7 @@ def test_running_sequence_missing_its_last_block() -> None:
     assert state_reports(state, "INV-19")
 
 
+@pytest.mark.clause("INV-19")
 def test_running_sequence_lagging_two_tokens() -> None:
     """INV-19: a running sequence with two uncomputed tokens between steps is reported."""
     state = between(4)
@@ -318,6 +345,7 @@ def test_running_sequence_lagging_two_tokens() -> None:
     assert state_reports(state, "INV-19")
 
 
+@pytest.mark.clause("INV-20")
 def test_blocks_held_behind_the_front_of_waiting() -> None:
     """INV-20: a waiting sequence behind waiting[0] holding blocks is reported."""
     state = between(2)
@@ -333,6 +361,7 @@ def test_blocks_held_behind_the_front_of_waiting() -> None:
     assert state_reports(state, "INV-20")
 
 
+@pytest.mark.clause("INV-20")
 def test_partial_prefill_missing_a_block() -> None:
     """INV-20: a partial prefill in waiting must hold every block of its tokens."""
     state = between(2)
@@ -343,6 +372,7 @@ def test_partial_prefill_missing_a_block() -> None:
 # --- batch invariants -------------------------------------------------------------------------
 
 
+@pytest.mark.clause("INV-8")
 def test_batch_over_max_num_seqs() -> None:
     """INV-8: more sequences than max_num_seqs is reported."""
     state, batch, is_prefill = scheduled(4)
@@ -350,6 +380,7 @@ def test_batch_over_max_num_seqs() -> None:
     assert batch_reports(state, batch, is_prefill, "INV-8")
 
 
+@pytest.mark.clause("INV-8")
 def test_prefill_batch_over_token_budget() -> None:
     """INV-8: a prefill batch with more tokens than max_num_batched_tokens is reported."""
     state, batch, is_prefill = scheduled(0)
@@ -358,6 +389,7 @@ def test_prefill_batch_over_token_budget() -> None:
     assert batch_reports(state, batch, is_prefill, "INV-8")
 
 
+@pytest.mark.clause("INV-8")
 def test_decode_batch_ignores_token_budget() -> None:
     """INV-8: the lesson's decode loop never consults the token budget, so a decode batch may exceed it."""
     state, batch, is_prefill = scheduled(4)
@@ -366,6 +398,7 @@ def test_decode_batch_ignores_token_budget() -> None:
     assert not batch_reports(state, batch, is_prefill, "INV-8")
 
 
+@pytest.mark.clause("INV-9")
 def test_second_sequence_left_unfinished() -> None:
     """INV-9: a partial prefill anywhere but first in the batch is reported."""
     state, batch, is_prefill = scheduled(0)
@@ -374,6 +407,7 @@ def test_second_sequence_left_unfinished() -> None:
     assert batch_reports(state, batch, is_prefill, "INV-9")
 
 
+@pytest.mark.clause("INV-9")
 def test_chunk_that_does_not_fill_the_budget() -> None:
     """INV-9: a chunk smaller than the remaining budget is reported (the lesson only chunks at the budget)."""
     state, batch, is_prefill = scheduled(2)
@@ -381,6 +415,7 @@ def test_chunk_that_does_not_fill_the_budget() -> None:
     assert batch_reports(state, batch, is_prefill, "INV-9")
 
 
+@pytest.mark.clause("INV-9")
 def test_chunk_sharing_its_batch() -> None:
     """INV-9: a first-sequence chunk followed by another sequence is reported."""
     state, batch, is_prefill = scheduled(0)
@@ -388,6 +423,7 @@ def test_chunk_sharing_its_batch() -> None:
     assert batch_reports(state, batch, is_prefill, "INV-9")
 
 
+@pytest.mark.clause("INV-10")
 def test_decode_of_two_tokens() -> None:
     """INV-10: a decode scheduling two tokens for a sequence is reported."""
     state, batch, is_prefill = scheduled(4)
@@ -395,6 +431,7 @@ def test_decode_of_two_tokens() -> None:
     assert batch_reports(state, batch, is_prefill, "INV-10")
 
 
+@pytest.mark.clause("INV-11")
 def test_zero_length_prefill() -> None:
     """INV-11: a batch sequence with no token to compute is reported."""
     state, batch, is_prefill = scheduled(0)
@@ -402,6 +439,7 @@ def test_zero_length_prefill() -> None:
     assert batch_reports(state, batch, is_prefill, "INV-11")
 
 
+@pytest.mark.clause("INV-11")
 def test_tokens_scheduled_outside_the_batch() -> None:
     """INV-11: a sequence outside the batch with scheduled tokens is reported."""
     state, batch, is_prefill = scheduled(2)
@@ -410,6 +448,7 @@ def test_tokens_scheduled_outside_the_batch() -> None:
     assert batch_reports(state, batch, is_prefill, "INV-11")
 
 
+@pytest.mark.clause("INV-12")
 def test_write_into_a_shared_block() -> None:
     """INV-12: a sequence writing a block another sequence also holds is reported."""
     state, batch, is_prefill = scheduled(4)
@@ -421,6 +460,7 @@ def test_write_into_a_shared_block() -> None:
     assert batch_reports(state, batch, is_prefill, "INV-12")
 
 
+@pytest.mark.clause("INV-13", "EDGE-2")
 def test_empty_decode_of_the_lesson() -> None:
     """INV-13: the lesson's empty decode (EDGE-2) — the only sequence preempts itself — is reported."""
     config = reference.SchedulerConfig(num_blocks=2, block_size=2, max_num_seqs=4, max_num_batched_tokens=64)
@@ -436,11 +476,13 @@ def test_empty_decode_of_the_lesson() -> None:
     assert check_state(state) == []
 
 
+@pytest.mark.clause("INV-13")
 def test_empty_batch_when_idle_is_fine() -> None:
     """INV-13: an empty batch with no work is not a violation."""
     assert check_batch(_copy(_SCENARIO.idle), [], False) == []
 
 
+@pytest.mark.clause("INV-14")
 def test_batch_block_table_too_short() -> None:
     """INV-14: a batch sequence whose block table does not cover its tokens is reported."""
     state, batch, is_prefill = scheduled(3)
@@ -448,6 +490,7 @@ def test_batch_block_table_too_short() -> None:
     assert batch_reports(state, batch, is_prefill, "INV-14")
 
 
+@pytest.mark.clause("INV-16")
 def test_write_into_a_hashed_block() -> None:
     """INV-16: writing a block that already carries a hash (the prefix cache could hand it out) is reported."""
     state, batch, is_prefill = scheduled(4)
@@ -457,12 +500,14 @@ def test_write_into_a_hashed_block() -> None:
     assert batch_reports(state, batch, is_prefill, "INV-16")
 
 
+@pytest.mark.clause("INV-18")
 def test_decode_batch_not_at_front_of_running() -> None:
     """INV-18: a decode batch that is not the front of running, in order, is reported."""
     state, batch, is_prefill = scheduled(4)
     assert batch_reports(state, [batch[1], batch[0], batch[2]], is_prefill, "INV-18")
 
 
+@pytest.mark.clause("INV-18")
 def test_finished_prefill_not_at_tail_of_running() -> None:
     """INV-18: a prefill that finished but is not at the tail of running is reported."""
     state, batch, is_prefill = scheduled(1)
@@ -470,6 +515,7 @@ def test_finished_prefill_not_at_tail_of_running() -> None:
     assert batch_reports(state, batch, is_prefill, "INV-18")
 
 
+@pytest.mark.clause("INV-18")
 def test_decode_sequence_still_in_prefill_mode() -> None:
     """INV-18: a decode batch sequence with is_prefill True is reported."""
     state, batch, is_prefill = scheduled(4)
@@ -477,6 +523,7 @@ def test_decode_sequence_still_in_prefill_mode() -> None:
     assert batch_reports(state, batch, is_prefill, "INV-18")
 
 
+@pytest.mark.clause("INV-18")
 def test_sequence_twice_in_batch() -> None:
     """INV-18: a batch naming one sequence twice is reported."""
     state, batch, is_prefill = scheduled(4)
@@ -507,6 +554,10 @@ class Recorder:
         self.found.extend((self.sample, self.step, v) for v in violations)
 
 
+@pytest.mark.clause(
+    "INV-1", "INV-2", "INV-3", "INV-4", "INV-5", "INV-6", "INV-7", "INV-8", "INV-9", "INV-10", "INV-11", "INV-12",
+    "INV-13", "INV-14", "INV-15", "INV-16", "INV-17", "INV-18", "INV-19", "INV-20",
+)
 def test_all_conformance_samples_replay_without_violations() -> None:
     """INV-1..INV-20: every state and batch of the 80 reference replays is clean; 3 end in an empty decode."""
     samples = [json.loads(line) for line in SAMPLES.read_text().splitlines() if line.strip()]

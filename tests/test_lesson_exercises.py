@@ -56,6 +56,7 @@ def exercise_a() -> tuple[Scheduler, Sequence, Sequence, Sequence]:
     return s, a, b, c
 
 
+@pytest.mark.clause("SCHED-1", "SCHED-2", "PREFILL-4", "DECODE-1", "BM-3", "BM-6")
 def test_exercise_a_decodes_a_and_b_and_leaves_c_waiting() -> None:
     """Exercise A; SCHED-1, SCHED-2, PREFILL-4, DECODE-1, BM-3, BM-6: the lesson's answer."""
     s, a, b, c = exercise_a()
@@ -77,6 +78,7 @@ def test_exercise_a_decodes_a_and_b_and_leaves_c_waiting() -> None:
 
 # Exercise C (lesson §9): three questions about the code.
 
+@pytest.mark.clause("DECODE-2", "DECODE-4", "EDGE-2")
 def test_exercise_c1_the_only_running_sequence_preempts_itself() -> None:
     """Exercise C.1; DECODE-2, DECODE-4, EDGE-2: the decode batch is empty and ``assert scheduled_seqs`` fires."""
     s = make(num_blocks=1)
@@ -97,6 +99,7 @@ def test_exercise_c1_the_only_running_sequence_preempts_itself() -> None:
         s.schedule()
 
 
+@pytest.mark.clause("DECODE-2")
 def test_exercise_c1_self_preemption_with_a_non_empty_batch_is_no_error() -> None:
     """DECODE-2: a sequence that preempts itself after others were scheduled is simply left out."""
     s = make(num_blocks=3)
@@ -109,6 +112,7 @@ def test_exercise_c1_self_preemption_with_a_non_empty_batch_is_no_error() -> Non
     assert list(s.waiting) == [b, newcomer] and b.block_table == [] and list(s.running) == [a]
 
 
+@pytest.mark.clause("DECODE-2", "PREEMPT-2")
 def test_a_sequence_beyond_max_num_seqs_can_be_the_victim() -> None:
     """DECODE-2, PREEMPT-2: the tail is preempted for a visited sequence though max_num_seqs leaves it unscheduled."""
     s = make(num_blocks=3, max_num_seqs=1)
@@ -125,6 +129,7 @@ def test_a_sequence_beyond_max_num_seqs_can_be_the_victim() -> None:
     assert list(s.running) == [a, b]
 
 
+@pytest.mark.clause("DECODE-3", "KNOB-1")
 def test_exercise_c2_extendleft_reversed_keeps_running_in_fifo_order() -> None:
     """Exercise C.2; DECODE-3, KNOB-1: with max_num_seqs 2 of 3 running, the same oldest two run each step."""
     s = make(num_blocks=16, max_num_seqs=2)
@@ -140,6 +145,7 @@ def test_exercise_c2_extendleft_reversed_keeps_running_in_fifo_order() -> None:
         s.postprocess(batch, [MODEL_TOKEN] * 2, is_prefill)
 
 
+@pytest.mark.clause("PREEMPT-1", "PREEMPT-2", "PREEMPT-3")
 def test_exercise_c3_a_preempted_sequence_goes_first_in_waiting() -> None:
     """Exercise C.3; PREEMPT-1, PREEMPT-2, PREEMPT-3: the newest is the victim and is prefilled again first."""
     s = make(num_blocks=2)
@@ -163,6 +169,7 @@ def test_exercise_c3_a_preempted_sequence_goes_first_in_waiting() -> None:
 
 # The lesson's statements (§2-§6), one scenario each.
 
+@pytest.mark.clause("SCHED-2", "PREFILL-6")
 def test_prefill_first_even_while_sequences_are_running() -> None:
     """SCHED-2, PREFILL-6: a newcomer that fits is prefilled before the running ones decode again."""
     s = make(num_blocks=16)
@@ -174,6 +181,7 @@ def test_prefill_first_even_while_sequences_are_running() -> None:
     assert list(s.running) == [a, b] and b.status is SequenceStatus.RUNNING
 
 
+@pytest.mark.clause("PREFILL-2", "PREFILL-3", "PREFILL-5")
 def test_break_one_a_spent_budget_ends_the_scan() -> None:
     """PREFILL-2, PREFILL-3, PREFILL-5: with the budget spent, the rest waits though it would fit the cache."""
     s = make(num_blocks=16, budget=4)
@@ -183,6 +191,7 @@ def test_break_one_a_spent_budget_ends_the_scan() -> None:
     assert list(s.waiting) == [c] and s.block_manager.can_allocate(c) == 0
 
 
+@pytest.mark.clause("CHUNK-1", "PREFILL-2")
 def test_break_three_only_the_first_sequence_is_chunked() -> None:
     """CHUNK-1, PREFILL-2: a second sequence that does not fit the remaining budget is not chunked."""
     s = make(num_blocks=16, budget=8)
@@ -195,6 +204,7 @@ def test_break_three_only_the_first_sequence_is_chunked() -> None:
     assert batch == [b]  # b's prefill is not blocked by a's decode (SCHED-2)
 
 
+@pytest.mark.clause("CHUNK-1", "CHUNK-2", "POST-1", "POST-2", "KNOB-2")
 def test_a_chunked_prefill_runs_in_consecutive_steps_and_discards_its_samples() -> None:
     """CHUNK-1, CHUNK-2, POST-1, POST-2, KNOB-2: 10 tokens at budget 4 take exactly ceil(10/4) = 3 steps."""
     s = make(num_blocks=16, budget=4)
@@ -218,6 +228,7 @@ def test_a_chunked_prefill_runs_in_consecutive_steps_and_discards_its_samples() 
     assert list(s.running) == [a, x]
 
 
+@pytest.mark.clause("EDGE-3", "PREFILL-1", "PREFILL-4")
 def test_head_of_line_blocking() -> None:
     """EDGE-3, PREFILL-1, PREFILL-4: a head that cannot get its blocks holds back a short request that could."""
     s = make(num_blocks=4)
@@ -230,6 +241,7 @@ def test_head_of_line_blocking() -> None:
     assert list(s.waiting) == [long, short] and short.block_table == []
 
 
+@pytest.mark.clause("POST-3")
 def test_finishing_on_eos_or_max_tokens_releases_the_blocks() -> None:
     """POST-3: EOS finishes unless ignore_eos; max_tokens always does; a finished sequence frees its blocks."""
     s = make(num_blocks=8, eos=7)
@@ -243,6 +255,7 @@ def test_finishing_on_eos_or_max_tokens_releases_the_blocks() -> None:
     assert sorted(s.block_manager.used_block_ids) == ignores.block_table
 
 
+@pytest.mark.clause("KNOB-1", "KNOB-2")
 def test_max_num_seqs_bounds_both_loops_and_the_budget_only_prefill() -> None:
     """KNOB-1, KNOB-2: prefill takes max_num_seqs at most; a decode batch may exceed max_num_batched_tokens."""
     s = make(num_blocks=16, max_num_seqs=3, budget=2)

@@ -89,6 +89,7 @@ def prefill_step() -> Step:
 
 # The machine's clauses on clean steps.
 
+@pytest.mark.clause("SCHED-1")
 def test_clean_steps_break_no_clause() -> None:
     """SCHED-1: a real prefill step and a real preempting decode step satisfy the whole step contract."""
     for step in (prefill_step(), decode_with_victim()):
@@ -110,12 +111,14 @@ def decode_with_victim() -> Step:
 
 # Prefill decisions.
 
+@pytest.mark.clause("PREFILL-1")
 def test_a_prefill_batch_out_of_queue_order_is_reported() -> None:
     """PREFILL-1: the batch is the front of waiting, in order."""
     bad = corrupt(prefill_step(), lambda st: st.batch.reverse())
     assert "PREFILL-1" in schedule_clauses(bad)
 
 
+@pytest.mark.clause("PREFILL-2")
 def test_a_scan_that_stops_without_a_reason_is_reported() -> None:
     """PREFILL-2: dropping the last sequence of the batch leaves one that fitted budget and blocks."""
     def drop_last(st: Step) -> None:
@@ -127,6 +130,7 @@ def test_a_scan_that_stops_without_a_reason_is_reported() -> None:
     assert "PREFILL-2" in schedule_clauses(corrupt(prefill_step(), drop_last))
 
 
+@pytest.mark.clause("PREFILL-3", "PREFILL-4")
 def test_budget_breaks_are_not_reported() -> None:
     """PREFILL-3, PREFILL-4: a scan stopped by a spent budget or a failed can_allocate is sound."""
     s = make(num_blocks=16, budget=10)
@@ -141,6 +145,7 @@ def test_budget_breaks_are_not_reported() -> None:
     assert len(no_blocks.batch) == 1 and schedule_clauses(no_blocks) == set()
 
 
+@pytest.mark.clause("PREFILL-5")
 def test_wrong_token_counts_are_reported() -> None:
     """PREFILL-5: num_scheduled_tokens = min(needed, remaining)."""
     def shave(st: Step) -> None:
@@ -148,6 +153,7 @@ def test_wrong_token_counts_are_reported() -> None:
     assert "PREFILL-5" in schedule_clauses(corrupt(prefill_step(), shave))
 
 
+@pytest.mark.clause("CHUNK-1")
 def test_a_second_chunked_sequence_is_reported() -> None:
     """CHUNK-1: only the first sequence may be given fewer tokens than it needs."""
     s = make(num_blocks=16, budget=8)
@@ -162,6 +168,7 @@ def test_a_second_chunked_sequence_is_reported() -> None:
     assert "CHUNK-1" in schedule_clauses(corrupt(step, chunk_second))
 
 
+@pytest.mark.clause("CHUNK-2")
 def test_a_chunk_reallocated_midway_is_reported() -> None:
     """CHUNK-2: a chunk in progress keeps its blocks and its cached tokens."""
     s = make(num_blocks=16, budget=4)
@@ -173,6 +180,7 @@ def test_a_chunk_reallocated_midway_is_reported() -> None:
     assert "CHUNK-2" in schedule_clauses(bad)
 
 
+@pytest.mark.clause("BM-4")
 def test_missed_prefix_hits_are_reported() -> None:
     """BM-4: the first fresh sequence starts with exactly its prefix-cache hits computed."""
     s = make(num_blocks=16)
@@ -188,6 +196,7 @@ def test_missed_prefix_hits_are_reported() -> None:
     assert "BM-4" in schedule_clauses(corrupt(step, miss))
 
 
+@pytest.mark.clause("BM-4")
 def test_missed_prefix_hits_of_a_later_sequence_are_reported() -> None:
     """BM-4: every fresh sequence of the batch starts with its hits, not only the first."""
     s = make(num_blocks=16)
@@ -204,6 +213,7 @@ def test_missed_prefix_hits_of_a_later_sequence_are_reported() -> None:
     assert "BM-4" in schedule_clauses(corrupt(step, under_report))
 
 
+@pytest.mark.clause("BM-4", "CACHE-3")
 def test_hits_are_looked_up_after_the_earlier_allocations_of_the_scan() -> None:
     """BM-4, CACHE-3: a block the first sequence takes fresh is no longer a hit for the second."""
     s = make(num_blocks=4)
@@ -223,6 +233,7 @@ def test_hits_are_looked_up_after_the_earlier_allocations_of_the_scan() -> None:
     assert "BM-4" in schedule_clauses(corrupt(step, stale_hit))
 
 
+@pytest.mark.clause("PREFILL-6")
 def test_prefilled_sequences_in_the_wrong_queue_are_reported() -> None:
     """PREFILL-6: a completed prefill moves to the tail of running as RUNNING."""
     def stay(st: Step) -> None:
@@ -230,6 +241,7 @@ def test_prefilled_sequences_in_the_wrong_queue_are_reported() -> None:
     assert "PREFILL-6" in schedule_clauses(corrupt(prefill_step(), stay))
 
 
+@pytest.mark.clause("SCHED-2")
 def test_a_decode_step_while_the_head_fits_is_reported() -> None:
     """SCHED-2: prefill first."""
     s = make(num_blocks=16)
@@ -244,6 +256,7 @@ def test_a_decode_step_while_the_head_fits_is_reported() -> None:
 
 # Decode decisions.
 
+@pytest.mark.clause("DECODE-1", "DECODE-3", "PREEMPT-1", "PREEMPT-3", "EDGE-2")
 def test_decode_corruptions_are_reported() -> None:
     """DECODE-1, DECODE-3, PREEMPT-1, PREEMPT-3, EDGE-2 on a step that preempted its newest sequence."""
     step = decode_with_victim()
@@ -268,6 +281,7 @@ def test_decode_corruptions_are_reported() -> None:
     assert "EDGE-2" in schedule_clauses(corrupt(step, lambda st: st.batch.clear()))
 
 
+@pytest.mark.clause("PREEMPT-2", "DECODE-2")
 def test_the_wrong_victim_is_reported() -> None:
     """PREEMPT-2, DECODE-2: the newest is preempted, and only for a sequence that needs a block."""
     s = make(num_blocks=16, max_num_seqs=1)
@@ -290,6 +304,7 @@ def test_the_wrong_victim_is_reported() -> None:
     assert "DECODE-2" in schedule_clauses(corrupt(step, untouched_with_room))
 
 
+@pytest.mark.clause("DECODE-2")
 def test_a_preemption_while_a_block_is_free_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     """DECODE-2: preemption happens only when a block is needed and none is free."""
     def greedy_can_append(self: BlockManager, seq: Sequence) -> bool:
@@ -309,6 +324,7 @@ def test_a_preemption_while_a_block_is_free_is_reported(monkeypatch: pytest.Monk
 
 # Postprocess.
 
+@pytest.mark.clause("POST-1", "POST-3", "CACHE-2")
 def test_postprocess_corruptions_are_reported() -> None:
     """POST-1, POST-3, CACHE-2 on a real prefill step."""
     step = prefill_step()
@@ -331,6 +347,7 @@ def test_postprocess_corruptions_are_reported() -> None:
     assert "POST-3" in post_clauses(eos_step)
 
 
+@pytest.mark.clause("POST-3")
 def test_a_running_sequence_lost_outside_the_batch_is_reported() -> None:
     """POST-3: postprocess changes no other queue position; a running sequence outside the batch stays."""
     s = make(num_blocks=16)
@@ -345,6 +362,7 @@ def test_a_running_sequence_lost_outside_the_batch_is_reported() -> None:
     assert "POST-3" in post_clauses(corrupt(step, lose_a))
 
 
+@pytest.mark.clause("POST-2")
 def test_a_kept_chunk_sample_is_reported() -> None:
     """POST-2: an unfinished chunk's sample is discarded."""
     s = make(num_blocks=16, budget=4)
@@ -359,6 +377,7 @@ def test_a_kept_chunk_sample_is_reported() -> None:
 
 # The restated prefix-cache lookup agrees with the reference's.
 
+@pytest.mark.clause("BM-3", "CACHE-1", "CACHE-4")
 @settings(suppress_health_check=[HealthCheck.too_slow])
 @given(block_size=st.integers(2, 5), num_blocks=st.integers(1, 8),
        prompts=st.lists(st.lists(st.integers(1, 2), min_size=1, max_size=12), min_size=1, max_size=6),
@@ -388,6 +407,7 @@ def test_restated_can_allocate_agrees_with_the_reference(block_size: int, num_bl
 
 # The machine's own invariants catch what the state invariants cannot see.
 
+@pytest.mark.clause("SCHED-3")
 def test_a_lost_request_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     """SCHED-3: a scheduler that silently drops a request breaks no state invariant, but the machine sees it."""
     original = Scheduler.add

@@ -38,6 +38,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str],
     return code, out.splitlines(), err.splitlines()
 
 
+@pytest.mark.clause("CONF-6", "CONF-5")
 def test_replay_file_prints_each_trace_in_input_order(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """CONF-6, CONF-5: one {"trace": ...} line per workload, equal to the shipped traces."""
     path = tmp_path / "samples.jsonl"
@@ -47,6 +48,7 @@ def test_replay_file_prints_each_trace_in_input_order(tmp_path: Path, capsys: py
     assert [json.loads(line) for line in out] == [{"trace": s["trace"]} for s in SAMPLES]
 
 
+@pytest.mark.clause("CONF-6")
 def test_replay_stdin_skips_lines_without_a_workload(monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """CONF-6: '-' reads standard input; lines without a 'workload' key and blank lines are skipped."""
@@ -84,6 +86,7 @@ def negative_arrive(w: dict[str, Any]) -> None:
     w["requests"][0]["arrive"] = -1
 
 
+@pytest.mark.clause("CONF-6", "CONF-1")
 @pytest.mark.parametrize(("change", "field"), [
     (drop_eos, "config.eos"),
     (block_size_one, "config.block_size"),
@@ -103,6 +106,7 @@ def test_a_malformed_workload_is_refused_by_line_and_field(tmp_path: Path, capsy
     assert "Traceback" not in err[0]
 
 
+@pytest.mark.clause("CONF-6")
 def test_not_json_and_a_missing_file_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """CONF-6: unreadable input is one clear line too."""
     path = tmp_path / "bad.jsonl"
@@ -113,6 +117,7 @@ def test_not_json_and_a_missing_file_exit_2(tmp_path: Path, capsys: pytest.Captu
     assert code == 2 and out == [] and len(err) == 1 and "missing.jsonl" in err[0]
 
 
+@pytest.mark.clause("CONF-7")
 def test_conformance_command_summarises_both_implementations(capsys: pytest.CaptureFixture[str]) -> None:
     """CONF-7: both implementations reproduce all 80 samples with no violation, and the command says so."""
     assert main(["conformance"]) == 0
@@ -121,6 +126,7 @@ def test_conformance_command_summarises_both_implementations(capsys: pytest.Capt
         assert re.search(rf"{name}: 80/80 traces identical to the lesson's, \d+ steps, 0 invariant violations", out)
 
 
+@pytest.mark.clause("CONF-7")
 def test_conformance_command_fails_on_a_differing_trace(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -151,6 +157,7 @@ def set_at(*path: str | int, value: Any) -> Callable[[dict[str, Any]], None]:
     return change
 
 
+@pytest.mark.clause("CONF-6", "CLI-7")
 @pytest.mark.parametrize(("path", "value", "field"), [
     (("requests", 0, "prompt", 0), 1 << 63, "requests[0].prompt[0]"),
     (("requests", 0, "output", 0), 1 << 63, "requests[0].output[0]"),
@@ -175,6 +182,7 @@ def test_an_integer_beyond_int64_is_refused_before_anything_is_replayed(
         assert len(err) == 1 and "line 2" in err[0] and field in err[0] and "int64" in err[0], err
 
 
+@pytest.mark.clause("CLI-7")
 def test_the_largest_int64_token_id_replays(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """CLI-7: the bound is exactly int64: 2**63 - 1 is a token id like any other."""
     line = sample_with(set_at("requests", 0, "prompt", 0, value=(1 << 63) - 1))
@@ -185,6 +193,7 @@ def test_the_largest_int64_token_id_replays(tmp_path: Path, capsys: pytest.Captu
         assert code == 0 and err == [] and len(out) == 1
 
 
+@pytest.mark.clause("CLI-7")
 @pytest.mark.parametrize(("data", "message"), [
     (b'{"workload": "caf\xe9"}\n', "line 1: not UTF-8 (byte 0xe9 at offset 17)"),
     (b"\xff\xfe{}\n", "line 1: not UTF-8"),
@@ -206,6 +215,7 @@ def test_hostile_bytes_are_one_line_naming_the_line(tmp_path: Path, capsys: pyte
     assert len(err) == 1 and err[0].startswith(f"nanoverify replay: {message}"), err
 
 
+@pytest.mark.clause("CLI-7")
 def test_nesting_up_to_the_limit_and_brackets_in_strings_are_fine(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """CLI-7: 16 levels are allowed, and brackets inside strings do not count."""
@@ -216,6 +226,7 @@ def test_nesting_up_to_the_limit_and_brackets_in_strings_are_fine(tmp_path: Path
     assert code == 0 and err == [] and len(out) == 1
 
 
+@pytest.mark.clause("CLI-7")
 def test_an_input_over_the_size_limit_is_refused_without_reading_on(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """CLI-7: the whole input is bounded too (64 MiB; made smaller here to keep the test small)."""
@@ -230,6 +241,7 @@ def test_an_input_over_the_size_limit_is_refused_without_reading_on(
     assert run(capsys, "/dev/zero")[0] == 2  # endless and without a newline: refused at the first line's limit
 
 
+@pytest.mark.clause("CLI-7")
 def test_empty_input_replays_nothing_and_closed_stdin_is_one_line(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """CLI-7: empty input (or only blank lines) is no workload: exit 0, nothing printed; a closed standard input
@@ -301,6 +313,7 @@ def read_or_refuse(data: bytes) -> list[Workload]:
         return []
 
 
+@pytest.mark.clause("CLI-7", "CONF-6")
 @given(st.binary(max_size=300))
 def test_fuzz_reader_bytes_give_workloads_or_workload_error(data: bytes) -> None:
     """CLI-7, CONF-6: any bytes at all: the reader returns workloads or raises WorkloadError, nothing else."""
@@ -308,6 +321,7 @@ def test_fuzz_reader_bytes_give_workloads_or_workload_error(data: bytes) -> None
 
 
 # More examples than the ci profile's 25: at 100 this finds the old int64 crash in 9 runs of 10, in under a second.
+@pytest.mark.clause("CLI-7", "CONF-6")
 @settings(max_examples=100)
 @given(st.lists(mutated_line(), min_size=1, max_size=2))
 def test_fuzz_reader_mutated_workloads_replay_or_are_refused(lines: list[bytes]) -> None:

@@ -113,6 +113,7 @@ def lens_for(block_size: int) -> list[int]:
     return [0, 1, 2 * block_size, 3 * block_size + 1, 5 * block_size]
 
 
+@pytest.mark.clause("KERN-22", "KERN-23")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(("block_size", "heads", "kv_heads", "dim"), SHAPES)
 def test_c_decode_equals_torch_decode(block_size: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> None:
@@ -130,6 +131,7 @@ def test_c_decode_equals_torch_decode(block_size: int, heads: int, kv_heads: int
     assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
+@pytest.mark.clause("KERN-22")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_c_decode_reads_a_whole_table_row_and_only_the_context(dtype: torch.dtype) -> None:
     """KERN-22: a context exactly as long as the table is wide; garbage past a context (in its last block, in
@@ -199,6 +201,7 @@ PREFILL_SHAPES = [
 ]
 
 
+@pytest.mark.clause("KERN-27", "KERN-23")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(("lens", "qlens", "block_size", "heads", "kv_heads", "dim"), PREFILL_SHAPES)
 def test_c_prefill_equals_torch_prefill(
@@ -216,6 +219,7 @@ def test_c_prefill_equals_torch_prefill(
         torch.testing.assert_close(out, double_prefill(case, qlens, 0.3), rtol=F64_TOL_DOUBLE, atol=F64_TOL_DOUBLE)
 
 
+@pytest.mark.clause("KERN-23")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_nan_stays_in_its_own_rows(dtype: torch.dtype) -> None:
     """KERN-23: NaN stays NaN, as in torch's softmax: a NaN in a query makes that query's head NaN, and a NaN in a
@@ -284,6 +288,7 @@ def ulps_from_exact_exp(got: float, x: float, mantissa_bits: int) -> float:
     return float(abs(decimal.Decimal(got) - exact) / ulp)
 
 
+@pytest.mark.clause("KERN-23")
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 @pytest.mark.parametrize(("dtype", "low", "high", "mantissa_bits"), [
     (torch.float32, -87.0, -17.0, 23),
@@ -308,6 +313,7 @@ def test_the_kernels_exponential_is_within_its_stated_ulps(
     assert math.isnan(float(kernel_exp(torch.tensor([math.nan], dtype=dtype), kind)[0]))
 
 
+@pytest.mark.clause("KERN-27")
 def test_c_prefill_refuses_queries_its_context_cannot_hold() -> None:
     """KERN-27: more queries than context tokens, cu_seqlens_q not starting at 0 or not ending at q's rows, or a
     table that does not hold a context, is a ValueError, nothing read out of bounds."""
@@ -330,6 +336,7 @@ def test_c_prefill_refuses_queries_its_context_cannot_hold() -> None:
         cpu_attention.paged_prefill(case.q, case.k_cache, case.v_cache, cu, case.context_lens, tables, 0.3)
 
 
+@pytest.mark.clause("KERN-22")
 def test_c_decode_refuses_a_table_that_does_not_hold_the_context() -> None:
     """KERN-22: a -1 or an out-of-range block inside a context, or a context longer than the table, is a
     ValueError naming the row, never an out-of-bounds read."""
@@ -346,6 +353,7 @@ def test_c_decode_refuses_a_table_that_does_not_hold_the_context() -> None:
         cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, too_long, case.block_tables, 0.3)
 
 
+@pytest.mark.clause("KERN-22", "KERN-27")
 def test_c_kernels_refuse_tables_that_do_not_convert_to_int32_exactly() -> None:
     """KERN-22, KERN-27: tables, lengths and query offsets hold integers that fit int32; a wider value (a block id
     2**32 + 3 that int32 would read as block 3, a length 2**32 + 6 read as 6) or a float or bool tensor is a
@@ -379,6 +387,7 @@ def test_c_kernels_refuse_tables_that_do_not_convert_to_int32_exactly() -> None:
         cpu_attention.paged_prefill(*prefill_args(pcase, cu.float()), 0.3)
 
 
+@pytest.mark.clause("KERN-22", "KERN-27")
 def test_c_kernels_refuse_malformed_shapes_by_name() -> None:
     """KERN-22, KERN-27: caches that are not [num_blocks, block_size, kv_heads >= 1, head_dim] alike, a head count
     that is not a multiple of the KV heads, or lengths, offsets and tables that do not describe q's batch, are a
@@ -421,6 +430,7 @@ def test_c_kernels_refuse_malformed_shapes_by_name() -> None:
             cpu_attention.paged_prefill(pcase.q, k, v, bad_cu, bad_lens, bad_tables, 0.3)
 
 
+@pytest.mark.clause("KERN-22", "KERN-27")
 def test_c_kernels_take_cpu_tensors_only_and_answer_on_qs_device() -> None:
     """KERN-22, KERN-27: every tensor the C kernels read is a CPU tensor, or a ValueError names it before any C
     runs (a pointer into another device's memory would crash the process); the output is allocated on q's device,
@@ -454,6 +464,7 @@ def test_c_kernels_take_cpu_tensors_only_and_answer_on_qs_device() -> None:
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
+@pytest.mark.clause("KERN-26")
 def test_c_decode_is_the_same_on_any_thread_count() -> None:
     """KERN-26: each row (or each KV head, when rows are fewer than threads) is computed by one thread in a fixed
     order, so 1 and 2 threads give bit-identical results, for a decode batch, a single row and a prefill."""
@@ -475,6 +486,7 @@ def test_c_decode_is_the_same_on_any_thread_count() -> None:
     assert torch.equal(results[1, "row"], results[1, "batch"][:1])
 
 
+@pytest.mark.clause("KERN-24")
 def test_cpu_backend_uses_the_c_decode_for_float_and_torch_for_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
     """KERN-24: get_backend(None, cpu) is the "cpu" backend here; it decodes and prefills float32/float64 with the
     C kernels and other dtypes with the torch ones; its store is the torch backend's."""
@@ -525,6 +537,7 @@ def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     cpu_build.forget()
 
 
+@pytest.mark.clause("KERN-25", "DISK-1")
 def test_build_goes_to_the_cache_once_and_is_reused(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """KERN-25, DISK-1: the library is built into <cache root>/kernels under a name keyed by source, compiler, flags
     and machine, beside its checksum and its lock file, with no temporary file left; a later load reuses it without
@@ -562,6 +575,7 @@ def mapped_files() -> set[str]:
 OPENMP_RUNTIME = re.compile(r"lib(gomp|iomp5|omp)([-.]|$)")
 
 
+@pytest.mark.clause("KERN-25")
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
 def test_the_library_shares_torchs_openmp_runtime() -> None:
     """KERN-25: with the library loaded, exactly one OpenMP runtime is mapped into the process: the library's
@@ -574,6 +588,7 @@ def test_the_library_shares_torchs_openmp_runtime() -> None:
     assert len(runtimes) == 1, runtimes
 
 
+@pytest.mark.clause("KERN-24")
 def test_chooser_falls_back_to_torch_and_says_why(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """KERN-24: without a C compiler, when the build fails or when the cache folder cannot be written,
     get_backend(None, cpu) warns with the reason and returns the torch backend; asking for "cpu" by name is a
@@ -606,6 +621,7 @@ def test_chooser_falls_back_to_torch_and_says_why(fresh_cache: Path, monkeypatch
         assert get_backend(None, CPU).name == "torch"
 
 
+@pytest.mark.clause("ENG-19", "KERN-24")
 @pytest.mark.usefixtures("engine_env")
 def test_engine_decodes_the_whole_batch_in_the_schedulers_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-19, KERN-24: on the CPU the engine picks the "cpu" backend and its eager decode hands each layer's decode

@@ -91,6 +91,7 @@ PREFILL_SHAPES = [
 ]
 
 
+@pytest.mark.clause("KERN-2")
 @pytest.mark.parametrize(("lens", "qlens", "block_size", "heads", "kv_heads", "dim"), PREFILL_SHAPES)
 def test_torch_prefill_equals_dense_causal_attention(
     lens: list[int], qlens: list[int], block_size: int, heads: int, kv_heads: int, dim: int
@@ -105,6 +106,7 @@ def test_torch_prefill_equals_dense_causal_attention(
         torch.testing.assert_close(out[cu[b] : cu[b + 1]], expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.clause("KERN-3")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_torch_attention_matches_transformers_eager(dtype: torch.dtype) -> None:
     """KERN-3: prefill is bit-identical to transformers' eager_attention_forward; decode agrees to rounding."""
@@ -132,6 +134,7 @@ def test_torch_attention_matches_transformers_eager(dtype: torch.dtype) -> None:
     torch.testing.assert_close(decoded[0], expected[0, -1], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.clause("KERN-4")
 def test_torch_decode_equals_prefill_of_one_query_and_zero_context_gives_zeros() -> None:
     """KERN-4: decode is prefill with one query per sequence; a context length of 0 yields zeros, not NaN."""
     case = make_case([7, 1, 23, 12], 5, 2, 12, torch.float64, seed=2)
@@ -149,6 +152,7 @@ def test_torch_decode_equals_prefill_of_one_query_and_zero_context_gives_zeros()
     torch.testing.assert_close(zeroed[[0, 2, 3]], decoded[[0, 2, 3]], rtol=0, atol=0)
 
 
+@pytest.mark.clause("KERN-1")
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_store_kv_writes_slots_and_skips_minus_one(impl: str, device: torch.device) -> None:
     """KERN-1: row i lands in slot_mapping[i] (block s // bs, offset s % bs); slot -1 writes nothing."""
@@ -170,6 +174,7 @@ def test_store_kv_writes_slots_and_skips_minus_one(impl: str, device: torch.devi
     assert bool((k_flat[untouched] == 123.0).all()) and bool((v_flat[untouched] == 123.0).all())
 
 
+@pytest.mark.clause("KERN-5")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("lens", "qlens", "block_size", "heads", "kv_heads", "dim"), PREFILL_SHAPES)
 def test_triton_prefill_equals_torch(
@@ -193,6 +198,7 @@ def test_triton_prefill_equals_torch(
     torch.testing.assert_close(out, expected, rtol=rtol, atol=atol)
 
 
+@pytest.mark.clause("KERN-4", "KERN-5")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("lens", "block_size", "heads", "kv_heads", "dim", "tokens_per_split"),
@@ -226,6 +232,7 @@ def test_triton_decode_equals_torch(
             assert torch.equal(out[b], torch.zeros_like(out[b]))
 
 
+@pytest.mark.clause("KERN-15", "KERN-24")
 def test_backends_agree_end_to_end_and_selection(device: torch.device) -> None:
     """KERN-15, KERN-24: get_backend names the backends; None picks the compiled "cpu" backend on the CPU wherever a
     C compiler is found (a kernel that fails to build there is a failure, not an accepted torch fallback), torch only

@@ -21,6 +21,7 @@ def _weight(hidden: int, dtype: torch.dtype) -> torch.Tensor:
     return (torch.rand(hidden) + 0.5).to(dtype)
 
 
+@pytest.mark.clause("KERN-6", "KERN-7")
 @pytest.mark.parametrize("dtype", [torch.float64, *DTYPES])
 def test_rms_norm_is_transformers_rms_norm(dtype: torch.dtype) -> None:
     """KERN-6, KERN-7: torch rms_norm and add_rms_norm are bit-identical to Qwen3RMSNorm (residual added first)."""
@@ -51,6 +52,7 @@ def ulps(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float:
     return float(((out.double() - ref.double()).abs() / ulp(ref, dtype)).max())
 
 
+@pytest.mark.clause("KERN-6")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ulp_is_the_spacing_of_the_dtype(dtype: torch.dtype) -> None:
     """KERN-6: the measuring stick: one step of nextafter is one ulp; zero and subnormals use the smallest normal."""
@@ -65,6 +67,7 @@ def test_ulp_is_the_spacing_of_the_dtype(dtype: torch.dtype) -> None:
     assert ulps(torch.tensor([1.0 + 3 * info.eps]), torch.tensor([1.0]), dtype) == 3
 
 
+@pytest.mark.clause("KERN-6", "KERN-7")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [24, 64, 100])
 def test_triton_norms_equal_torch(dtype: torch.dtype, hidden: int, device: torch.device) -> None:
@@ -90,6 +93,7 @@ def test_triton_norms_equal_torch(dtype: torch.dtype, hidden: int, device: torch
     assert bool((err <= bound).all()), ulps(plain, ref_plain, dtype)
 
 
+@pytest.mark.clause("KERN-8", "KERN-9")
 @pytest.mark.parametrize("dtype", [torch.float64, *DTYPES])
 def test_rotary_is_transformers_rotary(dtype: torch.dtype) -> None:
     """KERN-8, KERN-9: the cos|sin table and the rotation are bit-identical to Qwen3RotaryEmbedding + apply."""
@@ -108,6 +112,7 @@ def test_rotary_is_transformers_rotary(dtype: torch.dtype) -> None:
     assert torch.equal(k_out, k_ref[0].transpose(0, 1))
 
 
+@pytest.mark.clause("KERN-9")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (3, 1, 12)])
 def test_triton_rotary_is_bit_identical(

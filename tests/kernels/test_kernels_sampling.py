@@ -35,6 +35,7 @@ def py_uniform(seed: int, position: int, token: int) -> float:
     return ((bits >> 9) + 0.5) * 2.0**-23
 
 
+@pytest.mark.clause("KERN-11")
 def test_rng_matches_pure_python_statement_of_spec() -> None:
     """KERN-11: the int64-lane hash equals the spec's uint32 definition, including negative and 64-bit seeds."""
     seeds = torch.tensor([0, 1, -5, 2**40 + 7, -(2**63)])
@@ -54,6 +55,7 @@ def _params(batch: int, temperature: float, top_k: int = -1, top_p: float = 1.0)
     )
 
 
+@pytest.mark.clause("KERN-10")
 def test_greedy_is_argmax() -> None:
     """KERN-10: temperature 0 is argmax, whatever top-k, top-p and seed say."""
     logits = torch.randn(6, 50)
@@ -64,6 +66,7 @@ def test_greedy_is_argmax() -> None:
     assert torch.equal(tokens, logits.argmax(-1))
 
 
+@pytest.mark.clause("KERN-11")
 def test_seeded_draw_is_independent_of_batch_composition() -> None:
     """KERN-11: a row's token depends on its own (logits, seed, position, params) only, alone or in any batch."""
     logits = torch.randn(8, 300) * 2
@@ -85,6 +88,7 @@ def test_seeded_draw_is_independent_of_batch_composition() -> None:
     assert not torch.equal(other_seed, batched)  # the seed matters (8 rows of 300-way draws)
 
 
+@pytest.mark.clause("KERN-12")
 def test_top_k_keeps_only_the_k_largest() -> None:
     """KERN-12: with top-k every drawn token is among the k largest logits."""
     logits = torch.randn(1, 100).expand(400, 100).contiguous()
@@ -94,6 +98,7 @@ def test_top_k_keeps_only_the_k_largest() -> None:
     assert set(tokens.tolist()) == allowed  # at temperature 5 over 400 draws, each of the 4 appears
 
 
+@pytest.mark.clause("KERN-13")
 def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
     """KERN-13: top-p keeps the most probable tokens up to the first whose cumulative probability reaches p."""
     probs = torch.tensor([[0.05, 0.4, 0.3, 0.15, 0.1]])
@@ -110,6 +115,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
     assert set(tokens.tolist()) == {1, 2}
 
 
+@pytest.mark.clause("KERN-11")
 def test_race_frequencies_follow_the_distribution() -> None:
     """KERN-11: over many (seed, position) pairs the exponential race picks token i with probability p_i."""
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
@@ -124,6 +130,7 @@ def test_race_frequencies_follow_the_distribution() -> None:
     assert math.isclose(float(counts.sum()), draws)
 
 
+@pytest.mark.clause("KERN-14")
 @pytest.mark.parametrize("vocab", [300, 2500])
 def test_triton_sampler_equals_torch(vocab: int, device: torch.device) -> None:
     """KERN-14: the Triton sampler's uniforms are bit-identical and its tokens equal the torch sampler's."""
