@@ -241,7 +241,7 @@ def check_all(watch: Watch, llm: LLM) -> None:
 GREEDY = 0.0
 
 
-@pytest.mark.clause("ENG-2", "ENG-23")
+@pytest.mark.clause("ENG-2", "ENG-23", "ENG-19")
 def test_each_step_computes_exactly_the_granted_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-2: every prefill and decode step, in a batch of several sequences and with the row-wise work sliced
     (ENG-23), computes positions [num_cached_tokens, num_cached_tokens + num_scheduled_tokens) of each scheduled
@@ -260,7 +260,7 @@ def test_each_step_computes_exactly_the_granted_tokens(monkeypatch: pytest.Monke
     assert sum(c.kind == "store_kv" for c in prefill.calls) == 5 * llm.engine.runner.model.config.num_layers
 
 
-@pytest.mark.clause("ENG-3")
+@pytest.mark.clause("ENG-3", "ENG-19")
 def test_prefix_cache_hit_is_not_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-3: a sequence allocated with num_cached_tokens > 0 computes only its positions from there (its first
     query position is its cached count), attends to the cached blocks' KV (its context is the whole prompt), and
@@ -288,7 +288,7 @@ def test_prefix_cache_hit_is_not_recomputed(monkeypatch: pytest.MonkeyPatch) -> 
     assert all(c.context_lens == (len(second),) for c in prefill.calls if c.kind == "prefill")
 
 
-@pytest.mark.clause("ENG-4")
+@pytest.mark.clause("ENG-4", "ENG-19")
 def test_unfinished_chunk_gets_the_placeholder_and_no_logits(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-4: a chunk of a chunked prefill attends to all KV its sequence has cached so far (its context is every
     earlier chunk plus itself); logits are computed and a token drawn only for sequences whose prompt is complete
