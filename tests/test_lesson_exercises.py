@@ -11,16 +11,11 @@ import itertools
 
 import pytest
 
-from reference import SamplingParams, Scheduler, SchedulerConfig, Sequence, SequenceStatus
+from reference import SamplingParams, Scheduler, Sequence, SequenceStatus
+from tests.scheduler_fixtures import make_scheduler
 
 MODEL_TOKEN = 100  # what the "model" answers; never EOS unless a test says so
 _fresh = itertools.count(1000)
-
-
-def make(num_blocks: int, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64,
-         eos: int = -1) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                                     max_num_batched_tokens=budget, eos=eos))
 
 
 def request(s: Scheduler, length: int, max_tokens: int = 64, ignore_eos: bool = False) -> Sequence:
@@ -45,7 +40,7 @@ def ids(seqs: object) -> list[int]:
 
 def exercise_a() -> tuple[Scheduler, Sequence, Sequence, Sequence]:
     """block_size 4, 2 free blocks; A (length 8) and B (length 5) running; C (length 20) waiting."""
-    s = make(num_blocks=5)
+    s = make_scheduler(num_blocks=5)
     a, b = request(s, 7), request(s, 4)
     batch, is_prefill = step(s)  # both prompts in one prefill; each gets its first token
     assert is_prefill and batch == [a, b]
@@ -81,7 +76,7 @@ def test_exercise_a_decodes_a_and_b_and_leaves_c_waiting() -> None:
 @pytest.mark.clause("DECODE-2", "DECODE-4", "EDGE-2")
 def test_exercise_c1_the_only_running_sequence_preempts_itself() -> None:
     """Exercise C.1; DECODE-2, DECODE-4, EDGE-2: the decode batch is empty and ``assert scheduled_seqs`` fires."""
-    s = make(num_blocks=1)
+    s = make_scheduler(num_blocks=1)
     seq = request(s, 4, max_tokens=3)  # ceil((4 + 3 - 1) / 4) = 2 > 1 block: breaks ADMIT-1
     step(s)  # prefill fills the only block; the first token makes the length 5
     assert len(seq) == 5 and not s.block_manager.free_block_ids
@@ -102,7 +97,7 @@ def test_exercise_c1_the_only_running_sequence_preempts_itself() -> None:
 @pytest.mark.clause("DECODE-2")
 def test_exercise_c1_self_preemption_with_a_non_empty_batch_is_no_error() -> None:
     """DECODE-2: a sequence that preempts itself after others were scheduled is simply left out."""
-    s = make(num_blocks=3)
+    s = make_scheduler(num_blocks=3)
     a, b = request(s, 4, max_tokens=2), request(s, 4, max_tokens=2)
     step(s)  # one block each, one free; both have length 5, so each needs a new block
     newcomer = request(s, 5)  # needs 2 blocks, 1 is free: the step is a decode step
@@ -115,7 +110,7 @@ def test_exercise_c1_self_preemption_with_a_non_empty_batch_is_no_error() -> Non
 @pytest.mark.clause("DECODE-2", "PREEMPT-2")
 def test_a_sequence_beyond_max_num_seqs_can_be_the_victim() -> None:
     """DECODE-2, PREEMPT-2: the tail is preempted for a visited sequence though max_num_seqs leaves it unscheduled."""
-    s = make(num_blocks=3, max_num_seqs=1)
+    s = make_scheduler(num_blocks=3, max_num_seqs=1)
     a, b, c = request(s, 4), request(s, 4), request(s, 4)
     for expected in (a, b, c):  # max_num_seqs 1: one prefill per step, each taking one block
         batch, is_prefill = step(s)
@@ -132,7 +127,7 @@ def test_a_sequence_beyond_max_num_seqs_can_be_the_victim() -> None:
 @pytest.mark.clause("DECODE-3", "KNOB-1")
 def test_exercise_c2_extendleft_reversed_keeps_running_in_fifo_order() -> None:
     """Exercise C.2; DECODE-3, KNOB-1: with max_num_seqs 2 of 3 running, the same oldest two run each step."""
-    s = make(num_blocks=16, max_num_seqs=2)
+    s = make_scheduler(num_blocks=16, max_num_seqs=2)
     a, b, c = request(s, 3), request(s, 3), request(s, 3)
     step(s)  # prefill a, b (max_num_seqs 2)
     step(s)  # prefill c
@@ -148,7 +143,7 @@ def test_exercise_c2_extendleft_reversed_keeps_running_in_fifo_order() -> None:
 @pytest.mark.clause("PREEMPT-1", "PREEMPT-2", "PREEMPT-3")
 def test_exercise_c3_a_preempted_sequence_goes_first_in_waiting() -> None:
     """Exercise C.3; PREEMPT-1, PREEMPT-2, PREEMPT-3: the newest is the victim and is prefilled again first."""
-    s = make(num_blocks=2)
+    s = make_scheduler(num_blocks=2)
     a = request(s, 4, max_tokens=2)
     b = request(s, 4, max_tokens=2)
     step(s)  # a and b hold one full block each; both have length 5
@@ -172,7 +167,7 @@ def test_exercise_c3_a_preempted_sequence_goes_first_in_waiting() -> None:
 @pytest.mark.clause("SCHED-2", "PREFILL-6")
 def test_prefill_first_even_while_sequences_are_running() -> None:
     """SCHED-2, PREFILL-6: a newcomer that fits is prefilled before the running ones decode again."""
-    s = make(num_blocks=16)
+    s = make_scheduler(num_blocks=16)
     a = request(s, 3)
     step(s)
     b = request(s, 5)
@@ -184,7 +179,7 @@ def test_prefill_first_even_while_sequences_are_running() -> None:
 @pytest.mark.clause("PREFILL-2", "PREFILL-3", "PREFILL-5")
 def test_break_one_a_spent_budget_ends_the_scan() -> None:
     """PREFILL-2, PREFILL-3, PREFILL-5: with the budget spent, the rest waits though it would fit the cache."""
-    s = make(num_blocks=16, budget=4)
+    s = make_scheduler(num_blocks=16, budget=4)
     a, b, c = request(s, 2), request(s, 2), request(s, 2)
     batch, is_prefill = s.schedule()
     assert is_prefill and batch == [a, b] and [x.num_scheduled_tokens for x in batch] == [2, 2]
@@ -194,7 +189,7 @@ def test_break_one_a_spent_budget_ends_the_scan() -> None:
 @pytest.mark.clause("CHUNK-1", "PREFILL-2")
 def test_break_three_only_the_first_sequence_is_chunked() -> None:
     """CHUNK-1, PREFILL-2: a second sequence that does not fit the remaining budget is not chunked."""
-    s = make(num_blocks=16, budget=8)
+    s = make_scheduler(num_blocks=16, budget=8)
     a, b = request(s, 6), request(s, 6)
     batch, _ = s.schedule()
     assert batch == [a] and a.num_scheduled_tokens == 6  # b would need 6 of the 2 left: break three
@@ -207,7 +202,7 @@ def test_break_three_only_the_first_sequence_is_chunked() -> None:
 @pytest.mark.clause("CHUNK-1", "CHUNK-2", "POST-1", "POST-2", "KNOB-2")
 def test_a_chunked_prefill_runs_in_consecutive_steps_and_discards_its_samples() -> None:
     """CHUNK-1, CHUNK-2, POST-1, POST-2, KNOB-2: 10 tokens at budget 4 take exactly ceil(10/4) = 3 steps."""
-    s = make(num_blocks=16, budget=4)
+    s = make_scheduler(num_blocks=16, budget=4)
     a = request(s, 3)
     step(s)  # a is running: it would decode if the chunked prefill let it
     x = request(s, 10)
@@ -231,7 +226,7 @@ def test_a_chunked_prefill_runs_in_consecutive_steps_and_discards_its_samples() 
 @pytest.mark.clause("EDGE-3", "PREFILL-1", "PREFILL-4")
 def test_head_of_line_blocking() -> None:
     """EDGE-3, PREFILL-1, PREFILL-4: a head that cannot get its blocks holds back a short request that could."""
-    s = make(num_blocks=4)
+    s = make_scheduler(num_blocks=4)
     a = request(s, 3)
     step(s)  # a holds 1 block, 3 are free
     long, short = request(s, 16), request(s, 2)  # long needs 4 blocks, short needs 1
@@ -244,7 +239,7 @@ def test_head_of_line_blocking() -> None:
 @pytest.mark.clause("POST-3")
 def test_finishing_on_eos_or_max_tokens_releases_the_blocks() -> None:
     """POST-3: EOS finishes unless ignore_eos; max_tokens always does; a finished sequence frees its blocks."""
-    s = make(num_blocks=8, eos=7)
+    s = make_scheduler(num_blocks=8, eos=7)
     stops, ignores, short = request(s, 3), request(s, 3, ignore_eos=True), request(s, 3, max_tokens=1)
     batch, is_prefill = s.schedule()
     s.postprocess(batch, [7, 7, MODEL_TOKEN], is_prefill)
@@ -258,7 +253,7 @@ def test_finishing_on_eos_or_max_tokens_releases_the_blocks() -> None:
 @pytest.mark.clause("KNOB-1", "KNOB-2")
 def test_max_num_seqs_bounds_both_loops_and_the_budget_only_prefill() -> None:
     """KNOB-1, KNOB-2: prefill takes max_num_seqs at most; a decode batch may exceed max_num_batched_tokens."""
-    s = make(num_blocks=16, max_num_seqs=3, budget=2)
+    s = make_scheduler(num_blocks=16, max_num_seqs=3, budget=2)
     seqs = [request(s, 1) for _ in range(4)]
     prefills = [step(s) for _ in range(2)]
     assert [b for b, _ in prefills] == [seqs[:2], seqs[2:]]  # the 2-token budget admits two 1-token prompts

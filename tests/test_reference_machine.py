@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -29,6 +30,7 @@ from optimized.machines.step_contract import (
     check_schedule,
 )
 from reference import BlockManager, SamplingParams, Scheduler, SchedulerConfig, Sequence
+from tests.scheduler_fixtures import make_scheduler
 
 TestReferenceMachine = Machine.TestCase
 
@@ -43,9 +45,7 @@ class Step:
     after: SchedulerState
 
 
-def make(num_blocks: int, max_num_seqs: int = 8, budget: int = 64, eos: int = 9) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
-                                     max_num_batched_tokens=budget, eos=eos))
+make = partial(make_scheduler, eos=9)
 
 
 def add(s: Scheduler, tokens: list[int], max_tokens: int = 8) -> Sequence:
