@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from optimized.commands import arguments
+from optimized.cli import arguments
 
 if TYPE_CHECKING:
     import hypothesis
