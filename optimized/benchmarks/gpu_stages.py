@@ -94,7 +94,7 @@ def stage_kernels(p: Profile, work: Path) -> Result:
     interpret = "0" if p.device == "cuda" else "1"
     env = {**os.environ, "TRITON_INTERPRET": interpret, "NANOVERIFY_KERNEL_DEVICE": p.device,
            "NANOVERIFY_PROBE_OUT": str(probe)}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "optimized.benchmarks.kernel_probe",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.kernel_probe",
            f"--junitxml={junit}", *p.kernel_pytest_args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     (work / "kernels-pytest.log").write_text(proc.stdout + proc.stderr)
