@@ -42,10 +42,10 @@ import torch
 
 from optimized import cpu_defaults
 from optimized.engine import Engine, EngineLimits, Request, SchedulerConfig, describe, validate_request
-from optimized.loader import load_model
 from optimized.model_runner import ModelRunner
+from optimized.models.loader import load_model
+from optimized.models.tokenizer import load_tokenizer
 from optimized.sampling_params import SamplingParams
-from optimized.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -202,7 +202,7 @@ class LLM:
     @staticmethod
     def _model_dir(model: str | Path | None) -> Path:
         if model is None:
-            from optimized.default_model import default_model_dir
+            from optimized.models.default_model import default_model_dir
 
             return default_model_dir()
         if not isinstance(model, (str, Path)):

@@ -1,4 +1,4 @@
-"""KV-cache blocks and the prefix cache, as block-manager-semantics.md states them.
+"""KV-cache blocks and the prefix cache, as spec/block-manager.md states them.
 
 Invariants: every block id is in exactly one of ``free_block_ids`` (a FIFO
 queue) and ``used_block_ids``; a used block's ``ref_count`` is the number of

@@ -1,7 +1,8 @@
 """The lesson's scheduler, statement for statement (lesson 03, engine/scheduler.py).
 
-Read it beside ``lesson-03-scheduling.md``: each block names the section and
-lines it mirrors. Invariants the code keeps (spec/invariants.md states them as
+Read it beside spec/scheduler.md: each block names the lesson's section (§) and
+the lines of its scheduler.py it mirrors, and spec/scheduler.md has a section of
+the same name stating that block's rules as clauses. Invariants the code keeps (spec/invariants.md states them as
 clauses): every sequence is in exactly one of ``waiting`` and ``running`` until
 it finishes; ``running`` followed by ``waiting`` is in arrival order; a batch is
 all-prefill or all-decode; only the first sequence of a prefill batch may be

@@ -27,7 +27,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
 
-# Arrival order is id order (block-manager-semantics.md, "Sequence").
+# Arrival order is id order (spec/block-manager.md).
 _seq_ids = itertools.count()
 
 

@@ -31,7 +31,7 @@ def test_each_configuration_runs_in_its_own_process_with_its_policy(monkeypatch:
         seen.append(env)
         return subprocess.CompletedProcess(command, 0, json.dumps({"wall": 1.0, "threads": 1}) + "\n", "")
 
-    monkeypatch.setattr(busy_core.subprocess, "run", run)
+    monkeypatch.setattr(subprocess, "run", run)
     args = argparse.Namespace(num_requests=1, max_tokens=1)
     busy_core.run_config(busy_core.Config(1, "ACTIVE"), args)
     busy_core.run_config(busy_core.Config(1, "unset"), args)

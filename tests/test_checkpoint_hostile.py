@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from optimized import LLM
-from optimized import loader as loader_module
-from optimized.loader import load_model
 from optimized.models import CausalLM, load_config
+from optimized.models import loader as loader_module
+from optimized.models.loader import load_model
 from tests.engine_fixtures import FAMILIES, checkpoint
 
 K_PROJ = "model.layers.1.self_attn.k_proj.weight"

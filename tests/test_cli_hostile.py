@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 from hypothesis.stateful import RuleBasedStateMachine
 
-from optimized import cli
-from optimized.cli import main
-from optimized.commands import arguments, fuzz
+from optimized.cli import arguments, fuzz, main
+from optimized.cli import command as cli
 from optimized.machines import Stats
 
 ROOT = Path(__file__).resolve().parent.parent

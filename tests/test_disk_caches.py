@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import pytest
 
 from kernels import cpu_build
-from optimized import default_model
+from optimized.models import default_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SIGBUS_EXIT = -7
@@ -386,7 +386,7 @@ def test_a_whole_default_model_is_used_as_it_is(
 
 MAKE_THEN_WAIT = r"""
 import sys, time
-from optimized import default_model
+from optimized.models import default_model
 
 write = default_model.write_checkpoint
 

@@ -10,7 +10,7 @@ import pytest
 
 from optimized import LLM, SamplingParams
 from optimized.cli import main as cli_main
-from optimized.default_model import default_model_dir
+from optimized.models.default_model import default_model_dir
 from tests.engine_fixtures import hf_greedy, one_thread
 
 

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from optimized import LLM, SamplingParams
-from optimized.loader import load_model
 from optimized.models import parse_config
+from optimized.models.loader import load_model
 from tests.engine_fixtures import FAMILIES, checkpoint, hf_greedy
 
 Tensors = dict[str, torch.Tensor]

@@ -305,7 +305,7 @@ def test_cuda_graphs_follow_the_declared_capturable(monkeypatch: pytest.MonkeyPa
     when the backend declares capturable, and enforce_eager=False with a backend that does not is a ValueError
     naming enforce_eager, raised before any weight loads."""
     import kernels.backend
-    from optimized.loader import load_model
+    from optimized.models.loader import load_model
 
     spy = CapabilitySpy(reads_cache_in_place=True, needs_decode_plan=False, capturable=capturable)
     loads: list[str] = []

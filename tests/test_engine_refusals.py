@@ -13,7 +13,7 @@ import pytest
 
 from invariants import snapshot
 from optimized import LLM, SamplingParams
-from optimized.tokenizer import load_tokenizer
+from optimized.models.tokenizer import load_tokenizer
 from tests.engine_fixtures import VOCAB, checkpoint, hf_greedy, make_llm
 
 pytestmark = pytest.mark.usefixtures("engine_env")

@@ -7,7 +7,6 @@ import re
 import pytest
 
 import reference.scheduler
-from optimized import machines
 from optimized.cli import main
 from reference import Sequence
 
@@ -29,16 +28,11 @@ def test_a_short_clean_run_reports_progress_and_exits_0(capsys: pytest.CaptureFi
         assert m.group(5) == "0"
 
 
-def test_a_machine_not_written_yet_is_reported_not_fatal(monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    """The registry may name machines whose module does not exist yet."""
-    monkeypatch.setattr(machines, "MACHINES", {"reference": machines.MACHINES["reference"],
-                                               "ghost": "optimized.machines.ghost_machine"})
-    code = main(["fuzz", "--minutes", "0", "--seed", "1"])
-    out = capsys.readouterr().out
-    assert code == 0 and "ghost: not available yet" in out
-    assert main(["fuzz", "--minutes", "0", "--machine", "ghost"]) == 2
+def test_an_unknown_machine_is_refused_naming_the_machines(capsys: pytest.CaptureFixture[str]) -> None:
+    """CLI-1: --machine names one of the registered machines, or the command refuses it in one line."""
     assert main(["fuzz", "--minutes", "0", "--machine", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert "machine must be one of ['differential', 'reference'], got 'nosuch'" in err
 
 
 @pytest.mark.clause("POST-1")

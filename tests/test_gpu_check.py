@@ -23,7 +23,7 @@ from optimized.benchmarks import gpu_check, gpu_stages
 from optimized.benchmarks.decode_floor import decode_floor, kv_bytes_per_token, weight_bytes
 from optimized.benchmarks.gpu_profile import GPU, QWEN3_0_6B, STAGES, TINY, profile_for
 from optimized.benchmarks.random_checkpoint import num_parameters, write_random_checkpoint
-from optimized.loader import load_model
+from optimized.models.loader import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

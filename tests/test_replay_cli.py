@@ -131,7 +131,7 @@ def test_conformance_command_fails_on_a_differing_trace(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """CONF-7: one sample whose recorded trace differs makes the summary say 79/80 and the exit status 1."""
-    from optimized.commands import conformance
+    from optimized.cli import conformance
 
     samples = conformance.shipped_samples()
     samples[0]["trace"][0]["batch"][0][1] += 1

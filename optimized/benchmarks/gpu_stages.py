@@ -94,7 +94,7 @@ def stage_kernels(p: Profile, work: Path) -> Result:
     interpret = "0" if p.device == "cuda" else "1"
     env = {**os.environ, "TRITON_INTERPRET": interpret, "NANOVERIFY_KERNEL_DEVICE": p.device,
            "NANOVERIFY_PROBE_OUT": str(probe)}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "optimized.benchmarks.kernel_probe",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.kernel_probe",
            f"--junitxml={junit}", *p.kernel_pytest_args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     (work / "kernels-pytest.log").write_text(proc.stdout + proc.stderr)
@@ -220,7 +220,7 @@ def stage_checkpoint(p: Profile, work: Path) -> Result:
     import torch
 
     from optimized.benchmarks.random_checkpoint import num_parameters, write_random_checkpoint
-    from optimized.loader import load_model
+    from optimized.models.loader import load_model
 
     device, dtype = torch.device(p.device), _dtype(p.bench_dtype)
     folder = work / BENCH_DIR
@@ -235,7 +235,7 @@ def stage_checkpoint(p: Profile, work: Path) -> Result:
     count = sum({t.data_ptr(): t.numel() for t in model.parameters()}.values())
     expected = num_parameters(p.bench_model)
     summary = (f"{count / 1e6:.1f}M params ({params} tensors), {human_bytes(size)} safetensors written in "
-               f"{written:.1f} s, loaded through optimized.loader in {loaded:.1f} s")
+               f"{written:.1f} s, loaded through optimized.models.loader in {loaded:.1f} s")
     if count != expected:
         summary += f"; expected {expected} parameters"
     return result(count == expected, summary, parameters=count, bytes=size, write_s=written, load_s=loaded)

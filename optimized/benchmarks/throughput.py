@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from optimized.commands.arguments import MAX_COUNT, MAX_THREADS
+from optimized.cli.arguments import MAX_COUNT, MAX_THREADS
 from optimized.llm import DTYPES, LLM
 from optimized.sampling_params import SamplingParams
 
@@ -135,7 +135,7 @@ def _arg(args: argparse.Namespace, name: str) -> Any:
 def check_arguments(args: argparse.Namespace) -> None:
     """ValueError naming the first setting out of range, before anything is loaded or set.
 
-    The command line refuses these at parse time already (optimized/commands/bench.py); this is the same rule for
+    The command line refuses these at parse time already (optimized/cli/bench.py); this is the same rule for
     a caller that builds the Namespace itself.
     """
     for name in ("num_requests", "max_input_len", "max_output_len", "hf_batch_size", "threads"):

@@ -9,7 +9,7 @@ model with no further surprises; anything the decoder cannot honour (other
 activations, scaled or partial RoPE, sliding windows, quantized weights) is
 refused with a ValueError naming the field. Every size is bounded (``LIMITS``, CKPT-3) so that no field alone asks
 for an absurd allocation, and every eos id lies inside the vocabulary (CKPT-4); the files themselves are read as
-hostile bytes (``optimized.checkpoint_files``, CKPT-1).
+hostile bytes (``optimized.models.checkpoint_files``, CKPT-1).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from optimized.checkpoint_files import read_json_object, regular_file
+from optimized.models.checkpoint_files import read_json_object, regular_file
 
 FAMILIES = ("qwen3", "qwen2", "llama")
 # transformers' defaults, per family, for fields config.json leaves out (None: the query head count, resp.
@@ -30,7 +30,7 @@ MAX_WINDOW_LAYERS_DEFAULT = 28  # Qwen2Config and Qwen3Config
 SLIDING_WINDOW_DEFAULT = 4096  # Qwen2Config and Qwen3Config, when use_sliding_window is true and the key is absent
 # Upper bounds on the sizes (CKPT-3), each far above any released model of these families (largest seen: vocabulary
 # 262k, hidden 16k, MLP 53k, 126 layers, 128 heads, head_dim 256, context 10M); the memory check
-# (optimized.loader) bounds their products.
+# (optimized.models.loader) bounds their products.
 LIMITS = {
     "vocab_size": 1 << 22,
     "hidden_size": 1 << 16,

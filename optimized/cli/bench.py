@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from optimized.commands.arguments import MAX_THREADS, any_int, bounded_int, checkpoint_folder
+from optimized.cli.arguments import MAX_THREADS, any_int, bounded_int, checkpoint_folder
 
 HELP = ("benchmarks: 'scheduler' (reference vs optimized scheduler), 'throughput' (the engine vs transformers), "
         "'threads' (CPU settings, idle and with a busy core)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from optimized.commands.arguments import any_int, bounded_int, checkpoint_folder
+from optimized.cli.arguments import any_int, bounded_int, checkpoint_folder
 
 HELP = "serve a few hundred requests on the default model in check mode and report"
 
@@ -43,7 +43,7 @@ def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], lis
 
 
 def main(args: argparse.Namespace) -> int:
-    """Serve the workload and print the report; a ValueError (bad input) is one line from optimized/cli.py."""
+    """Serve the workload and print the report; a ValueError (bad input) is one line from optimized/cli/command.py."""
     import time
 
     from optimized import LLM, SamplingParams

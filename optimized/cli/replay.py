@@ -38,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
     except NotImplementedError as e:
         print(f"nanoverify replay: {e}", file=sys.stderr)
         return 2
-    # WorkloadError (a ValueError) and OSError are one line and exit 2 by optimized/cli.py.
+    # WorkloadError (a ValueError) and OSError are one line and exit 2 by optimized/cli/command.py.
     workloads = read_input(args.file)
     for workload in workloads:
         sys.stdout.write(json.dumps({"trace": replay(workload, impl)}) + "\n")

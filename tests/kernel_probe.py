@@ -1,4 +1,4 @@
-"""A pytest plugin (``-p optimized.benchmarks.kernel_probe``) that records how the kernel tests really ran.
+"""A pytest plugin (``-p tests.kernel_probe``) that records how the kernel tests really ran.
 
 Invariants: it imports nothing at load time (importing triton here would decide compiled-versus-interpreted
 before tests/kernels/conftest.py runs); at the end of the session it writes, to the file named by

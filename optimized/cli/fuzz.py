@@ -7,8 +7,7 @@ under headings of this command's own, the failing program, its
 ``@reproduce_failure`` blob and the commands that reproduce it; a run that
 finds nothing exits 0. ``--minutes inf`` runs until interrupted: Ctrl-C then
 prints the progress so far and exits 130 (spec/cli.md, CLI-6). A ``--reproduce``
-blob that does not decode is bad input (exit 2), not a finding. Machines whose
-module is not written yet are reported and skipped.
+blob that does not decode is bad input (exit 2), not a finding.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from optimized.commands import arguments
+from optimized.cli import arguments
 
 if TYPE_CHECKING:
     import hypothesis
@@ -49,11 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        from optimized import machines
-    except ImportError as e:
-        print(f"nanoverify fuzz: needs the test extras (pip install 'nanoverify[test]'): {e}", file=sys.stderr)
-        return 2
+    from optimized import machines
+
     if args.reproduce is None and args.minutes is None:
         print("nanoverify fuzz: --minutes is required (a number >= 0, or inf)", file=sys.stderr)
         return 2
@@ -68,13 +64,7 @@ def main(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"nanoverify fuzz: {e}", file=sys.stderr)
             return 2
-        except machines.MachineNotAvailable as e:
-            print(f"{name}: not available yet ({e})")
-            continue
         factories[name] = module.Machine
-    if not factories:
-        print("nanoverify fuzz: no machine to run", file=sys.stderr)
-        return 2
     if args.reproduce is not None:
         return reproduce(args.machine, factories[args.machine], args.reproduce)
     seed = args.seed if args.seed is not None else secrets.randbits(32)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from optimized.checkpoint_files import FLOAT_DTYPES, TensorInfo, read_safetensors_header, regular_file
+from optimized.models.checkpoint_files import FLOAT_DTYPES, TensorInfo, read_safetensors_header, regular_file
 from optimized.models.config import ModelConfig, load_config
 from optimized.models.decoder import CausalLM
 

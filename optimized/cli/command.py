@@ -1,4 +1,4 @@
-"""The ``nanoverify`` command: one subcommand per module under optimized/commands.
+"""The ``nanoverify`` command: one subcommand per module beside this one.
 
 Bad input never gives a traceback: a bad argument, a ``ValueError`` or an
 ``OSError`` from any subcommand is one line on standard error, ``nanoverify
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from optimized.commands import bench, conformance, fuzz, generate, gpu_check, replay, run
+from optimized.cli import bench, conformance, fuzz, generate, gpu_check, replay, run
 
 COMMANDS = {
     "run": run,
@@ -103,7 +103,3 @@ def _silence_stdout() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, fd)
     os.close(devnull)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

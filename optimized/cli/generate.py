@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from optimized.commands.arguments import any_int, checkpoint_folder, utf8_text
+from optimized.cli.arguments import any_int, checkpoint_folder, utf8_text
 
 HELP = "generate completions for the given prompts"
 
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from optimized import LLM, SamplingParams
 
-    # ValueError (a bad flag, a bad checkpoint) is reported by optimized/cli.py as one line, exit 2.
+    # ValueError (a bad flag, a bad checkpoint) is reported by optimized/cli/command.py as one line, exit 2.
     params = SamplingParams(
         temperature=args.temperature,
         max_tokens=args.max_tokens,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from optimized.checkpoint_files import (
+from optimized.models.checkpoint_files import (
     TOKENIZER_JSON_LIMIT,
     parse_json_object,
     read_bytes,

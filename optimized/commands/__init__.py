@@ -1,1 +1,0 @@
-"""Subcommands of ``nanoverify``; see optimized/cli.py."""
