@@ -28,6 +28,7 @@ def test_a_short_clean_run_reports_progress_and_exits_0(capsys: pytest.CaptureFi
         assert m.group(5) == "0"
 
 
+@pytest.mark.clause("CLI-1")
 def test_an_unknown_machine_is_refused_naming_the_machines(capsys: pytest.CaptureFixture[str]) -> None:
     """CLI-1: --machine names one of the registered machines, or the command refuses it in one line."""
     assert main(["fuzz", "--minutes", "0", "--machine", "nosuch"]) == 2
