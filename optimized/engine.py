@@ -28,12 +28,12 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from optimized.block_math import admits
-from optimized.model_runner import PLACEHOLDER, DrawParams, ModelRunner
-from optimized.sampling_params import SamplingParams, token_id
+from invariants.block_math import admits
 
 # The one import point of the scheduler the engine drives (reference.* has the same API).
-from optimized.scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
+from optimized.core.scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
+from optimized.model_runner import PLACEHOLDER, DrawParams, ModelRunner
+from optimized.sampling_params import SamplingParams, token_id
 from optimized.shadow import Shadow
 
 __all__ = ["Engine", "EngineLimits", "EngineStats", "Request", "SchedulerConfig", "describe", "validate_request"]

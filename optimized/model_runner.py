@@ -31,11 +31,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from invariants.block_math import batch_slot_mapping, blocks_for
 from kernels.backend import AttentionBackend, reads_cache_in_place
 from kernels.paged_attention import decode_range
 from kernels.rotary import rotary_cos_sin
 from kernels.sampling import sample
-from optimized.block_math import batch_slot_mapping, blocks_for
 from optimized.graph_runner import DecodeMetadata, GraphFactory, GraphRunner, cuda_graph_factory
 from optimized.models.decoder import AttentionContext, CausalLM
 

@@ -10,7 +10,7 @@ import pytest
 from optimized import LLM, SamplingParams
 from optimized.cli import main as cli_main
 from optimized.conformance import parse_workload
-from optimized.errors import WorkloadError
+from optimized.core.errors import WorkloadError
 from tests.engine_fixtures import checkpoint, one_thread, set_root
 
 

@@ -18,16 +18,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import optimized
-import optimized.kv_cache_manager as kvm
+import optimized.core.kv_cache_manager as kvm
 import reference
 from invariants import check_batch, check_state, seq_view, snapshot
 from optimized.benchmarks import scheduler as bench
 from optimized.conformance import parse_workload, replay
-from optimized.errors import EmptyDecodeError
-from optimized.free_queue import FreeBlockQueue
+from optimized.core.errors import EmptyDecodeError
+from optimized.core.free_queue import FreeBlockQueue
+from optimized.core.scheduler import Scheduler, SchedulerConfig, Sequence
+from optimized.core.token_arena import TokenArena
 from optimized.sampling_params import SamplingParams
-from optimized.scheduler import Scheduler, SchedulerConfig, Sequence
-from optimized.token_arena import TokenArena
 
 SAMPLES = [json.loads(line) for line in
            (Path(optimized.__file__).parent / "data" / "conformance.jsonl").read_text().splitlines() if line.strip()]
@@ -683,7 +683,7 @@ def test_abort_step_withdraws_a_failed_decode_batch_like_the_reference() -> None
 
 def test_the_phase_rule_is_needs_new_block_for_every_member_on_every_step() -> None:
     """OPT-21, OPT-3: the phase the group serves fresh blocks to is exactly block_math.needs_new_block's set."""
-    from optimized.block_math import needs_new_block
+    from invariants.block_math import needs_new_block
 
     p = Pair(block_size=3, num_blocks=200, max_num_seqs=6, max_num_batched_tokens=64)
     for i in range(6):
@@ -705,8 +705,8 @@ def test_the_phase_rule_is_needs_new_block_for_every_member_on_every_step() -> N
 
 def test_the_block_math_rules_are_the_ones_the_code_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """OPT-21: replacing prefill_grant, blocks_for or needs_new_block with a wrong rule changes what happens."""
-    import optimized.scheduler as sched_module
-    import optimized.sequence as seq_module
+    import optimized.core.scheduler as sched_module
+    import optimized.core.sequence as seq_module
 
     def replay_all() -> list[Any]:
         return [replay(parse_workload(s["workload"]), opt_impl()) for s in SAMPLES[:40]]

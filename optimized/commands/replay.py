@@ -8,7 +8,7 @@ import sys
 from typing import Any, TextIO
 
 from optimized.conformance import Workload, implementation, parse_workload, replay
-from optimized.errors import WorkloadError
+from optimized.core.errors import WorkloadError
 
 HELP = "replay conformance workloads (JSON lines with a 'workload' key) and print their traces"
 

@@ -29,10 +29,10 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import optimized.scheduler as opt
+import optimized.core.scheduler as opt
 import reference as ref
 from invariants import SchedulerState, Violation, check_batch, check_state, seq_view, snapshot
-from optimized.errors import EmptyDecodeError
+from optimized.core.errors import EmptyDecodeError
 from optimized.machines import Stats
 from optimized.sampling_params import SamplingParams
 from reference.extensions import abort, abort_step

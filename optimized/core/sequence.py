@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from optimized.block_math import blocks_for
+from invariants.block_math import blocks_for
 from reference.sequence import SequenceStatus
 
 if TYPE_CHECKING:
-    from optimized.decode_group import DecodeGroup
-    from optimized.token_arena import TokenArena
+    from optimized.core.decode_group import DecodeGroup
+    from optimized.core.token_arena import TokenArena
 
 I64 = npt.NDArray[np.int64]
 

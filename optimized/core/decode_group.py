@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from optimized.sequence import Sequence
+from optimized.core.sequence import Sequence
 
 I64 = npt.NDArray[np.int64]
 

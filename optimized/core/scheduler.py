@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from invariants.block_math import prefill_grant
 from invariants.state import BlockView, SchedulerState, seq_view
-from optimized.block_math import prefill_grant
-from optimized.decode_group import DecodeGroup
-from optimized.errors import EmptyDecodeError
-from optimized.kv_cache_manager import KVCacheManager
-from optimized.sequence import Sequence
-from optimized.token_arena import TokenArena
+from optimized.core.decode_group import DecodeGroup
+from optimized.core.errors import EmptyDecodeError
+from optimized.core.kv_cache_manager import KVCacheManager
+from optimized.core.sequence import Sequence
+from optimized.core.token_arena import TokenArena
 from reference.config import SchedulerConfig
 from reference.sequence import SequenceStatus
 

@@ -37,9 +37,9 @@ import numpy as np
 import numpy.typing as npt
 from xxhash import xxh64_intdigest
 
-from optimized.block_math import blocks_for, needs_new_block
-from optimized.free_queue import FreeBlockQueue
-from optimized.sequence import Sequence
+from invariants.block_math import blocks_for, needs_new_block
+from optimized.core.free_queue import FreeBlockQueue
+from optimized.core.sequence import Sequence
 from reference.block_manager import Block
 
 I64 = npt.NDArray[np.int64]
