@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from invariants.block_math import admits
 
 # The one import point of the scheduler the engine drives (reference.* has the same API).
-from optimized.core.scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
+from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
 from optimized.model_runner import PLACEHOLDER, DrawParams, ModelRunner
 from optimized.sampling_params import SamplingParams, token_id
 from optimized.shadow import Shadow
@@ -248,23 +248,21 @@ class Engine:
             return self._step()
 
     def _step(self) -> list[Request]:
-        holding = [r for r in self.live.values() if r.seq.block_table]
-        held = {r.seq.seq_id for r in holding}
-        seqs, is_prefill = self.scheduler.schedule()
-        requests = [self.live[s.seq_id] for s in seqs]
-        preempted = [r for r in holding if not r.seq.block_table]
+        out = self.scheduler.schedule()  # says whom it preempted: no scan of the live requests (OPT-22)
+        seqs, is_prefill, live = out.batch, out.is_prefill, self.live
+        requests = [live[s.seq_id] for s in seqs]
         if self.shadow is not None:
-            self.shadow.after_schedule(self.scheduler, requests, is_prefill, [r.arrival for r in preempted])
+            preempted = [live[s.seq_id].arrival for s in out.preempted]
+            self.shadow.after_schedule(self.scheduler, requests, is_prefill, preempted)
         start = time.perf_counter()
         try:
             tokens = self.runner.run(seqs, is_prefill, [r.draw for r in requests])
         except BaseException as fault:
             self._fail_batch_under(fault, seqs, requests)
             raise
-        self._count(seqs, is_prefill, held, len(preempted), time.perf_counter() - start)
+        self._count(out, time.perf_counter() - start)
         cuts = self._stop_cuts(requests, tokens)
-        self.scheduler.postprocess(seqs, tokens, is_prefill)
-        finished = [r for r in requests if r.seq.status == SequenceStatus.FINISHED]
+        finished = [live[s.seq_id] for s in self.scheduler.postprocess(seqs, tokens, is_prefill)]
         for r in finished:
             r.finish_reason = self._finish_reason(r)
             self._forget(r)
@@ -320,17 +318,17 @@ class Engine:
     def _eos(self) -> int:
         return self.limits.eos_token_ids[0] if self.limits.eos_token_ids else -1
 
-    def _count(self, seqs: list[Sequence], is_prefill: bool, held: set[int], preempted: int, seconds: float) -> None:
+    def _count(self, out: ScheduleOutput, seconds: float) -> None:
         st = self.stats
+        seqs = out.batch
         st.steps += 1
-        st.preemptions += preempted
+        st.preemptions += len(out.preempted)
         computed = sum(s.num_scheduled_tokens for s in seqs)
-        if is_prefill:
+        if out.is_prefill:
             st.prefill_steps += 1
             st.prefill_tokens += computed
             st.prefill_seconds += seconds
-            # A sequence allocated this step starts at its prefix-cache hit.
-            st.prefix_cache_hit_tokens += sum(s.num_cached_tokens for s in seqs if s.seq_id not in held)
+            st.prefix_cache_hit_tokens += out.prefix_hit_tokens
             st.chunked_prefills += sum(s.num_cached_tokens + s.num_scheduled_tokens < s.num_tokens for s in seqs)
         else:
             st.decode_steps += 1

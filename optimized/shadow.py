@@ -24,6 +24,21 @@ from optimized.sampling_params import SamplingParams
 from reference.extensions import abort, abort_step
 
 
+def schedule_reporting_preemptions(
+    ref: reference.Scheduler,
+) -> tuple[list[reference.Sequence], bool, list[reference.Sequence]]:
+    """The reference's ``schedule()`` (the lesson's signature, kept) and whom it preempted.
+
+    Only a decode step preempts, and only running sequences: those sent back to waiting, always the
+    queue's tail first, so the preemption order is the reverse of their running order. This adapter reads
+    that off the reference's queues, to be compared with ``ScheduleOutput.preempted`` (OPT-22).
+    """
+    running_before = list(ref.running)
+    batch, is_prefill = ref.schedule()
+    preempted = [s for s in reversed(running_before) if s.status is reference.SequenceStatus.WAITING]
+    return batch, is_prefill, preempted
+
+
 class ShadowDivergence(RuntimeError):
     """The engine's scheduler and the reference decided differently, or one broke an invariant."""
 
@@ -110,9 +125,8 @@ class Shadow:
     def after_schedule(
         self, engine_scheduler: Any, batch: Sequence[Arrived], is_prefill: bool, preempted: list[int]
     ) -> None:
-        holding = [a for a, s in self.by_arrival.items() if s.block_table]
-        self.batch, self.is_prefill = self.ref.schedule()
-        ref_preempted = [a for a in holding if not self.by_arrival[a].block_table]
+        self.batch, self.is_prefill, preempted_seqs = schedule_reporting_preemptions(self.ref)
+        ref_preempted = [self.arrival_of[s.seq_id] for s in preempted_seqs]
         mine = [(r.arrival, r.seq.num_scheduled_tokens, list(r.seq.block_table)) for r in batch]
         ref = [(self.arrival_of[s.seq_id], s.num_scheduled_tokens, list(s.block_table)) for s in self.batch]
         if is_prefill != self.is_prefill:

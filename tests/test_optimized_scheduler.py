@@ -25,9 +25,10 @@ from optimized.benchmarks import scheduler as bench
 from optimized.conformance import parse_workload, replay
 from optimized.core.errors import EmptyDecodeError
 from optimized.core.free_queue import FreeBlockQueue
-from optimized.core.scheduler import Scheduler, SchedulerConfig, Sequence
+from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
 from optimized.core.token_arena import TokenArena
 from optimized.sampling_params import SamplingParams
+from optimized.shadow import schedule_reporting_preemptions
 
 SAMPLES = [json.loads(line) for line in
            (Path(optimized.__file__).parent / "data" / "conformance.jsonl").read_text().splitlines() if line.strip()]
@@ -63,7 +64,7 @@ class Recording(Scheduler):
 
     raised: list[type[BaseException]]
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
+    def schedule(self) -> ScheduleOutput:
         try:
             return super().schedule()
         except BaseException as e:
@@ -376,6 +377,7 @@ class Pair:
         self.opt = Scheduler(SchedulerConfig(**config))
         self.ref_seqs: list[reference.Sequence] = []
         self.opt_seqs: list[Sequence] = []
+        self.outputs: list[ScheduleOutput] = []
 
     def add(self, prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> int:
         r = reference.Sequence(prompt, reference.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
@@ -392,14 +394,24 @@ class Pair:
         if self.ref.is_finished():
             assert self.opt.is_finished()
             return False
-        (rb, rp), (ob, op) = self.ref.schedule(), self.opt.schedule()
+        holding = {id(s) for s in self.ref_seqs if s.block_table}
+        rb, rp, ref_preempted = schedule_reporting_preemptions(self.ref)
+        out = self.opt.schedule()
+        self.outputs.append(out)
+        ob, op = out.batch, out.is_prefill
         assert rp == op
         assert [self.ref_seqs.index(s) for s in rb] == [self.opt_seqs.index(s) for s in ob]
         assert [(s.num_scheduled_tokens, s.block_table) for s in rb] == \
                [(s.num_scheduled_tokens, s.block_table) for s in ob]
+        # OPT-22: what the step reports is what the reference did.
+        assert [self.opt_seqs.index(s) for s in out.preempted] == [self.ref_seqs.index(s) for s in ref_preempted]
+        admitted = [s.num_cached_tokens for s in rb if id(s) not in holding] if rp else []
+        assert out.prefix_hit_tokens == sum(admitted)
         model = [1 + (len(s) * 7) % 5 for s in rb]
         self.ref.postprocess(rb, model, rp)
-        self.opt.postprocess(ob, model if tokens is None else tokens(model), op)
+        finished = self.opt.postprocess(ob, model if tokens is None else tokens(model), op)
+        assert [self.opt_seqs.index(s) for s in finished] == \
+               [self.ref_seqs.index(s) for s in rb if s.status is reference.SequenceStatus.FINISHED]
         return True
 
     def agree(self) -> None:
@@ -728,3 +740,33 @@ def test_the_block_math_rules_are_the_ones_the_code_runs(monkeypatch: pytest.Mon
     with monkeypatch.context() as m:
         m.setattr(seq_module, "blocks_for", lambda n, b: 0)
         assert seq.num_blocks == 0
+
+
+def test_a_step_reports_whom_it_preempted_what_it_hit_and_whom_it_finished() -> None:
+    """OPT-22: ScheduleOutput's preempted and prefix_hit_tokens, and postprocess's finished, are the reference's.
+
+    Pair.step compares them with the reference on every step; this workload makes each of them non-empty.
+    """
+    p = Pair(block_size=2, num_blocks=9, max_num_seqs=4, max_num_batched_tokens=32)
+    p.add([5, 6, 7, 8, 1], 6)
+    while p.step() and not p.ref.running:
+        pass
+    for i in range(3):
+        p.add([5, 6, 7, 8, i + 2], 6)
+    while p.step():
+        pass
+    assert any(out.preempted for out in p.outputs)
+    assert any(out.prefix_hit_tokens for out in p.outputs)
+    batch, is_prefill = p.outputs[0]  # the lesson's pair
+    assert (batch, is_prefill) == (p.outputs[0].batch, True)
+
+
+def test_postprocess_of_an_empty_batch_before_any_schedule_changes_nothing() -> None:
+    """OPT-22: as in the reference, postprocess([], [], False) on a fresh scheduler is a no-op (finishes none)."""
+    p = Pair(block_size=2, num_blocks=4, max_num_seqs=2, max_num_batched_tokens=8)
+    p.add([1, 2, 3], 2)
+    p.ref.postprocess([], [], False)
+    assert p.opt.postprocess([], [], False) == []
+    p.agree()
+    while p.step():
+        pass

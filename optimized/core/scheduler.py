@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import struct
 from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,12 +35,32 @@ from optimized.core.token_arena import TokenArena
 from reference.config import SchedulerConfig
 from reference.sequence import SequenceStatus
 
-__all__ = ["Scheduler", "SchedulerConfig", "Sequence", "SequenceStatus"]
+__all__ = ["ScheduleOutput", "Scheduler", "SchedulerConfig", "Sequence", "SequenceStatus"]
 
 I64 = npt.NDArray[np.int64]
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 FINISHED = SequenceStatus.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleOutput:
+    """What one ``schedule()`` did (OPT-22): the batch to run, and what the caller would otherwise scan for.
+
+    ``batch`` is handed back to ``postprocess`` as it is. ``preempted`` are the sequences this step sent
+    back to waiting, in the order it preempted them; ``prefix_hit_tokens`` counts the tokens the sequences
+    admitted this step took from the prefix cache. Unpacking gives the lesson's ``(batch, is_prefill)``
+    pair, so code written against the reference's ``schedule()`` drives this scheduler unchanged.
+    """
+
+    batch: list[Sequence]
+    is_prefill: bool
+    preempted: tuple[Sequence, ...] = ()
+    prefix_hit_tokens: int = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        yield self.batch
+        yield self.is_prefill
 
 
 class Scheduler:
@@ -86,25 +108,26 @@ class Scheduler:
         seq._own = None
         self._waiting.append(seq)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
+    def schedule(self) -> ScheduleOutput:
         if self._group.inflight:  # schedule twice without postprocess: back to per-sequence fields
             self._group.dissolve()
         if self._waiting:
-            self._last_batch = None
-            scheduled = self._prefill()
-            if scheduled:
-                return scheduled, True
-        return self._decode(), False
+            out = self._prefill()
+            if out is not None:
+                return out
+        return self._decode()
 
-    def postprocess(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> None:
+    def postprocess(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> list[Sequence]:
+        """The lesson's postprocess; the sequences it finished, in batch order (OPT-22)."""
         group = self._group
         if seqs is self._last_batch and group.inflight and len(seqs) == len(group.members) <= len(token_ids):
-            self._postprocess_group(token_ids, len(seqs))
+            finished = self._postprocess_group(token_ids, len(seqs))
         else:
             if group.inflight or any(s._group is not None for s in seqs):
                 group.dissolve()
-            self._postprocess_each(seqs, token_ids, is_prefill)
+            finished = self._postprocess_each(seqs, token_ids, is_prefill)
         self._last_batch = None
+        return finished
 
     # --- beyond the lesson: abort (spec/abort.md, OPT-18..20) ---------------------------------------
     def abort(self, seq: Sequence) -> None:
@@ -157,9 +180,10 @@ class Scheduler:
         seq._nsched = 0
 
     # --- lesson §2: the prefill loop, on cached hashes ------------------------------------------
-    def _prefill(self) -> list[Sequence]:
+    def _prefill(self) -> ScheduleOutput | None:
         scheduled: list[Sequence] = []
         num_batched_tokens = 0
+        hit_blocks = 0
         waiting, bm, block_size = self._waiting, self.block_manager, self.block_size
         while waiting and len(scheduled) < self.max_num_seqs:
             seq = waiting[0]
@@ -179,6 +203,7 @@ class Scheduler:
                 break
             if not seq.block_table:
                 bm.allocate(seq, num_cached_blocks)
+                hit_blocks += num_cached_blocks
             seq._nsched = grant
             num_batched_tokens += grant
             if seq._ncached + seq._nsched == seq._ntok:
@@ -186,11 +211,14 @@ class Scheduler:
                 waiting.popleft()
                 self._running.append(seq)
             scheduled.append(seq)
-        return scheduled
+        if not scheduled:
+            return None
+        return ScheduleOutput(scheduled, True, (), hit_blocks * block_size)
 
     # --- lesson §4: the decode loop, as one group ----------------------------------------------
-    def _decode(self) -> list[Sequence]:
+    def _decode(self) -> ScheduleOutput:
         group, running = self._group, self._running
+        preempted: tuple[Sequence, ...] = ()
         members = group.members
         k = min(len(running), self.max_num_seqs)
         if len(members) < k:
@@ -203,23 +231,25 @@ class Scheduler:
                 # list.append over the members' tables at C speed (it returns None, so any() runs to the end).
                 any(map(list.append, group.tables[phase], bm.take_fresh_many(len(due))))
             else:
-                self._decode_with_preemption(due[:])
+                preempted = self._decode_with_preemption(due[:])
         if not members:
             raise EmptyDecodeError("schedule(): nothing fits and nothing is running (the reference's assert)")
         group.inflight = True
         batch = members[:]
         self._last_batch = batch
-        return batch
+        return ScheduleOutput(batch, False, preempted)
 
-    def _decode_with_preemption(self, due: list[Sequence]) -> None:
+    def _decode_with_preemption(self, due: list[Sequence]) -> tuple[Sequence, ...]:
         """The reference's popleft / can_append / preempt-the-tail loop, visiting only members that need a block.
 
         Members before a needy one pass can_append without taking anything; the
-        queue's tail (index t-1) is what ``running.pop()`` would take (OPT-7).
+        queue's tail (index t-1) is what ``running.pop()`` would take (OPT-7). Returns the preempted,
+        in the order they were preempted.
         """
         group, running, bm = self._group, self._running, self.block_manager
         members, free = group.members, bm.free
         t = len(running)
+        preempted: list[Sequence] = []
         for seq in due:
             j = members.index(seq)
             if j >= t:
@@ -227,9 +257,11 @@ class Scheduler:
             while free.count == 0:
                 if t - 1 > j:
                     t -= 1
+                    preempted.append(running[t])
                     self._preempt(running[t])
                 else:  # only this one is left: it preempts itself
                     t = j
+                    preempted.append(seq)
                     self._preempt(seq)
                     break
             else:
@@ -238,6 +270,7 @@ class Scheduler:
             break
         del running[t:]
         group.truncate(min(t, len(members)))
+        return tuple(preempted)
 
     def _preempt(self, seq: Sequence) -> None:
         if seq._group is not None:
@@ -248,7 +281,7 @@ class Scheduler:
         self._waiting.appendleft(seq)
 
     # --- lesson §5: postprocess ----------------------------------------------------------------
-    def _postprocess_group(self, token_ids: Any, count: int) -> None:
+    def _postprocess_group(self, token_ids: Any, count: int) -> list[Sequence]:
         group = self._group
         # One scatter appends a token to every member; the clock advances them all.
         tokens = self._as_int64(token_ids, count)
@@ -264,8 +297,10 @@ class Scheduler:
         finishing = group.finishes.pop(clock, None)
         if group.eos_watchers:
             finishing = self._eos_hits(tokens, finishing)
-        if finishing:
-            self._finish_members(finishing)
+        if not finishing:
+            return []
+        self._finish_members(finishing)
+        return finishing
 
     def _as_int64(self, token_ids: Any, count: int) -> I64:
         """The first ``count`` model tokens as int64.
@@ -310,8 +345,9 @@ class Scheduler:
         seq._own = self._arena.release(seq)
         seq._arena = None
 
-    def _postprocess_each(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> None:
+    def _postprocess_each(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> list[Sequence]:
         bm, eos, data = self.block_manager, self.eos, self._arena.data
+        finished: list[Sequence] = []
         for seq, token_id in zip(seqs, token_ids):  # noqa: B905 (the reference zips: the shorter ends it)
             bm.hash_blocks(seq)
             seq._ncached += seq._nsched
@@ -323,6 +359,8 @@ class Scheduler:
             if (not seq.ignore_eos and token_id == eos) or seq._ntok - seq.num_prompt_tokens == seq._max_tokens:
                 self._running.remove(seq)
                 self._finish(seq)
+                finished.append(seq)
+        return finished
 
     # --- one view for the invariants ------------------------------------------------------------
     def snapshot(self) -> SchedulerState:
