@@ -389,8 +389,11 @@ class Pair:
         self.opt_seqs.append(o)
         return len(self.ref_seqs) - 1
 
-    def step(self, tokens: Any = None) -> bool:
-        """One schedule()+postprocess() on both; the batches must agree. False once both are idle."""
+    def step(self, tokens: Any = None, copy_batch: bool = False) -> bool:
+        """One schedule()+postprocess() on both; the batches must agree. False once both are idle.
+
+        ``copy_batch``: the optimized scheduler's postprocess gets a copy of its batch (OPT-3).
+        """
         if self.ref.is_finished():
             assert self.opt.is_finished()
             return False
@@ -409,10 +412,19 @@ class Pair:
         assert out.prefix_hit_tokens == sum(admitted)
         model = [1 + (len(s) * 7) % 5 for s in rb]
         self.ref.postprocess(rb, model, rp)
-        finished = self.opt.postprocess(ob, model if tokens is None else tokens(model), op)
+        self.check_calendar()
+        finished = self.opt.postprocess(list(ob) if copy_batch else ob, model if tokens is None else tokens(model), op)
+        self.check_calendar()
         assert [self.opt_seqs.index(s) for s in finished] == \
                [self.ref_seqs.index(s) for s in rb if s.status is reference.SequenceStatus.FINISHED]
         return True
+
+    def check_calendar(self) -> None:
+        """OPT-3: the finish calendar books every decode-group member exactly once, and has no empty day."""
+        group = self.opt._group
+        booked = [id(seq) for day in group.finishes.values() for seq in day]
+        assert all(group.finishes.values())
+        assert sorted(booked) == sorted(id(seq) for seq in group.members)
 
     def agree(self) -> None:
         """OPT-1: the same queues, sequences and block-manager state; every invariant holds."""
@@ -770,3 +782,66 @@ def test_postprocess_of_an_empty_batch_before_any_schedule_changes_nothing() -> 
     p.agree()
     while p.step():
         pass
+
+
+def test_a_hit_freed_before_its_admission_is_no_longer_held_in_the_walk_memo() -> None:
+    """OPT-14: a remembered walk whose hit was freed, then cut by a take, counts that hit as free, not held.
+
+    The waiting sequence's walk hits blocks of a running one; that one finishes (the hits go free), and a
+    take from the free queue's reused part unmaps a hit (the walk is cut): the memo's count of held hits
+    must follow, or the admission test and the chosen blocks differ from the reference's.
+    """
+    p = Pair(block_size=2, num_blocks=5, max_num_seqs=1, max_num_batched_tokens=16)
+    arrivals = [([1], 4, 0), ([1, 3, 1], 3, 1), ([1, 3, 1, 1, 2, 1], 2, 3)]
+    steps = 0
+    while arrivals or p.step():
+        while arrivals and arrivals[0][2] <= steps:
+            prompt, max_tokens, _ = arrivals.pop(0)
+            p.add(prompt, max_tokens)
+        steps += 1
+        p.agree()
+    assert steps > 3
+
+
+def test_a_batch_handed_back_as_a_copy_decides_the_same() -> None:
+    """OPT-3: postprocess on a copy of the decode batch dissolves the group with each member's grant of one token.
+
+    Every other step hands back a copy; the counters, the hashes and every later decision stay the reference's.
+    """
+    p = Pair(block_size=2, num_blocks=40, max_num_seqs=4, max_num_batched_tokens=16)
+    for i in range(4):
+        p.add([i + 1, i + 2, i + 3], 7 + i)
+    steps = 0
+    while p.step(copy_batch=steps % 2 == 1):
+        steps += 1
+        p.agree()
+    assert steps > 6
+
+
+def test_a_fill_logged_before_a_member_rejoined_resolves_to_its_earlier_segment() -> None:
+    """OPT-16: a decode fill logged in a member's first stay, flushed after it left and rejoined, finds that stay.
+
+    A copy of the batch handed to postprocess makes the members leave the group without a flush, and grow
+    one token without the group's clock; the next decode step rejoins them (a new segment) while the earlier
+    step's fill is still in the log. After two such steps a later segment's ``length - clock`` is two more
+    than the first one's: read from it, the fill would name the wrong block. The flush must walk back from
+    the last segment to the one covering the fill's clock.
+    """
+    p = Pair(block_size=2, num_blocks=40, max_num_seqs=2, max_num_batched_tokens=16)
+    p.add([1, 2, 3], 8)
+    p.add([4, 5, 6], 8)
+    p.step()  # prefill: lengths 4
+    p.step()  # decode at clock 0: the members' second blocks fill, logged as one entry for clock 0
+    bm = p.opt.block_manager
+    assert [entry[1] for entry in bm.pending if entry[0] is None] == [0]
+    p.step(copy_batch=True)  # the group dissolves, nothing is flushed
+    p.step(copy_batch=True)  # they rejoin at clock 1 (a second segment) and leave again
+    p.step()  # they rejoin at clock 1: a third segment
+    members = p.opt._group.members
+    assert len(members) == 2 and all(len(seq._segments) == 3 for seq in members)
+    assert all(seq._segments[-1][0] == 1 for seq in members)  # the logged clock 0 is in the first segment
+    assert all(seq._segments[-1][1] == seq._segments[0][1] + 2 for seq in members)
+    assert [entry[1] for entry in bm.pending if entry[0] is None] == [0]
+    p.agree()  # flushes: the fill must register the blocks of the first segment's table
+    while p.step():
+        p.agree()

@@ -40,7 +40,6 @@ from xxhash import xxh64_intdigest
 from invariants.block_math import blocks_for, needs_new_block
 from optimized.core.free_queue import FreeBlockQueue
 from optimized.core.sequence import Sequence
-from reference.block_manager import Block
 
 I64 = npt.NDArray[np.int64]
 
@@ -179,19 +178,6 @@ class KVCacheManager:
         if raw is None:
             return []
         return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
-
-    @property
-    def blocks(self) -> list[Block]:
-        """Copies as reference Blocks (for inspection; O(num_blocks))."""
-        out = []
-        refs = self.ref_counts
-        for b in range(self.num_blocks):
-            block = Block(b)
-            block.ref_count = refs[b]
-            block.hash = self.block_hash(b)
-            block.token_ids = self.token_ids_of(b)
-            out.append(block)
-        return out
 
     # --- hashes ---------------------------------------------------------------------------------------
     def extend_chain(self, seq: Sequence, end: int) -> None:
