@@ -4,11 +4,10 @@ Invariants: a request is validated whole before the scheduler sees it, so a
 refused one leaves the scheduler untouched (ENG-9); every sequence the
 scheduler holds belongs to exactly one live ``Request``; a step runs the model
 on exactly the tokens the scheduler granted and postprocesses exactly that
-batch. Stop tokens are honoured without touching the scheduler's decisions
-(ENG-12): when a drawn token is in the request's stop set, the engine lowers
-that sequence's ``max_tokens`` to end at this token just before postprocess,
-and the scheduler finishes it by its own length rule; check mode applies the
-same cut to the shadow. Beyond the lesson (spec/abort.md): a live request can
+batch. Stop tokens are the scheduler's (ENG-12, OPT-23): each request's stop
+set is handed to the scheduler with the sequence, and postprocess finishes a
+sequence that draws one, beside EOS; check mode hands the same sets to the
+shadow, which applies the rule with ``reference.extensions``. Beyond the lesson (spec/abort.md): a live request can
 be aborted between steps, and a step whose model run raises fails its batch
 (FAULT-1, FAULT-2): the batch's grants are withdrawn, its requests finish with
 ``"error"``, the exception propagates, and every other request stays queued;
@@ -32,7 +31,7 @@ from invariants.block_math import admits
 
 # The one import point of the scheduler the engine drives (reference.* has the same API).
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
-from optimized.model_runner import PLACEHOLDER, DrawParams, ModelRunner
+from optimized.model_runner import DrawParams, ModelRunner
 from optimized.sampling_params import SamplingParams, token_id
 from optimized.shadow import Shadow
 
@@ -190,9 +189,9 @@ class Engine:
         self.require_trusted()
         request = self._request(token_ids, params, seed)
         with self._adding:
-            self.scheduler.add(request.seq)
+            self.scheduler.add(request.seq, request.stop_ids)
             if self.shadow is not None:
-                self.shadow.add(request.arrival, request.seq.token_ids, params)
+                self.shadow.add(request.arrival, request.seq.token_ids, params, request.stop_ids)
             self.live[request.seq.seq_id] = request
             self.by_arrival[request.arrival] = request
             self._arrivals += 1
@@ -261,13 +260,12 @@ class Engine:
             self._fail_batch_under(fault, seqs, requests)
             raise
         self._count(out, time.perf_counter() - start)
-        cuts = self._stop_cuts(requests, tokens)
         finished = [live[s.seq_id] for s in self.scheduler.postprocess(seqs, tokens, is_prefill)]
         for r in finished:
             r.finish_reason = self._finish_reason(r)
             self._forget(r)
         if self.shadow is not None:
-            self.shadow.after_postprocess(self.scheduler, tokens, cuts, [r.arrival for r in finished])
+            self.shadow.after_postprocess(self.scheduler, tokens, [r.arrival for r in finished])
             self.stats.compared_steps += 1
         return finished
 
@@ -298,15 +296,6 @@ class Engine:
 
     def _live_arrivals(self) -> dict[int, int]:
         return {seq_id: r.arrival for seq_id, r in self.live.items()}
-
-    def _stop_cuts(self, requests: list[Request], tokens: list[int]) -> list[int]:
-        """ENG-12: cut max_tokens to end at a drawn stop token; the arrivals cut."""
-        cuts = []
-        for r, t in zip(requests, tokens, strict=True):
-            if t != PLACEHOLDER and t in r.stop_ids:
-                r.seq.max_tokens = r.seq.num_completion_tokens + 1
-                cuts.append(r.arrival)
-        return cuts
 
     def _finish_reason(self, r: Request) -> str:
         last = r.seq.last_token

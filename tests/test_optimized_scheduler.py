@@ -29,6 +29,7 @@ from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig,
 from optimized.core.token_arena import TokenArena
 from optimized.sampling_params import SamplingParams
 from optimized.shadow import schedule_reporting_preemptions
+from reference.extensions import postprocess_with_stops
 
 SAMPLES = [json.loads(line) for line in
            (Path(optimized.__file__).parent / "data" / "conformance.jsonl").read_text().splitlines() if line.strip()]
@@ -216,7 +217,7 @@ def test_each_full_block_is_hashed_at_most_once_per_sequence(monkeypatch: pytest
         return real_hash(data)
 
     def add(self: Scheduler, seq: Sequence) -> None:
-        seq._hashes = RecordedChain(len(seqs), hashed, taken)
+        seq.core.hashes = RecordedChain(len(seqs), hashed, taken)
         seqs.append(seq)
         real_add(self, seq)
 
@@ -253,7 +254,7 @@ def test_each_full_block_is_hashed_at_most_once_per_sequence(monkeypatch: pytest
             piece = np.array(tokens[i * block_size:(i + 1) * block_size], dtype="<i8").tobytes()
             prev = real_hash(piece if prev == -1 else prev.to_bytes(8, "little") + piece)
             chain.append(prev)
-        assert list(seq._hashes) == chain
+        assert list(seq.core.hashes) == chain
 
 
 def test_registrations_wait_until_the_table_is_read() -> None:
@@ -289,13 +290,13 @@ def test_bad_requests_are_refused_at_the_boundary_and_change_nothing() -> None:
     opt.add(seq)
     with pytest.raises(ValueError, match="already added"):
         opt.add(seq)
-    with pytest.raises(ValueError, match="max_tokens"):
-        seq.max_tokens = 0
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        opt.add(Sequence([1, 2], SamplingParams(max_tokens=3), 4), stop_token_ids=[3, True])
     assert len(opt.waiting) == 1 and seq.max_tokens == 3
 
 
-def test_tokens_survive_arena_moves_and_max_tokens_changes_move_the_finish() -> None:
-    """OPT-11: regions move (growth, compaction) without losing tokens; a member's finish follows max_tokens."""
+def test_tokens_survive_arena_moves() -> None:
+    """OPT-11: regions move (growth, compaction) without losing tokens."""
     moves: list[int] = []
     arena = TokenArena(on_move=lambda: moves.append(1), capacity=8)
     owners = [SimpleNamespace(region_offset=0, region_capacity=0, n=3, stored_length=lambda: 3) for _ in range(3)]
@@ -307,23 +308,6 @@ def test_tokens_survive_arena_moves_and_max_tokens_changes_move_the_finish() -> 
                 64)
     for k, owner in enumerate(owners[1:], start=1):
         assert arena.data[owner.region_offset : owner.region_offset + 3].tolist() == [k, k, k]
-    # The engine cuts and raises max_tokens between schedule and postprocess: both schedulers agree.
-    workload = {"config": {"block_size": 2, "num_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 64,
-                           "eos": 0}, "requests": requests(3, 3, 6)}
-    ref, opt = twin_run(workload, 3)
-    (rb, rp), (ob, op) = ref.schedule(), opt.schedule()
-    rb[0].max_tokens, ob[0].max_tokens = 40, 40
-    rb[1].max_tokens, ob[1].max_tokens = rb[1].num_completion_tokens + 1, ob[1].num_completion_tokens + 1
-    ref.postprocess(rb, [1] * len(rb), rp)
-    opt.postprocess(ob, [1] * len(ob), op)
-    assert [s.status.name for s in rb] == [s.status.name for s in ob] == ["RUNNING", "FINISHED", "RUNNING"]
-    while not ref.is_finished():
-        (rb, rp), (ob, op) = ref.schedule(), opt.schedule()
-        ref.postprocess(rb, [1] * len(rb), rp)
-        opt.postprocess(ob, [1] * len(ob), op)
-        assert [(len(s), s.block_table, s.status.name) for s in rb] == [(len(s), s.block_table, s.status.name)
-                                                                        for s in ob]
-    assert opt.is_finished()
 
 
 def test_the_bench_compares_decisions_and_prints_both_sides(capsys: pytest.CaptureFixture[str]) -> None:
@@ -378,13 +362,16 @@ class Pair:
         self.ref_seqs: list[reference.Sequence] = []
         self.opt_seqs: list[Sequence] = []
         self.outputs: list[ScheduleOutput] = []
+        self.stops: dict[int, frozenset[int]] = {}  # reference seq_id -> stop set (OPT-23)
 
-    def add(self, prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> int:
+    def add(self, prompt: list[int], max_tokens: int, ignore_eos: bool = True, stops: frozenset[int] = frozenset(),
+            ) -> int:
         r = reference.Sequence(prompt, reference.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
                                self.block_size)
         o = Sequence(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), self.block_size)
         self.ref.add(r)
-        self.opt.add(o)
+        self.opt.add(o, stops)
+        self.stops[r.seq_id] = stops
         self.ref_seqs.append(r)
         self.opt_seqs.append(o)
         return len(self.ref_seqs) - 1
@@ -411,7 +398,7 @@ class Pair:
         admitted = [s.num_cached_tokens for s in rb if id(s) not in holding] if rp else []
         assert out.prefix_hit_tokens == sum(admitted)
         model = [1 + (len(s) * 7) % 5 for s in rb]
-        self.ref.postprocess(rb, model, rp)
+        postprocess_with_stops(self.ref, rb, model, rp, [self.stops[s.seq_id] for s in rb])
         self.check_calendar()
         finished = self.opt.postprocess(list(ob) if copy_batch else ob, model if tokens is None else tokens(model), op)
         self.check_calendar()
@@ -537,8 +524,8 @@ def test_shared_leading_blocks_take_the_last_chain_and_stay_exact(monkeypatch: p
         opt.add(seq)
         opt.block_manager.extend_chain(seq, len(seq) // 4)
     for seq, prompt in zip(seqs, prompts, strict=True):
-        assert seq._hashes == expected_chain(prompt, 4)
-        assert [bytes(p) for p in seq._pieces] == [np.array(prompt[i : i + 4], "<i8").tobytes()
+        assert seq.core.hashes == expected_chain(prompt, 4)
+        assert [bytes(p) for p in seq.core.pieces] == [np.array(prompt[i : i + 4], "<i8").tobytes()
                                                    for i in range(0, len(prompt) - 4, 4)]
     assert len(calls) < sum(len(p) // 4 for p in prompts)
 
@@ -838,10 +825,51 @@ def test_a_fill_logged_before_a_member_rejoined_resolves_to_its_earlier_segment(
     p.step(copy_batch=True)  # they rejoin at clock 1 (a second segment) and leave again
     p.step()  # they rejoin at clock 1: a third segment
     members = p.opt._group.members
-    assert len(members) == 2 and all(len(seq._segments) == 3 for seq in members)
-    assert all(seq._segments[-1][0] == 1 for seq in members)  # the logged clock 0 is in the first segment
-    assert all(seq._segments[-1][1] == seq._segments[0][1] + 2 for seq in members)
+    assert len(members) == 2 and all(len(seq.core.segments) == 3 for seq in members)
+    assert all(seq.core.segments[-1][0] == 1 for seq in members)  # the logged clock 0 is in the first segment
+    assert all(seq.core.segments[-1][1] == seq.core.segments[0][1] + 2 for seq in members)
     assert [entry[1] for entry in bm.pending if entry[0] is None] == [0]
     p.agree()  # flushes: the fill must register the blocks of the first segment's table
     while p.step():
         p.agree()
+
+
+@pytest.mark.parametrize(("copy_batch", "unused_stops"), [(False, {9}), (True, {9}), (False, {9, 10, 11, 12})])
+def test_a_drawn_stop_token_finishes_its_sequence_beside_eos(copy_batch: bool, unused_stops: set[int]) -> None:
+    """OPT-23: the scheduler finishes a sequence that draws one of its stop tokens, in prefill and in decode.
+
+    The reference does through ``postprocess_with_stops``; every decision, the release order included, is the
+    same. With ``copy_batch`` the decode steps go through the per-sequence path instead of the group's; with
+    more than four stop ids watched in the group, the group looks them up with ``np.isin``.
+    """
+    p = Pair(block_size=2, num_blocks=40, max_num_seqs=4, max_num_batched_tokens=16)
+    # Pair's model token for a sequence of length n is 1 + (7n mod 5): 2 at n = 3, 4 at 4, 1 at 5, 3 at 6.
+    p.add([1, 2, 3], 20, stops=frozenset({2}))  # its prefill draws 2: finished at once
+    p.add([4, 5, 6, 7], 20, stops=frozenset({3}))  # draws 4, 1, then 3: stops in decode
+    p.add([8, 9, 1, 2], 20)  # no stop set: runs to max_tokens
+    p.add([3, 4, 5, 6], 20, stops=frozenset({3, *unused_stops}))  # with ids nobody draws
+    while p.step(copy_batch=copy_batch):
+        p.agree()
+    assert [s.num_completion_tokens for s in p.opt_seqs] == [1, 3, 20, 3]
+    assert [s.last_token for s in p.opt_seqs] == [2, 3, p.opt_seqs[2].last_token, 3]
+
+
+def test_no_core_class_writes_another_objects_private_fields_and_sequence_does_not_import_the_group() -> None:
+    """OPT-24: the core writes a sequence's state through its ``core`` record only; no ``x._field = ...`` on
+    anything but ``self``, and sequence.py imports neither the decode group nor the scheduler."""
+    import ast
+
+    core = Path(optimized.__file__).parent / "core"
+    writes = []
+    for path in sorted(core.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and target.attr.startswith("_") and not (
+                        isinstance(target.value, ast.Name) and target.value.id == "self"):
+                    writes.append(f"{path.name}:{target.lineno} {ast.unparse(target)}")
+    assert writes == []
+    imported = {node.module for node in ast.walk(ast.parse((core / "sequence.py").read_text()))
+                if isinstance(node, ast.ImportFrom)}
+    assert not imported & {"optimized.core.decode_group", "optimized.core.scheduler"}

@@ -53,11 +53,11 @@ def chain_hash(contents: bytes, prefix: int) -> int:
 
 def token_bytes(seq: Sequence) -> tuple[memoryview, int]:
     """The bytes of the array holding the sequence's tokens (no copy) and the byte offset of its first token."""
-    arena = seq._arena
+    arena = seq.core.arena
     if arena is not None:
-        return arena.bytes_view, 8 * seq.region_offset
-    assert seq._own is not None
-    return seq._own.data.cast("B"), 0
+        return arena.bytes_view, 8 * seq.core.region_offset
+    assert seq.core.own is not None
+    return seq.core.own.data.cast("B"), 0
 
 
 class WalkMemo:
@@ -181,14 +181,14 @@ class KVCacheManager:
 
     # --- hashes ---------------------------------------------------------------------------------------
     def extend_chain(self, seq: Sequence, end: int) -> None:
-        """Chain hashes of full blocks [len(seq._hashes), end) of ``seq``, each computed once (OPT-5).
+        """Chain hashes of full blocks [len(seq.core.hashes), end) of ``seq``, each computed once (OPT-5).
 
-        The blocks' bytes are kept beside the hashes (``seq._pieces``) for the walk to compare and
+        The blocks' bytes are kept beside the hashes (``seq.core.pieces``) for the walk to compare and
         the registration to store. A chain hash is a function of the bytes of the blocks up to its
         own, so when a sequence starts with the same full blocks as the last one hashed from its
         start (a shared system prompt), it takes those hashes instead of computing them (OPT-15).
         """
-        chain, pieces = seq._hashes, seq._pieces
+        chain, pieces = seq.core.hashes, seq.core.pieces
         i = len(chain)
         if i >= end:
             return
@@ -197,7 +197,7 @@ class KVCacheManager:
         if i == 0:
             # The shared run is looked for over every full block the sequence had when it was added (it
             # may be longer than ``end``); only what is past it is hashed, up to ``end``.
-            full = max(end, seq._ntok // self.block_size)
+            full = max(end, seq.core.ntok // self.block_size)
             raw = view[at : at + full * width].tobytes()
             i = self._shared_start(seq, raw, full)
             if i >= end:
@@ -225,8 +225,8 @@ class KVCacheManager:
         self._chain_source = seq
         if source is None or source is seq:
             return 0
-        theirs = source._pieces
-        m = min(end, len(source._hashes), len(theirs))
+        theirs = source.core.pieces
+        m = min(end, len(source.core.hashes), len(theirs))
         width = 8 * self.block_size
         owner, common = self._common
         if owner is source and len(common) <= m * width and raw.startswith(common):
@@ -236,8 +236,8 @@ class KVCacheManager:
         while k < m and raw.startswith(theirs[k], k * width):
             k += 1
         if k:
-            seq._hashes.extend(source._hashes[:k])
-            seq._pieces.extend(theirs[:k])
+            seq.core.hashes.extend(source.core.hashes[:k])
+            seq.core.pieces.extend(theirs[:k])
             # The bytes ``seq`` is now known to start with, for the next sequence to compare at once.
             self._common = (seq, common if k == known else raw[: k * width])
         return k
@@ -245,7 +245,7 @@ class KVCacheManager:
     def chain_hash_of(self, seq: Sequence, i: int) -> int:
         """The chain hash of full block i of ``seq``, computed at most once per sequence (OPT-5)."""
         self.extend_chain(seq, i + 1)
-        return seq._hashes[i]
+        return seq.core.hashes[i]
 
     def defer(self, seq: Sequence, start: int, block_ids: list[int]) -> None:
         """Blocks start, start+1, ... of ``seq`` (held in ``block_ids``) just became full: register them later."""
@@ -255,7 +255,7 @@ class KVCacheManager:
         """Decode step ``clock`` filled the last block of each of ``seqs``: register those blocks later.
 
         Only the step is logged: which block that was is read back at the flush from the member's
-        segment for that clock (``Sequence._segments``), whose table list deallocate leaves intact.
+        segment for that clock (``CoreState.segments``), whose table list deallocate leaves intact.
         """
         self.pending.append((None, clock, seqs))
 
@@ -285,17 +285,17 @@ class KVCacheManager:
         new_hashes: list[int] = []
         new_blocks: list[int] = []
         for seq in seqs:
-            segments = seq._segments
+            segments = seq.core.segments
             k = len(segments) - 1
             while segments[k][0] > clock:
                 k -= 1
             _, anchor, block_table = segments[k]
             i = (anchor + clock) // block_size - 1
             block_id = block_table[i]
-            chain = seq._hashes
-            arena = seq._arena
+            chain = seq.core.hashes
+            arena = seq.core.arena
             if arena is not None:
-                at = 8 * seq.region_offset + i * width
+                at = 8 * seq.core.region_offset + i * width
                 piece = arena.bytes_view[at : at + width].tobytes()
             else:
                 view, at = token_bytes(seq)
@@ -308,7 +308,7 @@ class KVCacheManager:
                     self.extend_chain(seq, i)
                 h = xxh64_intdigest(to_bytes(chain[i - 1], 8, "little") + piece) if i else xxh64_intdigest(piece)
                 chain.append(h)
-                seq._pieces.append(piece)
+                seq.core.pieces.append(piece)
             hashes[block_id] = h
             contents[block_id] = piece
             table[h] = block_id
@@ -320,9 +320,9 @@ class KVCacheManager:
     def _register(self, seq: Sequence, start: int, block_ids: list[int]) -> None:
         end = start + len(block_ids)
         self.extend_chain(seq, end)
-        chain = seq._hashes[start:end]
+        chain = seq.core.hashes[start:end]
         self._hashes.update(zip(block_ids, chain, strict=True))
-        self._contents.update(zip(block_ids, seq._pieces[start:end], strict=True))
+        self._contents.update(zip(block_ids, seq.core.pieces[start:end], strict=True))
         self._table.update(zip(chain, block_ids, strict=True))
         memo = self._memo
         if memo is not None and self._touches(memo, chain, block_ids):
@@ -410,7 +410,7 @@ class KVCacheManager:
     def deallocate(self, seq: Sequence) -> None:
         """Release the table from its end to its start; the freed ids join the queue in that order."""
         self.release(seq.block_table)
-        seq._ncached = 0
+        seq.core.ncached = 0
         seq.block_table = []  # a new list: a pending decode fill may still read the old one (defer_fills)
 
     # --- the reference's BlockManager API, on sequences outside the decode group ----------------------
@@ -420,19 +420,19 @@ class KVCacheManager:
         memo = self._memo
         if memo is None or memo.seq is not seq:
             memo = self._walk(seq)
-        if self.free.count < blocks_for(seq._ntok, self.block_size) - memo.used:
+        if self.free.count < blocks_for(seq.core.ntok, self.block_size) - memo.used:
             return -1
         return memo.cached
 
     def _walk(self, seq: Sequence) -> WalkMemo:
         """The reference's lookup walk over the sequence's full blocks but its last."""
         block_size = self.block_size
-        last = blocks_for(seq._ntok, block_size) - 1
+        last = blocks_for(seq.core.ntok, block_size) - 1
         # Hash only what the walk reads: the first block, and the rest once the first one hits (the
         # registration hashes the others later, if anything ever reads them).
         self.extend_chain(seq, min(last, 1))
         table = self._table
-        chain, pieces = seq._hashes, seq._pieces
+        chain, pieces = seq.core.hashes, seq.core.pieces
         hits: list[int] = []
         missed = -1
         if last and chain[0] in table:
@@ -482,20 +482,20 @@ class KVCacheManager:
         self._memo = None
         block_table = seq.block_table
         block_table.extend(hits)
-        block_table.extend(self.take_fresh_many(blocks_for(seq._ntok, self.block_size) - num_cached_blocks))
-        seq._ncached = num_cached_blocks * self.block_size
+        block_table.extend(self.take_fresh_many(blocks_for(seq.core.ntok, self.block_size) - num_cached_blocks))
+        seq.core.ncached = num_cached_blocks * self.block_size
 
     def can_append(self, seq: Sequence) -> bool:
-        return self.free.count >= needs_new_block(seq._ntok, self.block_size)
+        return self.free.count >= needs_new_block(seq.core.ntok, self.block_size)
 
     def may_append(self, seq: Sequence) -> None:
-        if needs_new_block(seq._ntok, self.block_size):
+        if needs_new_block(seq.core.ntok, self.block_size):
             seq.block_table.append(self.take_fresh())
 
     def hash_blocks(self, seq: Sequence) -> None:
         """The blocks this step's tokens filled enter the prefix cache (at the next flush)."""
         block_size = self.block_size
-        start = seq._ncached // block_size
-        end = (seq._ncached + seq._nsched) // block_size
+        start = seq.core.ncached // block_size
+        end = (seq.core.ncached + seq.core.nsched) // block_size
         if end > start:
             self.defer(seq, start, seq.block_table[start:end])

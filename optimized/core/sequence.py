@@ -1,25 +1,29 @@
-"""A request as the optimized scheduler sees it: the reference's attributes, stored so decode is O(1).
+"""A request as the optimized scheduler sees it: the reference's attributes, read from one core record.
 
-Invariants: outside the decode group (``_group is None``) the fields
-``_ntok``, ``_ncached``, ``_nsched``, ``_is_prefill`` are the reference's
-``num_tokens``, ``num_cached_tokens``, ``num_scheduled_tokens`` and
-``is_prefill``. Inside it, every member advances by one token per decode step,
-so those values are derived from the group's clock instead of being written for
-each sequence each step: with ``d = clock - _since`` decode steps since the
-sequence joined, ``num_tokens = _ntok + d``, ``num_cached_tokens = num_tokens -
-1``, ``num_scheduled_tokens`` is 1 while the group's batch is in flight and 0
-otherwise, and ``is_prefill`` is False (OPT-3). Tokens live in the scheduler's
-``TokenArena`` from ``add`` until the sequence finishes, and in ``_own`` before
-and after. ``_hashes[i]`` is the prefix-cache chain hash of full block i,
-computed once (it depends only on tokens that never change) and kept across
-preemptions (OPT-5). ``block_table`` is a plain list, shared with the block
-manager. Ids are unique and increasing: arrival order is id order.
+Invariants: everything the scheduler core decides about a sequence lives in
+its ``CoreState`` record (``seq.core``), which only the core's classes write
+(the scheduler, the decode group, the KV-cache manager, the token arena);
+``Sequence`` itself only reads it. Outside the decode group (``core.group is
+None``) the record's ``ntok``, ``ncached``, ``nsched``, ``is_prefill`` are the
+reference's ``num_tokens``, ``num_cached_tokens``, ``num_scheduled_tokens``
+and ``is_prefill``. Inside it, every member advances by one token per decode
+step, so those values are derived from the group's clock instead of being
+written for each sequence each step: with ``d = clock - core.since`` decode
+steps since the sequence joined, ``num_tokens = ntok + d``,
+``num_cached_tokens = num_tokens - 1``, ``num_scheduled_tokens`` is 1 while the
+group's batch is in flight and 0 otherwise, and ``is_prefill`` is False
+(OPT-3). Tokens live in the scheduler's ``TokenArena`` from ``add`` until the
+sequence finishes, and in ``core.own`` before and after. ``core.hashes[i]`` is
+the prefix-cache chain hash of full block i, computed once (it depends only on
+tokens that never change) and kept across preemptions (OPT-5).
+``block_table`` is a plain list, shared with the block manager. Ids are unique
+and increasing: arrival order is id order.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -28,12 +32,20 @@ from invariants.block_math import blocks_for
 from reference.sequence import SequenceStatus
 
 if TYPE_CHECKING:
-    from optimized.core.decode_group import DecodeGroup
     from optimized.core.token_arena import TokenArena
 
 I64 = npt.NDArray[np.int64]
 
 _seq_ids = itertools.count()
+
+
+class GroupClock(Protocol):
+    """What a sequence reads of the decode group it is a member of."""
+
+    @property
+    def now(self) -> int: ...
+    @property
+    def inflight(self) -> bool: ...
 
 
 def token_array(token_ids: Any) -> I64:
@@ -51,28 +63,67 @@ def token_array(token_ids: Any) -> I64:
         raise ValueError("token_ids must fit in int64") from None
 
 
-class Sequence:
+class CoreState:
+    """The scheduler core's record of one sequence: its counters, its arena region, its group stay, its hashes.
+
+    Fields are written by the core's classes only. ``stops``: the token ids that finish the sequence when
+    drawn, beside EOS (OPT-23). ``segments``: (since, anchor, block table list) per stay in the decode group:
+    at clock c >= since its length was anchor + c and its blocks were in that list (read back by a deferred
+    fill, OPT-16). ``pieces[i]``: the bytes of full block i, beside ``hashes[i]``.
+    """
+
     __slots__ = (
-        "_arena",
-        "_gord",
-        "_group",
-        "_hashes",
-        "_is_prefill",
-        "_max_tokens",
-        "_ncached",
-        "_nsched",
-        "_ntok",
-        "_own",
-        "_pieces",
-        "_segments",
-        "_since",
-        "_status",
-        "block_size",
-        "block_table",
-        "ignore_eos",
-        "num_prompt_tokens",
+        "arena",
+        "gord",
+        "group",
+        "hashes",
+        "is_prefill",
+        "max_tokens",
+        "ncached",
+        "nsched",
+        "ntok",
+        "own",
+        "pieces",
         "region_capacity",
         "region_offset",
+        "segments",
+        "since",
+        "status",
+        "stops",
+    )
+
+    def __init__(self, tokens: I64, max_tokens: int) -> None:
+        self.status = SequenceStatus.WAITING
+        self.ntok = int(tokens.shape[0])
+        self.ncached = 0
+        self.nsched = 0
+        self.is_prefill = True
+        self.max_tokens = max_tokens
+        self.stops: frozenset[int] = frozenset()
+        self.hashes: list[int] = []
+        self.pieces: list[bytes] = []
+        self.own: I64 | None = tokens
+        self.arena: TokenArena | None = None
+        self.region_offset = 0
+        self.region_capacity = 0
+        self.group: GroupClock | None = None
+        self.since = 0
+        self.gord = 0
+        self.segments: list[tuple[int, int, list[int]]] = []
+
+    def stored_length(self) -> int:
+        """The number of tokens stored (the arena moves this many)."""
+        g = self.group
+        return self.ntok if g is None else self.ntok + g.now - self.since
+
+
+class Sequence:
+    __slots__ = (
+        "block_size",
+        "block_table",
+        "core",
+        "ignore_eos",
+        "num_prompt_tokens",
         "sampling_params",
         "seq_id",
         "temperature",
@@ -86,75 +137,45 @@ class Sequence:
         self.sampling_params = sampling_params
         self.block_size = block_size
         self.temperature: float = sampling_params.temperature
-        self._max_tokens: int = sampling_params.max_tokens
         self.ignore_eos: bool = sampling_params.ignore_eos
         self.num_prompt_tokens = int(tokens.shape[0])
         self.block_table: list[int] = []
-        self._status = SequenceStatus.WAITING
-        self._ntok = self.num_prompt_tokens
-        self._ncached = 0
-        self._nsched = 0
-        self._is_prefill = True
-        self._hashes: list[int] = []
-        self._pieces: list[bytes] = []  # the bytes of full block i, beside _hashes[i]
-        self._own: I64 | None = tokens
-        self._arena: TokenArena | None = None
-        self.region_offset = 0
-        self.region_capacity = 0
-        self._group: DecodeGroup | None = None
-        self._since = 0
-        self._gord = 0
-        # (since, anchor, block table list) per stay in the decode group: at clock c >= since its
-        # length was anchor + c and its blocks were in that list (read back by a deferred fill).
-        self._segments: list[tuple[int, int, list[int]]] = []
+        self.core = CoreState(tokens, sampling_params.max_tokens)
 
     # --- the reference's attributes -------------------------------------------------
     @property
     def status(self) -> SequenceStatus:
-        return self._status
+        return self.core.status
 
     @property
     def num_tokens(self) -> int:
-        g = self._group
-        return self._ntok if g is None else self._ntok + g.now - self._since
+        core = self.core
+        g = core.group
+        return core.ntok if g is None else core.ntok + g.now - core.since
 
     def __len__(self) -> int:
         return self.num_tokens
 
     @property
     def num_cached_tokens(self) -> int:
-        g = self._group
-        return self._ncached if g is None else self._ntok - 1 + g.now - self._since
+        core = self.core
+        g = core.group
+        return core.ncached if g is None else core.ntok - 1 + g.now - core.since
 
     @property
     def num_scheduled_tokens(self) -> int:
-        g = self._group
-        return self._nsched if g is None else int(g.inflight)
+        core = self.core
+        g = core.group
+        return core.nsched if g is None else int(g.inflight)
 
     @property
     def is_prefill(self) -> bool:
-        return self._is_prefill if self._group is None else False
+        core = self.core
+        return core.is_prefill if core.group is None else False
 
     @property
     def max_tokens(self) -> int:
-        return self._max_tokens
-
-    @max_tokens.setter
-    def max_tokens(self, value: int) -> None:
-        """The engine cuts max_tokens at a stop token; a group member's finish step moves with it."""
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"max_tokens must be an integer, got {value!r}")
-        if value <= self.num_completion_tokens:
-            # The reference would never finish it by length (it tests ==): refuse at the boundary.
-            raise ValueError(f"max_tokens must exceed the {self.num_completion_tokens} tokens already generated")
-        arena = self._arena
-        if arena is not None and self.num_prompt_tokens + value > self.region_capacity:
-            arena.resize(self, self.num_prompt_tokens + value)
-        g = self._group
-        if g is None:
-            self._max_tokens = value
-        else:
-            g.move_finish(self, value)
+        return self.core.max_tokens
 
     @property
     def num_completion_tokens(self) -> int:
@@ -166,12 +187,13 @@ class Sequence:
 
     def stored_tokens(self) -> I64:
         """A read-only view of the tokens (valid until the next step)."""
-        n = self.num_tokens
-        if self._arena is not None:
-            view = self._arena.data[self.region_offset : self.region_offset + n]
+        core = self.core
+        n = core.stored_length()
+        if core.arena is not None:
+            view = core.arena.data[core.region_offset : core.region_offset + n]
         else:
-            assert self._own is not None
-            view = self._own[:n]
+            assert core.own is not None
+            view = core.own[:n]
         view = view.view()
         view.flags.writeable = False
         return view
@@ -187,23 +209,21 @@ class Sequence:
 
     @property
     def last_token(self) -> int:
-        n = self.num_tokens
+        core = self.core
+        n = core.stored_length()
         if n == 0:
             return -1
-        if self._arena is not None:
-            return int(self._arena.data[self.region_offset + n - 1])
-        assert self._own is not None
-        return int(self._own[n - 1])
+        if core.arena is not None:
+            return int(core.arena.data[core.region_offset + n - 1])
+        assert core.own is not None
+        return int(core.own[n - 1])
 
     def block(self, i: int) -> list[int]:
         assert 0 <= i < self.num_blocks
         return self.stored_tokens()[i * self.block_size : (i + 1) * self.block_size].tolist()  # type: ignore[no-any-return]
 
-    def stored_length(self) -> int:
-        return self.num_tokens
-
     def __repr__(self) -> str:
         return (
-            f"Sequence(id={self.seq_id}, status={self._status.name}, len={self.num_tokens}, "
+            f"Sequence(id={self.seq_id}, status={self.core.status.name}, len={self.num_tokens}, "
             f"cached={self.num_cached_tokens}, blocks={self.block_table})"
         )
