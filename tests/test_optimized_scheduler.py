@@ -27,6 +27,7 @@ from optimized.core.errors import EmptyDecodeError
 from optimized.core.free_queue import FreeBlockQueue
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
 from optimized.core.token_arena import TokenArena
+from optimized.core.walk_memo import WalkMemo
 from optimized.sampling_params import SamplingParams
 from optimized.shadow import schedule_reporting_preemptions
 from reference.extensions import postprocess_with_stops
@@ -182,8 +183,15 @@ def test_the_free_queue_keeps_the_reference_deque_order(ops: list[tuple[str, int
         assert all(queue.contains(b) == (b in model) for b in range(8))
 
 
+class Computed(list[int]):
+    """Hashes ``chain_hashes`` just computed (the test wraps it), as opposed to hashes copied from another chain."""
+
+
 class RecordedChain(list[int]):
-    """A sequence's chain-hash cache that logs, per slot, whether it was hashed (append) or taken (extend)."""
+    """A sequence's chain-hash cache that logs, per slot, whether it was hashed or taken from another chain.
+
+    A hash is computed when it is appended one at a time, or extended with ``chain_hashes``'s result.
+    """
 
     def __init__(self, order: int, hashed: list[tuple[int, int]], taken: list[tuple[int, int]]) -> None:
         super().__init__()
@@ -194,8 +202,9 @@ class RecordedChain(list[int]):
         super().append(h)
 
     def extend(self, hs: Iterable[int]) -> None:
+        log = self.hashed if isinstance(hs, Computed) else self.taken
         hs = list(hs)
-        self.taken.extend((self.order, len(self) + k) for k in range(len(hs)))
+        log.extend((self.order, len(self) + k) for k in range(len(hs)))
         super().extend(hs)
 
 
@@ -216,16 +225,18 @@ def test_each_full_block_is_hashed_at_most_once_per_sequence(monkeypatch: pytest
         calls.append(data)
         return real_hash(data)
 
-    def add(self: Scheduler, seq: Sequence) -> None:
+    def add(self: Scheduler, seq: Sequence, stop_token_ids: Iterable[int] = ()) -> None:
         seq.core.hashes = RecordedChain(len(seqs), hashed, taken)
         seqs.append(seq)
-        real_add(self, seq)
+        real_add(self, seq, frozenset(stop_token_ids))
 
     def preempt(self: Scheduler, seq: Sequence) -> None:
         preempted.append(seqs.index(seq))
         real_preempt(self, seq)
 
+    real_chain = kvm.chain_hashes
     monkeypatch.setattr(kvm, "xxh64_intdigest", counting)
+    monkeypatch.setattr(kvm, "chain_hashes", lambda prefix, pieces: Computed(real_chain(prefix, pieces)))
     monkeypatch.setattr(Scheduler, "add", add)
     monkeypatch.setattr(Scheduler, "_preempt", preempt)
     block_size, shared, prompt, max_tokens = 2, 4, 5, 10
@@ -266,7 +277,9 @@ def test_registrations_wait_until_the_table_is_read() -> None:
     for s in (opt, ref):
         batch, pf = s.schedule()
         s.postprocess(batch, [6], pf)  # type: ignore[arg-type]
-    assert opt.block_manager.pending and opt.block_manager._table == {}
+    seq = opt.running[0]
+    assert opt.block_manager.pending == [kvm.FullBlocks(seq, 0, seq.block_table[:2])]  # a typed entry
+    assert opt.block_manager._table == {}
     assert opt.block_manager.hash_to_block_id == ref.block_manager.hash_to_block_id  # reading flushed it
     assert not opt.block_manager.pending
 
@@ -442,7 +455,7 @@ def test_takes_from_never_used_blocks_forget_nothing(monkeypatch: pytest.MonkeyP
     while p.step():
         pass
     p.agree()
-    assert p.opt.block_manager.free.front <= p.opt.block_manager._clean_end
+    assert p.opt.block_manager.free.front <= p.opt.block_manager.pool.clean_end
 
 
 def test_takes_past_the_never_used_blocks_forget_their_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -472,7 +485,7 @@ def test_the_remembered_walk_is_always_the_walk_the_reference_would_make() -> No
     walks = asks = checked = 0
     real_walk, real_ask = bm._walk, bm.can_allocate
 
-    def walk(seq: Sequence) -> kvm.WalkMemo:
+    def walk(seq: Sequence) -> WalkMemo:
         nonlocal walks
         walks += 1
         return real_walk(seq)
@@ -538,7 +551,7 @@ def test_a_logged_decode_fill_lands_after_its_sequence_finished() -> None:
     while p.step():
         pass
     bm = p.opt.block_manager
-    assert any(entry[0] is None for entry in bm.pending)  # decode fills waited: nobody read the table
+    assert any(isinstance(entry, kvm.DecodeFills) for entry in bm.pending)  # decode fills waited: nobody read the table
     assert all(not s.block_table for s in p.opt_seqs)
     again = p.add(p.ref_seqs[0].token_ids[:13], 3)  # its blocks 0..2 all filled while decoding
     (rb, rp), (ob, op) = p.ref.schedule(), p.opt.schedule()
@@ -820,7 +833,7 @@ def test_a_fill_logged_before_a_member_rejoined_resolves_to_its_earlier_segment(
     p.step()  # prefill: lengths 4
     p.step()  # decode at clock 0: the members' second blocks fill, logged as one entry for clock 0
     bm = p.opt.block_manager
-    assert [entry[1] for entry in bm.pending if entry[0] is None] == [0]
+    assert [entry.clock for entry in bm.pending if isinstance(entry, kvm.DecodeFills)] == [0]
     p.step(copy_batch=True)  # the group dissolves, nothing is flushed
     p.step(copy_batch=True)  # they rejoin at clock 1 (a second segment) and leave again
     p.step()  # they rejoin at clock 1: a third segment
@@ -828,7 +841,7 @@ def test_a_fill_logged_before_a_member_rejoined_resolves_to_its_earlier_segment(
     assert len(members) == 2 and all(len(seq.core.segments) == 3 for seq in members)
     assert all(seq.core.segments[-1][0] == 1 for seq in members)  # the logged clock 0 is in the first segment
     assert all(seq.core.segments[-1][1] == seq.core.segments[0][1] + 2 for seq in members)
-    assert [entry[1] for entry in bm.pending if entry[0] is None] == [0]
+    assert [entry.clock for entry in bm.pending if isinstance(entry, kvm.DecodeFills)] == [0]
     p.agree()  # flushes: the fill must register the blocks of the first segment's table
     while p.step():
         p.agree()
@@ -873,3 +886,12 @@ def test_no_core_class_writes_another_objects_private_fields_and_sequence_does_n
     imported = {node.module for node in ast.walk(ast.parse((core / "sequence.py").read_text()))
                 if isinstance(node, ast.ImportFrom)}
     assert not imported & {"optimized.core.decode_group", "optimized.core.scheduler"}
+
+
+@given(st.lists(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=4, max_size=4), max_size=5))
+def test_the_one_chain_hash_is_the_references(blocks: list[list[int]]) -> None:
+    """OPT-5: ``chain_hashes``, the only place the optimized scheduler hashes, chains compute_hash."""
+    pieces = [np.array(b, dtype="<i8").tobytes() for b in blocks]
+    assert kvm.chain_hashes(-1, pieces) == expected_chain([t for b in blocks for t in b], 4)
+    source = Path(kvm.__file__).read_text()
+    assert source.count("xxh64_intdigest(") == 1 and "def chain_hash(" not in source

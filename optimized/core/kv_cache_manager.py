@@ -7,48 +7,72 @@ b carries hash h; a lookup hit also needs equal token bytes; a released block
 keeps its hash and contents until it is taken again. What differs from the
 reference (spec/optimized-scheduler.md):
 
-* the free queue is FreeBlockQueue (OPT-4); ``_extra[b]`` (a list) is a used
-  block's ref count minus one and 0 for every free block, so taking a fresh
-  block writes no count and releasing a block held once writes none either;
-  ``_shared`` counts the blocks with ``_extra > 0``; ``_hashes`` and
-  ``_contents`` (dicts) hold the registered blocks only, so a registration is
-  three dict updates and taking a block pops its entries;
-* every free-queue entry before absolute position ``_clean_end`` is a block
-  that was never used, so it has no hash and no pending registration: takes
-  from there touch nothing but the queue's front (OPT-13);
+* which blocks are free and how many tables hold each used one is the
+  ``BlockPool``'s (block_pool.py: OPT-4, OPT-13); this class is the prefix
+  cache over it, and forgets a taken block's hash only when the take reaches
+  past the pool's never-used blocks; ``_hashes`` and ``_contents`` (dicts)
+  hold the registered blocks only, so a registration is three dict updates and
+  taking a block pops its entries;
 * chain hashes come from the sequence's own cache, so each full block of a
   sequence is hashed at most once (OPT-5);
-* registering full blocks (``hash_blocks``) only appends (sequence, first
-  index, block ids) to ``pending``, and a decode step's fills only (clock,
-  members) (OPT-16); the log is applied in order (``flush``) before anything
+* registering full blocks (``hash_blocks``) only appends a ``FullBlocks``
+  entry (sequence, first index, block ids) to ``pending``, and a decode step's
+  fills only a ``DecodeFills`` (clock, members) (OPT-16); the log is applied in order (``flush``) before anything
   reads the table or a block's hash: a lookup (``can_allocate``), taking a block
-  from beyond ``_clean_end``, any inspection. The table then holds exactly
+  from beyond the pool's never-used blocks, any inspection. The table then holds exactly
   what the reference's eager registrations would have left (OPT-8);
-* ``can_allocate`` remembers the walk it made for a waiting sequence and reuses
-  it while nothing the walk read has changed (OPT-14).
+* ``can_allocate`` remembers the walk it made for a waiting sequence
+  (walk_memo.py) and reuses it while nothing the walk read has changed (OPT-14);
+* every chain hash is computed by ``chain_hashes``.
 """
 
 from __future__ import annotations
 
-from operator import itemgetter
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 from xxhash import xxh64_intdigest
 
 from invariants.block_math import blocks_for, needs_new_block
-from optimized.core.free_queue import FreeBlockQueue
+from optimized.core.block_pool import BlockPool
 from optimized.core.sequence import Sequence
+from optimized.core.walk_memo import WalkMemo
 
 I64 = npt.NDArray[np.int64]
 
 
-def chain_hash(contents: bytes, prefix: int) -> int:
-    """xxh64 over the previous block's hash (8 bytes LE, omitted when -1) then the token bytes."""
-    if prefix == -1:
-        return xxh64_intdigest(contents)
-    return xxh64_intdigest(prefix.to_bytes(8, "little") + contents)
+def chain_hashes(prefix: int, pieces: Iterable[bytes]) -> list[int]:
+    """The prefix-cache chain hash of each block's bytes in turn: xxh64 over the previous block's hash
+    (8 bytes little-endian; nothing before a sequence's first block, ``prefix == -1``) then the block's
+    token bytes. The one place the chain hash is computed."""
+    out: list[int] = []
+    append, to_bytes = out.append, int.to_bytes
+    for piece in pieces:
+        prefix = xxh64_intdigest(to_bytes(prefix, 8, "little") + piece if prefix != -1 else piece)
+        append(prefix)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class FullBlocks:
+    """A pending registration from ``hash_blocks``: blocks ``start, start+1, ...`` of ``seq``, held in ``block_ids``."""
+
+    seq: Sequence
+    start: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeFills:
+    """A pending registration of one decode step: at clock ``clock`` the last block of each of ``seqs`` filled.
+
+    Which block that was is read back at the flush from the member's segment covering ``clock`` (OPT-16).
+    """
+
+    clock: int
+    seqs: list[Sequence]
 
 
 def token_bytes(seq: Sequence) -> tuple[memoryview, int]:
@@ -60,91 +84,18 @@ def token_bytes(seq: Sequence) -> tuple[memoryview, int]:
     return seq.core.own.data.cast("B"), 0
 
 
-class WalkMemo:
-    """What ``can_allocate`` read for one sequence, kept up to date while it stays valid (OPT-14).
-
-    The walk looked up the chain hashes ``hashes`` (hash -> first index; the
-    hits and the one that missed) and compared the contents of ``blocks``
-    (block -> index); the first ``cached`` of ``hits`` are the blocks it hit,
-    ``held[i]`` says whether hit i is used.
-    Taking hit i (its table entry goes) cuts the walk to i hits; releasing a
-    used hit makes it free; anything else that touches a hash or block named
-    here drops the memo.
-    """
-
-    __slots__ = ("_blocks", "_hashes", "cached", "held", "hits", "looked", "missed", "seq", "used")
-
-    def __init__(self, seq: Sequence, hits: list[int], held: list[bool], looked: list[int], missed: int) -> None:
-        self.seq = seq
-        self.hits = hits
-        self.held = held
-        self.cached = len(hits)
-        self.used = sum(held)
-        self.looked = looked
-        self.missed = missed
-        # Built on first use: most walks are followed at once by allocate, which drops the memo.
-        self._hashes: dict[int, int] | None = None
-        self._blocks: dict[int, int] | None = None
-
-    @property
-    def hashes(self) -> dict[int, int]:
-        if self._hashes is None:
-            looked = self.looked
-            # Built backwards so that a repeated hash keeps its first index.
-            self._hashes = dict(zip(reversed(looked), range(len(looked) - 1, -1, -1), strict=True))
-        return self._hashes
-
-    @property
-    def blocks(self) -> dict[int, int]:
-        if self._blocks is None:
-            hits = self.hits
-            blocks = dict(zip(reversed(hits), range(len(hits) - 1, -1, -1), strict=True))
-            if self.missed != -1:
-                blocks.setdefault(self.missed, len(hits))
-            self._blocks = blocks
-        return self._blocks
-
-    def reads(self, h: int, block_id: int) -> bool:
-        """Whether mapping ``h`` or changing ``block_id`` could change the walk's answer.
-
-        Entries past the walk's end (left by ``cut``) are ignored: the walk no longer reaches them.
-        """
-        cached = self.cached
-        return self.hashes.get(h, cached + 1) <= cached or self.blocks.get(block_id, cached + 1) <= cached
-
-    def cut(self, index: int) -> None:
-        """Hit ``index`` lost its table entry: the walk now stops there."""
-        if index < self.cached:
-            self.cached = index
-            del self.held[index:]
-            self.used = sum(self.held)
-
-    def freed(self, block_ids: list[int]) -> None:
-        """These blocks went back to the free queue: a hit among them is no longer used."""
-        if self.blocks.keys().isdisjoint(block_ids):
-            return
-        for block_id in block_ids:
-            index = self.blocks.get(block_id, -1)
-            if 0 <= index < self.cached and self.held[index]:
-                self.held[index] = False
-                self.used -= 1
-
-
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._extra = [0] * num_blocks
-        self._shared = 0  # blocks with _extra > 0
+        self.pool = BlockPool(num_blocks)
+        self.free = self.pool.free  # the pool's free queue, read on the scheduler's decode path
         # Registered blocks only (a block without an entry has hash -1 and no tokens): dicts, so that a
         # registration of a run of blocks is three C-level updates.
         self._hashes: dict[int, int] = {}
         self._contents: dict[int, bytes] = {}
         self._table: dict[int, int] = {}
-        self.free = FreeBlockQueue(num_blocks)
-        self._clean_end = num_blocks
-        # (seq, first index, block ids) from hash_blocks; (None, clock, seqs): one decode step's fills.
-        self.pending: list[tuple[Any, ...]] = []
+        self.pending: list[FullBlocks | DecodeFills] = []  # applied in order by flush (OPT-8, OPT-16)
         self._memo: WalkMemo | None = None
         self._chain_source: Sequence | None = None  # the last sequence whose chain was hashed from its start
         self._common: tuple[Sequence | None, bytes] = (None, b"")  # a sequence and bytes it starts with
@@ -152,8 +103,7 @@ class KVCacheManager:
     # --- read-only views in the reference's vocabulary (each flushes first) --------------------------
     @property
     def ref_counts(self) -> list[int]:
-        free = self.free
-        return [0 if free.contains(b) else e + 1 for b, e in enumerate(self._extra)]
+        return self.pool.ref_counts
 
     @property
     def hash_to_block_id(self) -> dict[int, int]:
@@ -162,11 +112,11 @@ class KVCacheManager:
 
     @property
     def free_block_ids(self) -> list[int]:
-        return list(self.free)
+        return self.pool.free_block_ids
 
     @property
     def used_block_ids(self) -> set[int]:
-        return {b for b in range(self.num_blocks) if not self.free.contains(b)}
+        return self.pool.used_block_ids
 
     def block_hash(self, block_id: int) -> int:
         self.flush()
@@ -207,17 +157,7 @@ class KVCacheManager:
             raw = view[at + i * width : at + end * width].tobytes()
         fresh = [raw[k : k + width] for k in range(0, len(raw), width)]
         pieces.extend(fresh)
-        append = chain.append
-        if i == 0:
-            prev = xxh64_intdigest(fresh[0])
-            append(prev)
-            del fresh[0]
-        else:
-            prev = chain[i - 1]
-        to_bytes = int.to_bytes
-        for piece in fresh:
-            prev = xxh64_intdigest(to_bytes(prev, 8, "little") + piece)
-            append(prev)
+        chain.extend(chain_hashes(chain[i - 1] if i else -1, fresh))
 
     def _shared_start(self, seq: Sequence, raw: bytes, end: int) -> int:
         """Give ``seq``'s empty chain the hashes and bytes of its leading blocks equal to the last chained one's."""
@@ -249,7 +189,7 @@ class KVCacheManager:
 
     def defer(self, seq: Sequence, start: int, block_ids: list[int]) -> None:
         """Blocks start, start+1, ... of ``seq`` (held in ``block_ids``) just became full: register them later."""
-        self.pending.append((seq, start, block_ids))
+        self.pending.append(FullBlocks(seq, start, block_ids))
 
     def defer_fills(self, clock: int, seqs: list[Sequence]) -> None:
         """Decode step ``clock`` filled the last block of each of ``seqs``: register those blocks later.
@@ -257,7 +197,7 @@ class KVCacheManager:
         Only the step is logged: which block that was is read back at the flush from the member's
         segment for that clock (``CoreState.segments``), whose table list deallocate leaves intact.
         """
-        self.pending.append((None, clock, seqs))
+        self.pending.append(DecodeFills(clock, seqs))
 
     def flush(self) -> None:
         """Apply the pending registrations in order: store hash and contents, map the hash to the block.
@@ -270,10 +210,11 @@ class KVCacheManager:
         if not pending:
             return
         for entry in pending:
-            if entry[0] is None:
-                self._register_fills(entry[1], entry[2])
+            if type(entry) is DecodeFills:
+                self._register_fills(entry.clock, entry.seqs)
             else:
-                self._register(*entry)
+                assert type(entry) is FullBlocks
+                self._register(entry.seq, entry.start, entry.block_ids)
         pending.clear()
 
     def _register_fills(self, clock: int, seqs: list[Sequence]) -> None:
@@ -281,7 +222,6 @@ class KVCacheManager:
         hashes, contents, table, memo = self._hashes, self._contents, self._table, self._memo
         block_size = self.block_size
         width = 8 * block_size
-        to_bytes = int.to_bytes
         new_hashes: list[int] = []
         new_blocks: list[int] = []
         for seq in seqs:
@@ -306,7 +246,7 @@ class KVCacheManager:
             else:
                 if n < i:
                     self.extend_chain(seq, i)
-                h = xxh64_intdigest(to_bytes(chain[i - 1], 8, "little") + piece) if i else xxh64_intdigest(piece)
+                h = chain_hashes(chain[i - 1] if i else -1, (piece,))[0]
                 chain.append(h)
                 seq.core.pieces.append(piece)
             hashes[block_id] = h
@@ -342,11 +282,12 @@ class KVCacheManager:
     def take_fresh_many(self, m: int) -> list[int]:
         """The reference's ``_allocate_block`` m times over: the m front ids, in order (OPT-4).
 
-        Entries before ``_clean_end`` are never-used blocks: no hash to forget, nothing pending (OPT-13).
+        Entries before the pool's ``clean_end`` are never-used blocks: no hash to forget, nothing pending
+        (OPT-13).
         """
         free = self.free
         ids = free.take(m)
-        if free.front > self._clean_end:
+        if free.front > self.pool.clean_end:
             self._forget(ids)
         return ids
 
@@ -369,38 +310,10 @@ class KVCacheManager:
             memo.cut(min(memo.hashes.get(h, memo.cached) for h in unmapped))
 
     def release(self, table: list[int]) -> None:
-        """``deallocate``'s release: from the table's end to its start, freed ids join the queue in that order.
-
-        A block with ``_extra`` 0 is held by this table alone and goes back; the others lose one holder.
-        """
-        extra = self._extra
-        freed = table[::-1]
-        if self._shared:
-            counts = itemgetter(*table)(extra) if len(table) > 1 else tuple(extra[b] for b in table)
-            shared = len(counts) - counts.count(0)
-            if shared:
-                # A block twice in one table (only after a hash collision) has extra >= 1 and is in held.
-                prefix = shared == len(counts) or counts.index(0) == shared
-                held = table[:shared] if prefix else [b for b in table if extra[b]]
-                if len(set(held)) == len(held):
-                    # The usual shape: a shared prefix, then the table's own blocks.
-                    freed = freed[: len(counts) - shared] if prefix else [b for b in freed if not extra[b]]
-                    for block_id in held:
-                        extra[block_id] -= 1
-                    self._shared -= counts.count(1)  # those that had one other holder are now its alone
-                else:  # the reference's loop, one holder at a time
-                    freed = []
-                    for block_id in reversed(table):
-                        if extra[block_id]:
-                            extra[block_id] -= 1
-                            if not extra[block_id]:
-                                self._shared -= 1
-                        else:
-                            freed.append(block_id)
-        if freed:
-            if self._memo is not None:
-                self._memo.freed(freed)
-            self.free.extend(freed)
+        """``deallocate``'s release (the pool's); a remembered walk learns which of its hits went free."""
+        freed = self.pool.release(table)
+        if freed and self._memo is not None:
+            self._memo.freed(freed)
 
     def forget_walk(self, seq: Sequence) -> None:
         """``seq`` leaves the scheduler: a walk remembered for it is of no further use."""
@@ -450,11 +363,7 @@ class KVCacheManager:
                 missed = hit_ids[j]
         m = len(hits)
         looked = chain[: m + 1] if m < last else chain[:m]
-        if m:
-            slot, front = self.free.slots(), self.free.front
-            held = [slot[b] < front for b in hits]
-        else:
-            held = []
+        held = self.pool.held(hits) if m else []
         memo = self._memo = WalkMemo(seq, hits, held, looked, missed)
         return memo
 
@@ -464,21 +373,7 @@ class KVCacheManager:
         memo = self._memo
         assert memo is not None and memo.seq is seq and num_cached_blocks <= memo.cached
         hits = memo.hits[:num_cached_blocks]
-        extra, free = self._extra, self.free
-        if num_cached_blocks == memo.cached and memo.used == len(hits) == len(set(hits)):
-            # Every hit is held already (a shared prefix): extra += 1 for each.
-            for block_id in hits:
-                extra[block_id] += 1
-            self._shared += sum(1 for b in hits if extra[b] == 1)
-        else:
-            slot, front = free.slots(), free.front
-            for block_id in hits:
-                if slot[block_id] >= front:  # free: revived where it stands
-                    free.remove(block_id)
-                else:
-                    if not extra[block_id]:
-                        self._shared += 1
-                    extra[block_id] += 1
+        self.pool.hold(hits, num_cached_blocks == memo.cached and memo.used == len(hits) == len(set(hits)))
         self._memo = None
         block_table = seq.block_table
         block_table.extend(hits)
