@@ -27,9 +27,12 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from invariants.block_math import admits
 
 # The one import point of the scheduler the engine drives (reference.* has the same API).
+from optimized.core.errors import is_strict_int
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
 from optimized.model_runner import DrawParams, ModelRunner
 from optimized.sampling_params import SamplingParams, token_id
@@ -199,7 +202,8 @@ class Engine:
 
     def _request(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
         """The next arrival's ``Request``, not yet added anywhere."""
-        seq = Sequence(list(token_ids), params, self.limits.block_size)
+        # Validated once (validate_request): the sequence takes them as an int64 array, unchecked again.
+        seq = Sequence(np.asarray(token_ids, dtype=np.int64), params, self.limits.block_size)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.limits.eos_token_ids[1:])  # the first is the scheduler's own eos
@@ -215,7 +219,7 @@ class Engine:
         ValueError for an arrival the engine never issued.
         """
         self.require_trusted()
-        if isinstance(arrival, bool) or not isinstance(arrival, int) or not 0 <= arrival < self._arrivals:
+        if not is_strict_int(arrival) or not 0 <= arrival < self._arrivals:
             raise ValueError(f"request_id {arrival!r} is unknown (issued so far: 0..{self._arrivals - 1})")
         request = self.by_arrival.get(arrival)
         if request is None:

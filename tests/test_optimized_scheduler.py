@@ -895,3 +895,21 @@ def test_the_one_chain_hash_is_the_references(blocks: list[list[int]]) -> None:
     assert kvm.chain_hashes(-1, pieces) == expected_chain([t for b in blocks for t in b], 4)
     source = Path(kvm.__file__).read_text()
     assert source.count("xxh64_intdigest(") == 1 and "def chain_hash(" not in source
+
+
+def test_an_int64_prompt_is_taken_without_a_second_check_of_each_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OPT-10: the engine validates a prompt once at its boundary and hands it over as int64; the sequence does not
+    check each token again (a list still is checked, and refused with the field named)."""
+    import optimized.core.sequence as seq_module
+
+    def forbidden(value: object) -> bool:
+        raise AssertionError("a token checked twice")
+
+    monkeypatch.setattr(seq_module, "is_strict_int", forbidden)
+    prompt = np.array([5, 6, 7], dtype=np.int64)
+    seq = Sequence(prompt, SamplingParams(max_tokens=2), 4)
+    prompt[0] = 9  # the sequence holds its own copy
+    assert seq.token_ids == [5, 6, 7]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="token_ids"):
+        Sequence([5, True], SamplingParams(), 4)

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from invariants.block_math import prefill_grant
 from invariants.state import BlockView, SchedulerState, seq_view
 from optimized.core.decode_group import DecodeGroup
-from optimized.core.errors import EmptyDecodeError
+from optimized.core.errors import EmptyDecodeError, is_strict_int, strict_int
 from optimized.core.kv_cache_manager import KVCacheManager
 from optimized.core.sequence import Sequence
 from optimized.core.token_arena import TokenArena
@@ -105,11 +105,9 @@ class Scheduler:
         core = seq.core
         if core.arena is not None or core.own is None or core.status is not WAITING or seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} was already added to a scheduler")
-        max_tokens = core.max_tokens
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        max_tokens = strict_int(core.max_tokens, "max_tokens", 1)
         stops = frozenset(stop_token_ids)
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in stops):
+        if not all(map(is_strict_int, stops)):
             raise ValueError(f"stop_token_ids must be integers, got {sorted(stops, key=repr)!r}")
         core.stops = stops
         self._arena.place(core, core.own, seq.num_prompt_tokens + max_tokens)

@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from invariants.block_math import blocks_for
+from optimized.core.errors import is_strict_int, strict_int
 from reference.sequence import SequenceStatus
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 I64 = npt.NDArray[np.int64]
 
 _seq_ids = itertools.count()
+_INT64 = np.dtype("<i8")
 
 
 class GroupClock(Protocol):
@@ -49,13 +51,18 @@ class GroupClock(Protocol):
 
 
 def token_array(token_ids: Any) -> I64:
-    """The prompt as little-endian int64; ValueError naming the field when it is not a list of ints."""
+    """The prompt as little-endian int64; ValueError naming the field when it is not a list of ints.
+
+    An int64 array (what the engine hands over, its tokens validated at its boundary) is copied as it is.
+    """
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == _INT64 and token_ids.ndim == 1:
+        return token_ids.astype("<i8", copy=True)
     try:
         values = list(token_ids)
     except TypeError:
         raise ValueError(f"token_ids must be a list of integers, got {token_ids!r}") from None
     for t in values:
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+        if not (is_strict_int(t) or isinstance(t, np.integer)):
             raise ValueError(f"token_ids must hold integers, got {t!r}")
     try:
         return np.array(values, dtype="<i8")
@@ -129,9 +136,8 @@ class Sequence:
         "temperature",
     )
 
-    def __init__(self, token_ids: list[int], sampling_params: Any, block_size: int) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
-            raise ValueError(f"block_size must be an integer >= 2, got {block_size!r}")
+    def __init__(self, token_ids: list[int] | I64, sampling_params: Any, block_size: int) -> None:
+        strict_int(block_size, "block_size", 2)
         tokens = token_array(token_ids)
         self.seq_id = next(_seq_ids)
         self.sampling_params = sampling_params
