@@ -225,17 +225,18 @@ class KVCacheManager:
         new_hashes: list[int] = []
         new_blocks: list[int] = []
         for seq in seqs:
-            segments = seq.core.segments
+            core = seq.core
+            segments = core.segments
             k = len(segments) - 1
             while segments[k][0] > clock:
                 k -= 1
             _, anchor, block_table = segments[k]
             i = (anchor + clock) // block_size - 1
             block_id = block_table[i]
-            chain = seq.core.hashes
-            arena = seq.core.arena
+            chain = core.hashes
+            arena = core.arena
             if arena is not None:
-                at = 8 * seq.core.region_offset + i * width
+                at = 8 * core.region_offset + i * width
                 piece = arena.bytes_view[at : at + width].tobytes()
             else:
                 view, at = token_bytes(seq)
@@ -248,7 +249,7 @@ class KVCacheManager:
                     self.extend_chain(seq, i)
                 h = chain_hashes(chain[i - 1] if i else -1, (piece,))[0]
                 chain.append(h)
-                seq.core.pieces.append(piece)
+                core.pieces.append(piece)
             hashes[block_id] = h
             contents[block_id] = piece
             table[h] = block_id

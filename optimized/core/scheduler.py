@@ -247,7 +247,7 @@ class Scheduler:
         group.inflight = True
         batch = members[:]
         self._last_batch = batch
-        return ScheduleOutput(batch, False, preempted)
+        return ScheduleOutput(batch, False, preempted, 0)
 
     def _decode_with_preemption(self, due: list[Sequence]) -> tuple[Sequence, ...]:
         """The reference's popleft / can_append / preempt-the-tail loop, visiting only members that need a block.

@@ -61,9 +61,10 @@ def token_array(token_ids: Any) -> I64:
         values = list(token_ids)
     except TypeError:
         raise ValueError(f"token_ids must be a list of integers, got {token_ids!r}") from None
-    for t in values:
-        if not (is_strict_int(t) or isinstance(t, np.integer)):
-            raise ValueError(f"token_ids must hold integers, got {t!r}")
+    if not set(map(type, values)) <= {int}:  # one C pass for the usual list of ints
+        for t in values:
+            if not (is_strict_int(t) or isinstance(t, np.integer)):
+                raise ValueError(f"token_ids must hold integers, got {t!r}")
     try:
         return np.array(values, dtype="<i8")
     except OverflowError:
