@@ -4,10 +4,12 @@ Invariants: a request is validated whole before the scheduler sees it, so a
 refused one leaves the scheduler untouched (ENG-9); every sequence the
 scheduler holds belongs to exactly one live ``Request``; a step runs the model
 on exactly the tokens the scheduler granted and postprocesses exactly that
-batch. Stop tokens are the scheduler's (ENG-12, OPT-23): each request's stop
-set is handed to the scheduler with the sequence, and postprocess finishes a
-sequence that draws one, beside EOS; check mode hands the same sets to the
-shadow, which applies the rule with ``reference.extensions``. Beyond the lesson (spec/abort.md): a live request can
+batch; the scheduler reports whom a step preempted and finished (OPT-22), so
+a step does no scan of the live requests. Stop tokens are the scheduler's
+(ENG-12, OPT-23): each request's stop set is handed to the scheduler with the
+sequence, and postprocess finishes a sequence that draws one, beside EOS;
+check mode hands the same sets to the shadow, which applies the rule with
+``reference.extensions``. Beyond the lesson (spec/abort.md): a live request can
 be aborted between steps, and a step whose model run raises fails its batch
 (FAULT-1, FAULT-2): the batch's grants are withdrawn, its requests finish with
 ``"error"``, the exception propagates, and every other request stays queued;
@@ -30,9 +32,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from invariants.block_math import admits
+from optimized.core.errors import is_strict_int
 
 # The one import point of the scheduler the engine drives (reference.* has the same API).
-from optimized.core.errors import is_strict_int
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
 from optimized.model_runner import DrawParams, ModelRunner
 from optimized.sampling_params import SamplingParams, token_id
