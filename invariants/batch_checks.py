@@ -10,10 +10,10 @@ spec/invariants.md.
 
 from __future__ import annotations
 
+from invariants.block_math import blocks_for
 from invariants.state import SchedulerState, SeqView
 from invariants.state_checks import holders
 from invariants.violation import Violation
-from optimized.block_math import blocks_for
 
 
 def unfinished(seq: SeqView) -> bool:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+from invariants.block_math import blocks_for
 from invariants.state import SchedulerState, SeqView
 from invariants.violation import Violation
-from optimized.block_math import blocks_for
 
 
 def live_seqs(state: SchedulerState) -> list[SeqView]:

@@ -14,22 +14,22 @@ cpu_defaults.set_wait_policy()
 import importlib  # noqa: E402  (after the wait policy, on purpose)
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
-from optimized.errors import EmptyDecodeError  # noqa: E402
+from optimized.core.errors import EmptyDecodeError  # noqa: E402
 from optimized.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:  # the lazy names, as mypy should see them
+    from optimized.core.scheduler import Scheduler as Scheduler
+    from optimized.core.scheduler import SchedulerConfig as SchedulerConfig
+    from optimized.core.scheduler import Sequence as Sequence
+    from optimized.core.scheduler import SequenceStatus as SequenceStatus
     from optimized.llm import LLM as LLM
     from optimized.llm import RequestOutput as RequestOutput
-    from optimized.scheduler import Scheduler as Scheduler
-    from optimized.scheduler import SchedulerConfig as SchedulerConfig
-    from optimized.scheduler import Sequence as Sequence
-    from optimized.scheduler import SequenceStatus as SequenceStatus
 
 _LAZY = {
-    "Scheduler": "optimized.scheduler",
-    "SchedulerConfig": "optimized.scheduler",
-    "Sequence": "optimized.scheduler",
-    "SequenceStatus": "optimized.scheduler",
+    "Scheduler": "optimized.core.scheduler",
+    "SchedulerConfig": "optimized.core.scheduler",
+    "Sequence": "optimized.core.scheduler",
+    "SequenceStatus": "optimized.core.scheduler",
     "LLM": "optimized.llm",
     "RequestOutput": "optimized.llm",
 }

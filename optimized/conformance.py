@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any, BinaryIO
 
 import reference
-from optimized.errors import EmptyDecodeError, WorkloadError
+from optimized.core.errors import EmptyDecodeError, WorkloadError
 
 CONFIG_FIELDS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "eos")
 # A replay builds every block: bound what one line of input can make this process allocate.

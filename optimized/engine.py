@@ -4,11 +4,12 @@ Invariants: a request is validated whole before the scheduler sees it, so a
 refused one leaves the scheduler untouched (ENG-9); every sequence the
 scheduler holds belongs to exactly one live ``Request``; a step runs the model
 on exactly the tokens the scheduler granted and postprocesses exactly that
-batch. Stop tokens are honoured without touching the scheduler's decisions
-(ENG-12): when a drawn token is in the request's stop set, the engine lowers
-that sequence's ``max_tokens`` to end at this token just before postprocess,
-and the scheduler finishes it by its own length rule; check mode applies the
-same cut to the shadow. Beyond the lesson (spec/abort.md): a live request can
+batch; the scheduler reports whom a step preempted and finished (OPT-22), so
+a step does no scan of the live requests. Stop tokens are the scheduler's
+(ENG-12, OPT-23): each request's stop set is handed to the scheduler with the
+sequence, and postprocess finishes a sequence that draws one, beside EOS;
+check mode hands the same sets to the shadow, which applies the rule with
+``reference.extensions``. Beyond the lesson (spec/abort.md): a live request can
 be aborted between steps, and a step whose model run raises fails its batch
 (FAULT-1, FAULT-2): the batch's grants are withdrawn, its requests finish with
 ``"error"``, the exception propagates, and every other request stays queued;
@@ -28,12 +29,15 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from optimized.block_math import admits
-from optimized.model_runner import PLACEHOLDER, DrawParams, ModelRunner
-from optimized.sampling_params import SamplingParams, token_id
+import numpy as np
+
+from invariants.block_math import admits
+from optimized.core.errors import is_strict_int
 
 # The one import point of the scheduler the engine drives (reference.* has the same API).
-from optimized.scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
+from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
+from optimized.model_runner import DrawParams, ModelRunner
+from optimized.sampling_params import SamplingParams, token_id
 from optimized.shadow import Shadow
 
 __all__ = ["Engine", "EngineLimits", "EngineStats", "Request", "SchedulerConfig", "describe", "validate_request"]
@@ -190,9 +194,9 @@ class Engine:
         self.require_trusted()
         request = self._request(token_ids, params, seed)
         with self._adding:
-            self.scheduler.add(request.seq)
+            self.scheduler.add(request.seq, request.stop_ids)
             if self.shadow is not None:
-                self.shadow.add(request.arrival, request.seq.token_ids, params)
+                self.shadow.add(request.arrival, request.seq.token_ids, params, request.stop_ids)
             self.live[request.seq.seq_id] = request
             self.by_arrival[request.arrival] = request
             self._arrivals += 1
@@ -200,7 +204,8 @@ class Engine:
 
     def _request(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
         """The next arrival's ``Request``, not yet added anywhere."""
-        seq = Sequence(list(token_ids), params, self.limits.block_size)
+        # Validated once (validate_request): the sequence takes them as an int64 array, unchecked again.
+        seq = Sequence(np.asarray(token_ids, dtype=np.int64), params, self.limits.block_size)
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.limits.eos_token_ids[1:])  # the first is the scheduler's own eos
@@ -216,7 +221,7 @@ class Engine:
         ValueError for an arrival the engine never issued.
         """
         self.require_trusted()
-        if isinstance(arrival, bool) or not isinstance(arrival, int) or not 0 <= arrival < self._arrivals:
+        if not is_strict_int(arrival) or not 0 <= arrival < self._arrivals:
             raise ValueError(f"request_id {arrival!r} is unknown (issued so far: 0..{self._arrivals - 1})")
         request = self.by_arrival.get(arrival)
         if request is None:
@@ -248,28 +253,25 @@ class Engine:
             return self._step()
 
     def _step(self) -> list[Request]:
-        holding = [r for r in self.live.values() if r.seq.block_table]
-        held = {r.seq.seq_id for r in holding}
-        seqs, is_prefill = self.scheduler.schedule()
-        requests = [self.live[s.seq_id] for s in seqs]
-        preempted = [r for r in holding if not r.seq.block_table]
+        out = self.scheduler.schedule()  # says whom it preempted: no scan of the live requests (OPT-22)
+        seqs, is_prefill, live = out.batch, out.is_prefill, self.live
+        requests = [live[s.seq_id] for s in seqs]
         if self.shadow is not None:
-            self.shadow.after_schedule(self.scheduler, requests, is_prefill, [r.arrival for r in preempted])
+            preempted = [live[s.seq_id].arrival for s in out.preempted]
+            self.shadow.after_schedule(self.scheduler, requests, is_prefill, preempted)
         start = time.perf_counter()
         try:
             tokens = self.runner.run(seqs, is_prefill, [r.draw for r in requests])
         except BaseException as fault:
             self._fail_batch_under(fault, seqs, requests)
             raise
-        self._count(seqs, is_prefill, held, len(preempted), time.perf_counter() - start)
-        cuts = self._stop_cuts(requests, tokens)
-        self.scheduler.postprocess(seqs, tokens, is_prefill)
-        finished = [r for r in requests if r.seq.status == SequenceStatus.FINISHED]
+        self._count(out, time.perf_counter() - start)
+        finished = [live[s.seq_id] for s in self.scheduler.postprocess(seqs, tokens, is_prefill)]
         for r in finished:
             r.finish_reason = self._finish_reason(r)
             self._forget(r)
         if self.shadow is not None:
-            self.shadow.after_postprocess(self.scheduler, tokens, cuts, [r.arrival for r in finished])
+            self.shadow.after_postprocess(self.scheduler, tokens, [r.arrival for r in finished])
             self.stats.compared_steps += 1
         return finished
 
@@ -301,15 +303,6 @@ class Engine:
     def _live_arrivals(self) -> dict[int, int]:
         return {seq_id: r.arrival for seq_id, r in self.live.items()}
 
-    def _stop_cuts(self, requests: list[Request], tokens: list[int]) -> list[int]:
-        """ENG-12: cut max_tokens to end at a drawn stop token; the arrivals cut."""
-        cuts = []
-        for r, t in zip(requests, tokens, strict=True):
-            if t != PLACEHOLDER and t in r.stop_ids:
-                r.seq.max_tokens = r.seq.num_completion_tokens + 1
-                cuts.append(r.arrival)
-        return cuts
-
     def _finish_reason(self, r: Request) -> str:
         last = r.seq.last_token
         if last in r.stop_ids or (not r.params.ignore_eos and last == self._eos):
@@ -320,17 +313,17 @@ class Engine:
     def _eos(self) -> int:
         return self.limits.eos_token_ids[0] if self.limits.eos_token_ids else -1
 
-    def _count(self, seqs: list[Sequence], is_prefill: bool, held: set[int], preempted: int, seconds: float) -> None:
+    def _count(self, out: ScheduleOutput, seconds: float) -> None:
         st = self.stats
+        seqs = out.batch
         st.steps += 1
-        st.preemptions += preempted
+        st.preemptions += len(out.preempted)
         computed = sum(s.num_scheduled_tokens for s in seqs)
-        if is_prefill:
+        if out.is_prefill:
             st.prefill_steps += 1
             st.prefill_tokens += computed
             st.prefill_seconds += seconds
-            # A sequence allocated this step starts at its prefix-cache hit.
-            st.prefix_cache_hit_tokens += sum(s.num_cached_tokens for s in seqs if s.seq_id not in held)
+            st.prefix_cache_hit_tokens += out.prefix_hit_tokens
             st.chunked_prefills += sum(s.num_cached_tokens + s.num_scheduled_tokens < s.num_tokens for s in seqs)
         else:
             st.decode_steps += 1

@@ -33,10 +33,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from invariants.block_math import batch_slot_mapping, blocks_for
 from kernels.backend import AttentionBackend
 from kernels.rotary import rotary_cos_sin
 from kernels.sampling import sample
-from optimized.block_math import batch_slot_mapping, blocks_for
 from optimized.graph_runner import DecodeMetadata, GraphFactory, GraphRunner, cuda_graph_factory
 from optimized.models.decoder import AttentionContext, CausalLM
 

@@ -21,7 +21,22 @@ from typing import Any, Protocol
 import reference
 from invariants import SchedulerState, check_batch, check_state, seq_view, snapshot
 from optimized.sampling_params import SamplingParams
-from reference.extensions import abort, abort_step
+from reference.extensions import abort, abort_step, postprocess_with_stops
+
+
+def schedule_reporting_preemptions(
+    ref: reference.Scheduler,
+) -> tuple[list[reference.Sequence], bool, list[reference.Sequence]]:
+    """The reference's ``schedule()`` (the lesson's signature, kept) and whom it preempted.
+
+    Only a decode step preempts, and only running sequences: those sent back to waiting, always the
+    queue's tail first, so the preemption order is the reverse of their running order. This adapter reads
+    that off the reference's queues, to be compared with ``ScheduleOutput.preempted`` (OPT-22).
+    """
+    running_before = list(ref.running)
+    batch, is_prefill = ref.schedule()
+    preempted = [s for s in reversed(running_before) if s.status is reference.SequenceStatus.WAITING]
+    return batch, is_prefill, preempted
 
 
 class ShadowDivergence(RuntimeError):
@@ -77,15 +92,18 @@ class Shadow:
         self.block_size = config.block_size
         self.by_arrival: dict[int, reference.Sequence] = {}
         self.arrival_of: dict[int, int] = {}  # reference seq_id -> arrival
+        self.stops: dict[int, frozenset[int]] = {}  # reference seq_id -> stop set (ENG-12)
         self.batch: list[reference.Sequence] = []
         self.is_prefill = True
         self.step = 0
 
-    def add(self, arrival: int, token_ids: Sequence[int], params: SamplingParams) -> None:
+    def add(self, arrival: int, token_ids: Sequence[int], params: SamplingParams, stops: frozenset[int]) -> None:
+        """The same request; ``stops`` its stop set, which the reference honours through the extension rule."""
         rp = reference.SamplingParams(params.temperature, params.max_tokens, params.ignore_eos)
         seq = reference.Sequence(list(token_ids), rp, self.block_size)
         self.by_arrival[arrival] = seq
         self.arrival_of[seq.seq_id] = arrival
+        self.stops[seq.seq_id] = stops
         self.ref.add(seq)
 
     def _fail(self, engine_scheduler: Any, what: str) -> None:
@@ -110,9 +128,8 @@ class Shadow:
     def after_schedule(
         self, engine_scheduler: Any, batch: Sequence[Arrived], is_prefill: bool, preempted: list[int]
     ) -> None:
-        holding = [a for a, s in self.by_arrival.items() if s.block_table]
-        self.batch, self.is_prefill = self.ref.schedule()
-        ref_preempted = [a for a in holding if not self.by_arrival[a].block_table]
+        self.batch, self.is_prefill, preempted_seqs = schedule_reporting_preemptions(self.ref)
+        ref_preempted = [self.arrival_of[s.seq_id] for s in preempted_seqs]
         mine = [(r.arrival, r.seq.num_scheduled_tokens, list(r.seq.block_table)) for r in batch]
         ref = [(self.arrival_of[s.seq_id], s.num_scheduled_tokens, list(s.block_table)) for s in self.batch]
         if is_prefill != self.is_prefill:
@@ -123,16 +140,14 @@ class Shadow:
             self._fail(engine_scheduler, f"preempted arrivals engine={preempted} reference={ref_preempted}")
         self._check(engine_scheduler, [r.seq for r in batch])
 
-    def after_postprocess(self, engine_scheduler: Any, tokens: list[int], cuts: list[int], finished: list[int]) -> None:
-        for a in cuts:  # ENG-12's stop-token cut, applied to the shadow too
-            s = self.by_arrival[a]
-            s.max_tokens = s.num_completion_tokens + 1
-        self.ref.postprocess(self.batch, tokens, self.is_prefill)
+    def after_postprocess(self, engine_scheduler: Any, tokens: list[int], finished: list[int]) -> None:
+        stops = [self.stops[s.seq_id] for s in self.batch]
+        postprocess_with_stops(self.ref, self.batch, tokens, self.is_prefill, stops)  # ENG-12 beside EOS
         ref_finished = [self.arrival_of[s.seq_id] for s in self.batch if s.status == reference.SequenceStatus.FINISHED]
         if sorted(finished) != sorted(ref_finished):
             self._fail(engine_scheduler, f"finished arrivals engine={finished} reference={ref_finished}")
         for a in ref_finished:
-            del self.arrival_of[self.by_arrival.pop(a).seq_id]
+            self._forget(a)
         self.batch = []
         self._check(engine_scheduler)
         self.step += 1
@@ -142,8 +157,7 @@ class Shadow:
 
         ``engine_arrivals`` maps the engine's live seq ids to arrivals.
         """
-        seq = self.by_arrival.pop(arrival)
-        del self.arrival_of[seq.seq_id]
+        seq = self._forget(arrival)
         abort(self.ref, seq)
         self._compare_release(engine_scheduler, engine_arrivals, f"abort of arrival {arrival}")
         self._check(engine_scheduler)
@@ -155,11 +169,18 @@ class Shadow:
             self._fail(engine_scheduler, f"failed batch engine={failed} reference={mine}")
         abort_step(self.ref, self.batch)
         for a in mine:
-            del self.arrival_of[self.by_arrival.pop(a).seq_id]
+            self._forget(a)
         self.batch = []
         self._compare_release(engine_scheduler, engine_arrivals, f"failed step {mine}")
         self._check(engine_scheduler)
         self.step += 1
+
+    def _forget(self, arrival: int) -> reference.Sequence:
+        """A request finished or was aborted: drop it from the maps."""
+        seq = self.by_arrival.pop(arrival)
+        del self.arrival_of[seq.seq_id]
+        del self.stops[seq.seq_id]
+        return seq
 
     def _compare_release(self, engine_scheduler: Any, engine_arrivals: dict[int, int], what: str) -> None:
         """The same queues, by arrival, and the same free queue: block ids agree by construction (every table was

@@ -1,7 +1,9 @@
 """BEYOND THE LESSON: operations lesson 03's scheduler does not have, written against its state.
 
 Lesson 03 has no way to cancel a request; a server needs one (a client hangs
-up, a step fails). ``abort`` and ``abort_step`` are stated in spec/abort.md
+up, a step fails). It knows one stop token, EOS, where a request may name more:
+``postprocess_with_stops`` finishes at those too (ENG-12, spec/optimized-scheduler.md
+OPT-23). ``abort`` and ``abort_step`` are stated in spec/abort.md
 (ABORT-1..6, FAULT-2) and kept here, outside reference/scheduler.py, so that
 the oracle of the lesson stays the lesson statement for statement. Invariants
 they keep: every sequence not aborted stays where it was, in its order; an
@@ -12,6 +14,8 @@ a failed step computed is registered; a refused call changes nothing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection, Iterable
 
 from reference.scheduler import Scheduler
 from reference.sequence import Sequence, SequenceStatus
@@ -54,3 +58,25 @@ def abort_step(scheduler: Scheduler, batch: list[Sequence]) -> None:
         seq.num_scheduled_tokens = 0
     for seq in batch:
         abort(scheduler, seq)
+
+
+def postprocess_with_stops(
+    scheduler: Scheduler, seqs: list[Sequence], token_ids: list[int], is_prefill: bool,
+    stop_token_ids: Iterable[Collection[int]],
+) -> None:
+    """The lesson's postprocess, plus a rule beside EOS: a sequence that draws one of its stop tokens finishes.
+
+    ``stop_token_ids[i]`` is the stop set of ``seqs[i]``. The lesson's postprocess runs one sequence at a
+    time, in batch order (its loop body touches only that sequence, so this is the same postprocess); a
+    sequence whose kept token (not the discarded sample of an unfinished chunk) is one of its stop tokens,
+    and that EOS or max_tokens did not finish already, is finished right after its own turn, the way the
+    lesson finishes one: FINISHED, blocks released, out of ``running``. The free queue therefore receives
+    the blocks in batch order, as if EOS had finished it.
+    """
+    for seq, token_id, stops in zip(seqs, token_ids, stop_token_ids):  # noqa: B905 (as the lesson zips)
+        kept = not is_prefill or seq.num_cached_tokens + seq.num_scheduled_tokens >= seq.num_tokens
+        scheduler.postprocess([seq], [token_id], is_prefill)
+        if kept and token_id in stops and seq.status is SequenceStatus.RUNNING:
+            seq.status = SequenceStatus.FINISHED
+            scheduler.block_manager.deallocate(seq)
+            scheduler.running.remove(seq)

@@ -1,4 +1,4 @@
-"""Deliberately wrong variants of optimized/block_math.py, each under the real function's contract.
+"""Deliberately wrong variants of invariants/block_math.py, each under the real function's contract.
 
 tests/test_contracts.py feeds each one to crosshair and expects a counterexample:
 a contract that no wrong variant can violate proves nothing.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from optimized.block_math import blocks_for, expand_runs, per_token_slots, slot_of  # noqa: F401 (the contracts name them)
+from invariants.block_math import blocks_for, expand_runs, per_token_slots, slot_of  # noqa: F401 (the contracts name them)
 
 
 def blocks_for_floor(num_tokens: int, block_size: int) -> int:

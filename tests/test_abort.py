@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-import optimized.scheduler as opt
+import optimized.core.scheduler as opt
 import reference as ref
 from invariants import SchedulerState, check_state, snapshot
 from optimized.machines.abort_contract import check_abort, check_abort_step

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from optimized import block_math
+from invariants import block_math
 
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds crosshair may spend on each pre/post pair before it accepts it (spec CONTRACT-7).
@@ -39,9 +39,9 @@ def crosshair(target: str) -> subprocess.CompletedProcess[str]:
 def test_crosshair_finds_nothing_in_block_math() -> None:
     """CONTRACT-1, CONTRACT-2, CONTRACT-3, CONTRACT-4, CONTRACT-5, CONTRACT-6, CONTRACT-7.
 
-    Every contract of optimized/block_math.py holds for all inputs crosshair explores.
+    Every contract of invariants/block_math.py holds for all inputs crosshair explores.
     """
-    result = crosshair("optimized/block_math.py")
+    result = crosshair("invariants/block_math.py")
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == ""
 

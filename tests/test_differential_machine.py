@@ -7,6 +7,10 @@ agree after each call, and both must satisfy every invariant.
 
 from __future__ import annotations
 
+import pytest
+
 from optimized.machines.differential_machine import DifferentialMachine
+
+pytestmark = pytest.mark.clause("OPT-1", "OPT-9")
 
 TestDifferentialMachine = DifferentialMachine.TestCase

@@ -17,7 +17,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 import reference
 from optimized.conformance import Request, Workload, replay
-from optimized.errors import EmptyDecodeError
+from optimized.core.errors import EmptyDecodeError
 from optimized.machines import Stats, counting
 from optimized.machines.reference_machine import Machine, UnadmittedMachine
 

@@ -10,7 +10,7 @@ import pytest
 from optimized import LLM, SamplingParams
 from optimized.cli import main as cli_main
 from optimized.conformance import parse_workload
-from optimized.errors import WorkloadError
+from optimized.core.errors import WorkloadError
 from tests.engine_fixtures import make_llm
 
 pytestmark = pytest.mark.usefixtures("engine_env")
@@ -85,7 +85,7 @@ def test_a_failure_outside_the_model_makes_the_engine_refuse_further_use(monkeyp
     def broken(*args: Any) -> list[int]:
         raise KeyError("a bug in the step's bookkeeping")
 
-    monkeypatch.setattr(llm.engine, "_stop_cuts", broken)
+    monkeypatch.setattr(llm.engine, "_count", broken)
     with pytest.raises(KeyError):
         llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     monkeypatch.undo()

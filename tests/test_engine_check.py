@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Any
 
@@ -37,8 +38,8 @@ def test_reordered_batch_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     real = llm.engine.scheduler.schedule
 
     def reordered() -> Any:
-        seqs, is_prefill = real()
-        return list(reversed(seqs)), is_prefill
+        out = real()
+        return dataclasses.replace(out, batch=list(reversed(out.batch)))
 
     monkeypatch.setattr(llm.engine.scheduler, "schedule", reordered)
     with pytest.raises(ShadowDivergence, match="batch") as err:
@@ -52,8 +53,8 @@ def test_different_finish_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     llm = make(with_config("qwen3", "eos7", eos_token_id=7))
     real = llm.engine.scheduler.postprocess
 
-    def all_eos(seqs: Any, tokens: list[int], is_prefill: bool) -> None:
-        real(seqs, [7 if t >= 0 else t for t in tokens], is_prefill)
+    def all_eos(seqs: Any, tokens: list[int], is_prefill: bool) -> Any:
+        return real(seqs, [7 if t >= 0 else t for t in tokens], is_prefill)
 
     monkeypatch.setattr(llm.engine.scheduler, "postprocess", all_eos)
     with pytest.raises(ShadowDivergence, match="finished"):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from optimized.cli import main
 from optimized.conformance import Workload, implementation, read_workloads, replay
-from optimized.errors import WorkloadError
+from optimized.core.errors import WorkloadError
 
 
 def shipped_lines() -> list[str]:

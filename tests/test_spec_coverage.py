@@ -24,15 +24,6 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFINITION = re.compile(r"\*\*([A-Z]+-[0-9]+)\*\*")
-MENTION = re.compile(r"\b([A-Z]+-[0-9]+)\b")
-# Tokens of the clause shape that are not clauses.
-NOT_CLAUSES = frozenset({"UTF-8", "UTF-16", "SHA-256", "GPT-2"})
-# Files that other work had open while the markers came in: they still cite by mention. The lead removes this
-# fallback (and its files from the set) after running the marker converter over them; then it is empty.
-CITE_BY_MENTION_UNTIL_CONVERTED = frozenset({
-    "tests/test_optimized_scheduler.py",
-    "tests/test_differential_machine.py",
-})
 
 
 def definitions(chapters: dict[str, str]) -> Counter[str]:
@@ -100,22 +91,15 @@ def marker_citations(name: str, source: str) -> tuple[set[str], list[str]]:
     return cited, problems
 
 
-def mention_citations(source: str) -> set[str]:
-    """The clause-shaped ids a file mentions anywhere (the fallback for files not converted yet)."""
-    return set(MENTION.findall(source)) - NOT_CLAUSES
-
-
-def coverage_problems(chapters: dict[str, str], tests: dict[str, str],
-                      by_mention: frozenset[str] = frozenset()) -> list[str]:
-    """What is wrong between the chapters' definitions and the tests' citations (files in ``by_mention`` cite by
-    mentioning an id anywhere)."""
+def coverage_problems(chapters: dict[str, str], tests: dict[str, str]) -> list[str]:
+    """What is wrong between the chapters' definitions and the tests' citations (markers only)."""
     defined = definitions(chapters)
     cited: dict[str, set[str]] = {}
     problems = [f"{c} is defined {n} times" for c, n in sorted(defined.items()) if n > 1]
     for name, source in sorted(tests.items()):
         ids, marker_problems = marker_citations(name, source)
         problems += marker_problems
-        for clause in ids | (mention_citations(source) if name in by_mention else set()):
+        for clause in ids:
             cited.setdefault(clause, set()).add(name)
     problems += [f"{c} is cited by no test" for c in sorted(defined) if c not in cited]
     problems += [f"{c} is cited by {sorted(cited[c])} but defined by no chapter"
@@ -133,8 +117,7 @@ def read_tree() -> tuple[dict[str, str], dict[str, str]]:
 def test_every_clause_is_cited_and_every_citation_defined() -> None:
     chapters, tests = read_tree()
     assert definitions(chapters), "no clause found in spec/*.md"
-    assert tests.keys() >= CITE_BY_MENTION_UNTIL_CONVERTED, "a fallback file is gone: drop it from the set"
-    problems = coverage_problems(chapters, tests, CITE_BY_MENTION_UNTIL_CONVERTED)
+    problems = coverage_problems(chapters, tests)
     assert not problems, "\n".join(problems)
 
 
@@ -168,7 +151,6 @@ def test_a_mention_in_a_docstring_or_comment_alone_cites_nothing() -> None:
     chapters = {"a.md": "**AB-1** **AB-2** **CD-1**"}
     assert coverage_problems(chapters, {"tests/test_x.py": source}) == [
         "AB-1 is cited by no test", "AB-2 is cited by no test", "CD-1 is cited by no test"]
-    assert coverage_problems(chapters, {"tests/test_x.py": source}, frozenset({"tests/test_x.py"})) == []
 
 
 @pytest.mark.parametrize("source", [

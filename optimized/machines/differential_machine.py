@@ -4,8 +4,8 @@ Each run draws a tiny configuration (block size 2-16, a handful of blocks,
 small budgets) and whether requests must obey the admission rule (ADMIT-1) or
 may overflow the cache. Rules add requests whose prompts share prefixes (so the
 prefix cache hits), run steps (the same model tokens, EOS now and then, to
-both), and sometimes cut a scheduled sequence's max_tokens between schedule and
-postprocess as the engine does at a stop token. After every schedule() and
+both), and give some requests stop tokens that finish them beside EOS (OPT-23:
+``Scheduler.add``'s stop set, ``reference.extensions.postprocess_with_stops``). After every schedule() and
 every postprocess() the two must agree on every decision, compared by arrival
 index: batch order, num_scheduled_tokens, block tables, the prefill flag,
 preemptions, finishes, queue orders, every sequence's counters and tokens, and
@@ -29,13 +29,13 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import optimized.scheduler as opt
+import optimized.core.scheduler as opt
 import reference as ref
 from invariants import SchedulerState, Violation, check_batch, check_state, seq_view, snapshot
-from optimized.errors import EmptyDecodeError
+from optimized.core.errors import EmptyDecodeError
 from optimized.machines import Stats
 from optimized.sampling_params import SamplingParams
-from reference.extensions import abort, abort_step
+from reference.extensions import abort, abort_step, postprocess_with_stops
 
 EOS = 7
 TOKENS = st.integers(1, 3)  # few distinct ids: prompts collide and blocks get shared
@@ -88,6 +88,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.opt_seqs: list[opt.Sequence] = []
         self.ref_arrival: dict[int, int] = {}
         self.opt_arrival: dict[int, int] = {}
+        self.stops: list[frozenset[int]] = []  # by arrival index (OPT-23)
 
     # --- setup and arrivals ----------------------------------------------------------------------
     @initialize(config=configs, admission_rule=st.booleans(),
@@ -125,6 +126,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         tail = data.draw(st.lists(TOKENS, min_size=length - len(shared), max_size=length - len(shared)), label="tail")
         max_tokens = footprint - length + 1
         ignore_eos = data.draw(st.booleans(), label="ignore_eos")
+        stops = data.draw(st.frozensets(MODEL_TOKENS, max_size=2), label="stop tokens")
         prompt = shared + tail
         r = ref.Sequence(prompt, ref.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
                          self.config.block_size)
@@ -135,8 +137,9 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.opt_arrival[o.seq_id] = index
         self.ref_seqs.append(r)
         self.opt_seqs.append(o)
+        self.stops.append(stops)
         self.ref.add(r)
-        self.opt.add(o)
+        self.opt.add(o, stops)
         self.stats.requests += 1
         self.compare("add")
 
@@ -194,11 +197,8 @@ class DifferentialMachine(RuleBasedStateMachine):
         ref_prefill = opt_prefill = is_prefill
         assert self.ref is not None and self.opt is not None
         tokens = data.draw(st.lists(MODEL_TOKENS, min_size=len(ref_batch), max_size=len(ref_batch)), label="tokens")
-        cut = data.draw(st.sampled_from([None, *range(len(ref_batch))]), label="cut max_tokens of")
-        if cut is not None:  # the engine's stop-token cut (ENG-12), on both
-            ref_batch[cut].max_tokens = ref_batch[cut].num_completion_tokens + 1
-            opt_batch[cut].max_tokens = opt_batch[cut].num_completion_tokens + 1
-        self.ref.postprocess(ref_batch, tokens, ref_prefill)
+        stops = [self.stops[self.ref_arrival[s.seq_id]] for s in ref_batch]
+        postprocess_with_stops(self.ref, ref_batch, tokens, ref_prefill, stops)
         self.opt.postprocess(opt_batch, tokens, opt_prefill)
         finished = [[s.status.name == "FINISHED" for s in batch] for batch in (ref_batch, opt_batch)]
         if finished[0] != finished[1]:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from invariants import SchedulerState, SeqView, Violation, check_batch, check_state, seq_view, snapshot
-from optimized.errors import EmptyDecodeError
+from optimized.core.errors import EmptyDecodeError
 from optimized.machines import Stats
 from optimized.machines.abort_contract import check_abort, check_abort_step
 from optimized.machines.step_contract import check_postprocess, check_schedule

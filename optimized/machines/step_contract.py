@@ -17,7 +17,7 @@ import struct
 import xxhash
 
 from invariants import BlockView, SchedulerState, SeqView, Violation
-from optimized.block_math import blocks_for, needs_new_block
+from invariants.block_math import blocks_for, needs_new_block
 
 
 def chain_hashes(token_ids: list[int], block_size: int) -> list[int]:

@@ -16,29 +16,51 @@ at the front of ``waiting``, ``running`` empty (OPT-9).
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections import deque
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from invariants.block_math import prefill_grant
 from invariants.state import BlockView, SchedulerState, seq_view
-from optimized.block_math import prefill_grant
-from optimized.decode_group import DecodeGroup
-from optimized.errors import EmptyDecodeError
-from optimized.kv_cache_manager import KVCacheManager
-from optimized.sequence import Sequence
-from optimized.token_arena import TokenArena
+from optimized.core.decode_group import DecodeGroup
+from optimized.core.errors import EmptyDecodeError, is_strict_int, strict_int
+from optimized.core.kv_cache_manager import KVCacheManager
+from optimized.core.sequence import Sequence
+from optimized.core.token_arena import TokenArena
 from reference.config import SchedulerConfig
 from reference.sequence import SequenceStatus
 
-__all__ = ["Scheduler", "SchedulerConfig", "Sequence", "SequenceStatus"]
+__all__ = ["ScheduleOutput", "Scheduler", "SchedulerConfig", "Sequence", "SequenceStatus"]
 
 I64 = npt.NDArray[np.int64]
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 FINISHED = SequenceStatus.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleOutput:
+    """What one ``schedule()`` did (OPT-22): the batch to run, and what the caller would otherwise scan for.
+
+    ``batch`` is handed back to ``postprocess`` as it is. ``preempted`` are the sequences this step sent
+    back to waiting, in the order it preempted them; ``prefix_hit_tokens`` counts the tokens the sequences
+    admitted this step took from the prefix cache. Unpacking gives the lesson's ``(batch, is_prefill)``
+    pair, so code written against the reference's ``schedule()`` drives this scheduler unchanged.
+    """
+
+    batch: list[Sequence]
+    is_prefill: bool
+    preempted: tuple[Sequence, ...] = ()
+    prefix_hit_tokens: int = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.batch, self.is_prefill))  # a tuple's iterator: cheaper than a generator per step
 
 
 class Scheduler:
@@ -70,41 +92,48 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self._waiting and not self._running
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence; ValueError (and no change) when it cannot be one of ours."""
+    def add(self, seq: Sequence, stop_token_ids: Collection[int] = ()) -> None:
+        """Queue a new sequence; ValueError (and no change) when it cannot be one of ours.
+
+        ``stop_token_ids``: drawing one of these finishes the sequence, beside EOS (OPT-23).
+        """
         if not isinstance(seq, Sequence):
             raise ValueError(f"seq must be an optimized Sequence, got {type(seq).__name__}")
         if seq.block_size != self.block_size:
             raise ValueError(f"seq.block_size {seq.block_size} differs from the scheduler's {self.block_size}")
-        if seq._arena is not None or seq._own is None or seq._status is not WAITING or seq.block_table:
+        core = seq.core
+        if core.arena is not None or core.own is None or core.status is not WAITING or seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} was already added to a scheduler")
-        max_tokens = seq._max_tokens
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-        self._arena.place(seq, seq._own, seq.num_prompt_tokens + max_tokens)
-        seq._arena = self._arena
-        seq._own = None
+        max_tokens = strict_int(core.max_tokens, "max_tokens", 1)
+        stops = frozenset(stop_token_ids)
+        if not all(map(is_strict_int, stops)):
+            raise ValueError(f"stop_token_ids must be integers, got {sorted(stops, key=repr)!r}")
+        core.stops = stops
+        self._arena.place(core, core.own, seq.num_prompt_tokens + max_tokens)
+        core.arena = self._arena
+        core.own = None
         self._waiting.append(seq)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
+    def schedule(self) -> ScheduleOutput:
         if self._group.inflight:  # schedule twice without postprocess: back to per-sequence fields
             self._group.dissolve()
         if self._waiting:
-            self._last_batch = None
-            scheduled = self._prefill()
-            if scheduled:
-                return scheduled, True
-        return self._decode(), False
+            out = self._prefill()
+            if out is not None:
+                return out
+        return self._decode()
 
-    def postprocess(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> None:
+    def postprocess(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> list[Sequence]:
+        """The lesson's postprocess; the sequences it finished, in batch order (OPT-22)."""
         group = self._group
         if seqs is self._last_batch and group.inflight and len(seqs) == len(group.members) <= len(token_ids):
-            self._postprocess_group(token_ids, len(seqs))
+            finished = self._postprocess_group(token_ids, len(seqs))
         else:
-            if group.inflight or any(s._group is not None for s in seqs):
+            if group.inflight or any(s.core.group is not None for s in seqs):
                 group.dissolve()
-            self._postprocess_each(seqs, token_ids, is_prefill)
+            finished = self._postprocess_each(seqs, token_ids, is_prefill)
         self._last_batch = None
+        return finished
 
     # --- beyond the lesson: abort (spec/abort.md, OPT-18..20) ---------------------------------------
     def abort(self, seq: Sequence) -> None:
@@ -113,7 +142,7 @@ class Scheduler:
         ValueError (nothing changed) when ``seq`` is not waiting or running here; RuntimeError (nothing
         changed) between schedule() and postprocess().
         """
-        if not isinstance(seq, Sequence) or seq._arena is not self._arena or seq._status is FINISHED:
+        if not isinstance(seq, Sequence) or seq.core.arena is not self._arena or seq.core.status is FINISHED:
             status = seq.status.name if isinstance(seq, Sequence) else type(seq).__name__
             raise ValueError(f"abort: seq {getattr(seq, 'seq_id', '?')} is not waiting or running here ({status})")
         if self._step_in_progress():
@@ -131,7 +160,7 @@ class Scheduler:
             raise ValueError("abort_step: batch must be exactly the sequences the last schedule() returned")
         self._group.inflight = False  # the members' grant of one token is withdrawn
         for seq in batch:
-            seq._nsched = 0
+            seq.core.nsched = 0
         self._last_batch = None
         for seq in batch:
             self._abort(seq)
@@ -139,30 +168,34 @@ class Scheduler:
     def _step_in_progress(self) -> bool:
         if self._group.inflight:
             return True
-        return any(s._nsched for s in self._waiting) or any(s._nsched for s in self._running if s._group is None)
+        waiting, running = self._waiting, self._running
+        return any(s.core.nsched for s in waiting) or any(s.core.nsched for s in running if s.core.group is None)
 
     def _abort(self, seq: Sequence) -> None:
-        if seq._status is WAITING:
+        core = seq.core
+        if core.status is WAITING:
             self._waiting.remove(seq)  # deque.remove compares with ==, which for Sequence is identity
         else:
             running = self._running
             j = running.index(seq)
-            if seq._group is not None:
+            if core.group is not None:
                 group = self._group
                 group.settle(seq)
                 group.remove_at([j])  # members are running's prefix: the same index
             del running[j]
         self.block_manager.forget_walk(seq)
         self._finish(seq)
-        seq._nsched = 0
+        core.nsched = 0
 
     # --- lesson §2: the prefill loop, on cached hashes ------------------------------------------
-    def _prefill(self) -> list[Sequence]:
+    def _prefill(self) -> ScheduleOutput | None:
         scheduled: list[Sequence] = []
         num_batched_tokens = 0
+        hit_blocks = 0
         waiting, bm, block_size = self._waiting, self.block_manager, self.block_size
         while waiting and len(scheduled) < self.max_num_seqs:
             seq = waiting[0]
+            core = seq.core
             remaining = self.max_num_batched_tokens - num_batched_tokens
             if remaining == 0:
                 break
@@ -171,26 +204,30 @@ class Scheduler:
                 num_cached_blocks = bm.can_allocate(seq)
                 if num_cached_blocks == -1:
                     break
-                num_tokens = seq._ntok - num_cached_blocks * block_size
+                num_tokens = core.ntok - num_cached_blocks * block_size
             else:
-                num_tokens = seq._ntok - seq._ncached
+                num_tokens = core.ntok - core.ncached
             grant = prefill_grant(num_tokens, remaining, not scheduled)
             if grant == 0:  # only the first sequence of a batch may be chunked
                 break
             if not seq.block_table:
                 bm.allocate(seq, num_cached_blocks)
-            seq._nsched = grant
+                hit_blocks += num_cached_blocks
+            core.nsched = grant
             num_batched_tokens += grant
-            if seq._ncached + seq._nsched == seq._ntok:
-                seq._status = RUNNING
+            if core.ncached + grant == core.ntok:
+                core.status = RUNNING
                 waiting.popleft()
                 self._running.append(seq)
             scheduled.append(seq)
-        return scheduled
+        if not scheduled:
+            return None
+        return ScheduleOutput(scheduled, True, (), hit_blocks * block_size)
 
     # --- lesson §4: the decode loop, as one group ----------------------------------------------
-    def _decode(self) -> list[Sequence]:
+    def _decode(self) -> ScheduleOutput:
         group, running = self._group, self._running
+        preempted: tuple[Sequence, ...] = ()
         members = group.members
         k = min(len(running), self.max_num_seqs)
         if len(members) < k:
@@ -203,23 +240,25 @@ class Scheduler:
                 # list.append over the members' tables at C speed (it returns None, so any() runs to the end).
                 any(map(list.append, group.tables[phase], bm.take_fresh_many(len(due))))
             else:
-                self._decode_with_preemption(due[:])
+                preempted = self._decode_with_preemption(due[:])
         if not members:
             raise EmptyDecodeError("schedule(): nothing fits and nothing is running (the reference's assert)")
         group.inflight = True
         batch = members[:]
         self._last_batch = batch
-        return batch
+        return ScheduleOutput(batch, False, preempted, 0)
 
-    def _decode_with_preemption(self, due: list[Sequence]) -> None:
+    def _decode_with_preemption(self, due: list[Sequence]) -> tuple[Sequence, ...]:
         """The reference's popleft / can_append / preempt-the-tail loop, visiting only members that need a block.
 
         Members before a needy one pass can_append without taking anything; the
-        queue's tail (index t-1) is what ``running.pop()`` would take (OPT-7).
+        queue's tail (index t-1) is what ``running.pop()`` would take (OPT-7). Returns the preempted,
+        in the order they were preempted.
         """
         group, running, bm = self._group, self._running, self.block_manager
         members, free = group.members, bm.free
         t = len(running)
+        preempted: list[Sequence] = []
         for seq in due:
             j = members.index(seq)
             if j >= t:
@@ -227,9 +266,11 @@ class Scheduler:
             while free.count == 0:
                 if t - 1 > j:
                     t -= 1
+                    preempted.append(running[t])
                     self._preempt(running[t])
                 else:  # only this one is left: it preempts itself
                     t = j
+                    preempted.append(seq)
                     self._preempt(seq)
                     break
             else:
@@ -238,17 +279,19 @@ class Scheduler:
             break
         del running[t:]
         group.truncate(min(t, len(members)))
+        return tuple(preempted)
 
     def _preempt(self, seq: Sequence) -> None:
-        if seq._group is not None:
+        core = seq.core
+        if core.group is not None:
             self._group.settle(seq)
-        seq._status = WAITING
-        seq._is_prefill = True
+        core.status = WAITING
+        core.is_prefill = True
         self.block_manager.deallocate(seq)
         self._waiting.appendleft(seq)
 
     # --- lesson §5: postprocess ----------------------------------------------------------------
-    def _postprocess_group(self, token_ids: Any, count: int) -> None:
+    def _postprocess_group(self, token_ids: Any, count: int) -> list[Sequence]:
         group = self._group
         # One scatter appends a token to every member; the clock advances them all.
         tokens = self._as_int64(token_ids, count)
@@ -264,8 +307,12 @@ class Scheduler:
         finishing = group.finishes.pop(clock, None)
         if group.eos_watchers:
             finishing = self._eos_hits(tokens, finishing)
-        if finishing:
-            self._finish_members(finishing)
+        if group.stop_ids:
+            finishing = self._stop_hits(tokens, finishing)
+        if not finishing:
+            return []
+        self._finish_members(finishing)
+        return finishing
 
     def _as_int64(self, token_ids: Any, count: int) -> I64:
         """The first ``count`` model tokens as int64.
@@ -281,16 +328,26 @@ class Scheduler:
             return np.frombuffer(packed, dtype=np.int64)
         return np.asarray(token_ids[:count], dtype=np.int64)
 
-    def _eos_hits(self, tokens: Any, finishing: list[Sequence] | None) -> list[Sequence] | None:
+    def _eos_hits(self, tokens: I64, finishing: list[Sequence] | None) -> list[Sequence] | None:
         hits = np.flatnonzero(tokens == self.eos)
         if not hits.size:
             return finishing
         members = self._group.members
-        stopped = [members[j] for j in hits.tolist() if not members[j].ignore_eos]
-        if not stopped:
+        return _merged(finishing, [members[j] for j in hits.tolist() if not members[j].ignore_eos])
+
+    def _stop_hits(self, tokens: I64, finishing: list[Sequence] | None) -> list[Sequence] | None:
+        """OPT-23: members whose drawn token is one of their own stop tokens finish, as at EOS."""
+        watched = self._group.stop_ids
+        if len(watched) <= 4:
+            mask = functools.reduce(np.logical_or, [tokens == t for t in watched])
+        else:
+            mask = np.isin(tokens, np.fromiter(watched, dtype=np.int64, count=len(watched)))
+        hits = np.flatnonzero(mask)
+        if not hits.size:
             return finishing
-        merged = {id(s): s for s in (*(finishing or ()), *stopped)}
-        return sorted(merged.values(), key=lambda s: s._gord)
+        members, drawn = self._group.members, tokens[hits].tolist()
+        return _merged(finishing, [members[j] for j, t in zip(hits.tolist(), drawn, strict=True)
+                                   if t in members[j].core.stops])
 
     def _finish_members(self, finishing: list[Sequence]) -> None:
         """Finish members in batch order: the free queue receives their blocks in the reference's order."""
@@ -305,24 +362,33 @@ class Scheduler:
             del running[j]
 
     def _finish(self, seq: Sequence) -> None:
-        seq._status = FINISHED
+        core = seq.core
+        core.status = FINISHED
         self.block_manager.deallocate(seq)
-        seq._own = self._arena.release(seq)
-        seq._arena = None
+        core.own = self._arena.release(core)
+        core.arena = None
 
-    def _postprocess_each(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> None:
+    def _postprocess_each(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> list[Sequence]:
         bm, eos, data = self.block_manager, self.eos, self._arena.data
+        finished: list[Sequence] = []
         for seq, token_id in zip(seqs, token_ids):  # noqa: B905 (the reference zips: the shorter ends it)
             bm.hash_blocks(seq)
-            seq._ncached += seq._nsched
-            seq._nsched = 0
-            if is_prefill and seq._ncached < seq._ntok:
+            core = seq.core
+            core.ncached += core.nsched
+            core.nsched = 0
+            if is_prefill and core.ncached < core.ntok:
                 continue  # an unfinished chunk: its sample is discarded
-            data[seq.region_offset + seq._ntok] = token_id
-            seq._ntok += 1
-            if (not seq.ignore_eos and token_id == eos) or seq._ntok - seq.num_prompt_tokens == seq._max_tokens:
+            data[core.region_offset + core.ntok] = token_id
+            core.ntok += 1
+            if (
+                (not seq.ignore_eos and token_id == eos)
+                or core.ntok - seq.num_prompt_tokens == core.max_tokens
+                or (core.stops and token_id in core.stops)  # OPT-23: beside EOS
+            ):
                 self._running.remove(seq)
                 self._finish(seq)
+                finished.append(seq)
+        return finished
 
     # --- one view for the invariants ------------------------------------------------------------
     def snapshot(self) -> SchedulerState:
@@ -342,3 +408,15 @@ class Scheduler:
             running=[seq_view(s) for s in self._running],
             extra={"decode_clock": self._group.now, "decode_group": len(self._group.members)},
         )
+
+
+def _merged(finishing: list[Sequence] | None, stopped: list[Sequence]) -> list[Sequence] | None:
+    """The members finishing this step, in member order, each once."""
+    if not stopped:
+        return finishing
+    merged = {id(s): s for s in (*(finishing or ()), *stopped)}
+    return sorted(merged.values(), key=_group_order)
+
+
+def _group_order(seq: Sequence) -> int:
+    return seq.core.gord

@@ -1,7 +1,7 @@
 """The integer arithmetic the scheduler and the model runner stand on, with contracts.
 
 Each function is small, pure, and carries PEP 316 contracts (``pre:``/``post:``
-in its docstring) that ``crosshair check optimized/block_math.py`` verifies
+in its docstring) that ``crosshair check invariants/block_math.py`` verifies
 symbolically in CI (spec/contracts.md). The postconditions restate each rule in
 a second, independent way (token capacity instead of block counts, per-token
 slots instead of per-block runs), so a wrong formula contradicts its contract.

@@ -7,145 +7,95 @@ b carries hash h; a lookup hit also needs equal token bytes; a released block
 keeps its hash and contents until it is taken again. What differs from the
 reference (spec/optimized-scheduler.md):
 
-* the free queue is FreeBlockQueue (OPT-4); ``_extra[b]`` (a list) is a used
-  block's ref count minus one and 0 for every free block, so taking a fresh
-  block writes no count and releasing a block held once writes none either;
-  ``_shared`` counts the blocks with ``_extra > 0``; ``_hashes`` and
-  ``_contents`` (dicts) hold the registered blocks only, so a registration is
-  three dict updates and taking a block pops its entries;
-* every free-queue entry before absolute position ``_clean_end`` is a block
-  that was never used, so it has no hash and no pending registration: takes
-  from there touch nothing but the queue's front (OPT-13);
+* which blocks are free and how many tables hold each used one is the
+  ``BlockPool``'s (block_pool.py: OPT-4, OPT-13); this class is the prefix
+  cache over it, and forgets a taken block's hash only when the take reaches
+  past the pool's never-used blocks; ``_hashes`` and ``_contents`` (dicts)
+  hold the registered blocks only, so a registration is three dict updates and
+  taking a block pops its entries;
 * chain hashes come from the sequence's own cache, so each full block of a
   sequence is hashed at most once (OPT-5);
-* registering full blocks (``hash_blocks``) only appends (sequence, first
-  index, block ids) to ``pending``, and a decode step's fills only (clock,
-  members) (OPT-16); the log is applied in order (``flush``) before anything
+* registering full blocks (``hash_blocks``) only appends a ``FullBlocks``
+  entry (sequence, first index, block ids) to ``pending``, and a decode step's
+  fills only a ``DecodeFills`` (clock, members) (OPT-16); the log is applied in order (``flush``) before anything
   reads the table or a block's hash: a lookup (``can_allocate``), taking a block
-  from beyond ``_clean_end``, any inspection. The table then holds exactly
+  from beyond the pool's never-used blocks, any inspection. The table then holds exactly
   what the reference's eager registrations would have left (OPT-8);
-* ``can_allocate`` remembers the walk it made for a waiting sequence and reuses
-  it while nothing the walk read has changed (OPT-14).
+* ``can_allocate`` remembers the walk it made for a waiting sequence
+  (walk_memo.py) and reuses it while nothing the walk read has changed (OPT-14);
+* every chain hash is computed by ``chain_hashes``.
 """
 
 from __future__ import annotations
 
-from operator import itemgetter
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 from xxhash import xxh64_intdigest
 
-from optimized.block_math import blocks_for, needs_new_block
-from optimized.free_queue import FreeBlockQueue
-from optimized.sequence import Sequence
-from reference.block_manager import Block
+from invariants.block_math import blocks_for, needs_new_block
+from optimized.core.block_pool import BlockPool
+from optimized.core.sequence import Sequence
+from optimized.core.walk_memo import WalkMemo
 
 I64 = npt.NDArray[np.int64]
 
 
-def chain_hash(contents: bytes, prefix: int) -> int:
-    """xxh64 over the previous block's hash (8 bytes LE, omitted when -1) then the token bytes."""
-    if prefix == -1:
-        return xxh64_intdigest(contents)
-    return xxh64_intdigest(prefix.to_bytes(8, "little") + contents)
+def chain_hashes(prefix: int, pieces: Iterable[bytes]) -> list[int]:
+    """The prefix-cache chain hash of each block's bytes in turn: xxh64 over the previous block's hash
+    (8 bytes little-endian; nothing before a sequence's first block, ``prefix == -1``) then the block's
+    token bytes. The one place the chain hash is computed."""
+    out: list[int] = []
+    append, to_bytes = out.append, int.to_bytes
+    for piece in pieces:
+        prefix = xxh64_intdigest(to_bytes(prefix, 8, "little") + piece if prefix != -1 else piece)
+        append(prefix)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class FullBlocks:
+    """A pending registration from ``hash_blocks``: blocks ``start, start+1, ...`` of ``seq``, held in ``block_ids``."""
+
+    seq: Sequence
+    start: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeFills:
+    """A pending registration of one decode step: at clock ``clock`` the last block of each of ``seqs`` filled.
+
+    Which block that was is read back at the flush from the member's segment covering ``clock`` (OPT-16).
+    """
+
+    clock: int
+    seqs: list[Sequence]
 
 
 def token_bytes(seq: Sequence) -> tuple[memoryview, int]:
     """The bytes of the array holding the sequence's tokens (no copy) and the byte offset of its first token."""
-    arena = seq._arena
+    arena = seq.core.arena
     if arena is not None:
-        return arena.bytes_view, 8 * seq.region_offset
-    assert seq._own is not None
-    return seq._own.data.cast("B"), 0
-
-
-class WalkMemo:
-    """What ``can_allocate`` read for one sequence, kept up to date while it stays valid (OPT-14).
-
-    The walk looked up the chain hashes ``hashes`` (hash -> first index; the
-    hits and the one that missed) and compared the contents of ``blocks``
-    (block -> index); the first ``cached`` of ``hits`` are the blocks it hit,
-    ``held[i]`` says whether hit i is used.
-    Taking hit i (its table entry goes) cuts the walk to i hits; releasing a
-    used hit makes it free; anything else that touches a hash or block named
-    here drops the memo.
-    """
-
-    __slots__ = ("_blocks", "_hashes", "cached", "held", "hits", "looked", "missed", "seq", "used")
-
-    def __init__(self, seq: Sequence, hits: list[int], held: list[bool], looked: list[int], missed: int) -> None:
-        self.seq = seq
-        self.hits = hits
-        self.held = held
-        self.cached = len(hits)
-        self.used = sum(held)
-        self.looked = looked
-        self.missed = missed
-        # Built on first use: most walks are followed at once by allocate, which drops the memo.
-        self._hashes: dict[int, int] | None = None
-        self._blocks: dict[int, int] | None = None
-
-    @property
-    def hashes(self) -> dict[int, int]:
-        if self._hashes is None:
-            looked = self.looked
-            # Built backwards so that a repeated hash keeps its first index.
-            self._hashes = dict(zip(reversed(looked), range(len(looked) - 1, -1, -1), strict=True))
-        return self._hashes
-
-    @property
-    def blocks(self) -> dict[int, int]:
-        if self._blocks is None:
-            hits = self.hits
-            blocks = dict(zip(reversed(hits), range(len(hits) - 1, -1, -1), strict=True))
-            if self.missed != -1:
-                blocks.setdefault(self.missed, len(hits))
-            self._blocks = blocks
-        return self._blocks
-
-    def reads(self, h: int, block_id: int) -> bool:
-        """Whether mapping ``h`` or changing ``block_id`` could change the walk's answer.
-
-        Entries past the walk's end (left by ``cut``) are ignored: the walk no longer reaches them.
-        """
-        cached = self.cached
-        return self.hashes.get(h, cached + 1) <= cached or self.blocks.get(block_id, cached + 1) <= cached
-
-    def cut(self, index: int) -> None:
-        """Hit ``index`` lost its table entry: the walk now stops there."""
-        if index < self.cached:
-            self.cached = index
-            del self.held[index:]
-            self.used = sum(self.held)
-
-    def freed(self, block_ids: list[int]) -> None:
-        """These blocks went back to the free queue: a hit among them is no longer used."""
-        if self.blocks.keys().isdisjoint(block_ids):
-            return
-        for block_id in block_ids:
-            index = self.blocks.get(block_id, -1)
-            if 0 <= index < self.cached and self.held[index]:
-                self.held[index] = False
-                self.used -= 1
+        return arena.bytes_view, 8 * seq.core.region_offset
+    assert seq.core.own is not None
+    return seq.core.own.data.cast("B"), 0
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._extra = [0] * num_blocks
-        self._shared = 0  # blocks with _extra > 0
+        self.pool = BlockPool(num_blocks)
+        self.free = self.pool.free  # the pool's free queue, read on the scheduler's decode path
         # Registered blocks only (a block without an entry has hash -1 and no tokens): dicts, so that a
         # registration of a run of blocks is three C-level updates.
         self._hashes: dict[int, int] = {}
         self._contents: dict[int, bytes] = {}
         self._table: dict[int, int] = {}
-        self.free = FreeBlockQueue(num_blocks)
-        self._clean_end = num_blocks
-        # (seq, first index, block ids) from hash_blocks; (None, clock, seqs): one decode step's fills.
-        self.pending: list[tuple[Any, ...]] = []
+        self.pending: list[FullBlocks | DecodeFills] = []  # applied in order by flush (OPT-8, OPT-16)
         self._memo: WalkMemo | None = None
         self._chain_source: Sequence | None = None  # the last sequence whose chain was hashed from its start
         self._common: tuple[Sequence | None, bytes] = (None, b"")  # a sequence and bytes it starts with
@@ -153,8 +103,7 @@ class KVCacheManager:
     # --- read-only views in the reference's vocabulary (each flushes first) --------------------------
     @property
     def ref_counts(self) -> list[int]:
-        free = self.free
-        return [0 if free.contains(b) else e + 1 for b, e in enumerate(self._extra)]
+        return self.pool.ref_counts
 
     @property
     def hash_to_block_id(self) -> dict[int, int]:
@@ -163,11 +112,11 @@ class KVCacheManager:
 
     @property
     def free_block_ids(self) -> list[int]:
-        return list(self.free)
+        return self.pool.free_block_ids
 
     @property
     def used_block_ids(self) -> set[int]:
-        return {b for b in range(self.num_blocks) if not self.free.contains(b)}
+        return self.pool.used_block_ids
 
     def block_hash(self, block_id: int) -> int:
         self.flush()
@@ -180,29 +129,16 @@ class KVCacheManager:
             return []
         return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
 
-    @property
-    def blocks(self) -> list[Block]:
-        """Copies as reference Blocks (for inspection; O(num_blocks))."""
-        out = []
-        refs = self.ref_counts
-        for b in range(self.num_blocks):
-            block = Block(b)
-            block.ref_count = refs[b]
-            block.hash = self.block_hash(b)
-            block.token_ids = self.token_ids_of(b)
-            out.append(block)
-        return out
-
     # --- hashes ---------------------------------------------------------------------------------------
     def extend_chain(self, seq: Sequence, end: int) -> None:
-        """Chain hashes of full blocks [len(seq._hashes), end) of ``seq``, each computed once (OPT-5).
+        """Chain hashes of full blocks [len(seq.core.hashes), end) of ``seq``, each computed once (OPT-5).
 
-        The blocks' bytes are kept beside the hashes (``seq._pieces``) for the walk to compare and
+        The blocks' bytes are kept beside the hashes (``seq.core.pieces``) for the walk to compare and
         the registration to store. A chain hash is a function of the bytes of the blocks up to its
         own, so when a sequence starts with the same full blocks as the last one hashed from its
         start (a shared system prompt), it takes those hashes instead of computing them (OPT-15).
         """
-        chain, pieces = seq._hashes, seq._pieces
+        chain, pieces = seq.core.hashes, seq.core.pieces
         i = len(chain)
         if i >= end:
             return
@@ -211,7 +147,7 @@ class KVCacheManager:
         if i == 0:
             # The shared run is looked for over every full block the sequence had when it was added (it
             # may be longer than ``end``); only what is past it is hashed, up to ``end``.
-            full = max(end, seq._ntok // self.block_size)
+            full = max(end, seq.core.ntok // self.block_size)
             raw = view[at : at + full * width].tobytes()
             i = self._shared_start(seq, raw, full)
             if i >= end:
@@ -221,17 +157,7 @@ class KVCacheManager:
             raw = view[at + i * width : at + end * width].tobytes()
         fresh = [raw[k : k + width] for k in range(0, len(raw), width)]
         pieces.extend(fresh)
-        append = chain.append
-        if i == 0:
-            prev = xxh64_intdigest(fresh[0])
-            append(prev)
-            del fresh[0]
-        else:
-            prev = chain[i - 1]
-        to_bytes = int.to_bytes
-        for piece in fresh:
-            prev = xxh64_intdigest(to_bytes(prev, 8, "little") + piece)
-            append(prev)
+        chain.extend(chain_hashes(chain[i - 1] if i else -1, fresh))
 
     def _shared_start(self, seq: Sequence, raw: bytes, end: int) -> int:
         """Give ``seq``'s empty chain the hashes and bytes of its leading blocks equal to the last chained one's."""
@@ -239,8 +165,8 @@ class KVCacheManager:
         self._chain_source = seq
         if source is None or source is seq:
             return 0
-        theirs = source._pieces
-        m = min(end, len(source._hashes), len(theirs))
+        theirs = source.core.pieces
+        m = min(end, len(source.core.hashes), len(theirs))
         width = 8 * self.block_size
         owner, common = self._common
         if owner is source and len(common) <= m * width and raw.startswith(common):
@@ -250,8 +176,8 @@ class KVCacheManager:
         while k < m and raw.startswith(theirs[k], k * width):
             k += 1
         if k:
-            seq._hashes.extend(source._hashes[:k])
-            seq._pieces.extend(theirs[:k])
+            seq.core.hashes.extend(source.core.hashes[:k])
+            seq.core.pieces.extend(theirs[:k])
             # The bytes ``seq`` is now known to start with, for the next sequence to compare at once.
             self._common = (seq, common if k == known else raw[: k * width])
         return k
@@ -259,19 +185,19 @@ class KVCacheManager:
     def chain_hash_of(self, seq: Sequence, i: int) -> int:
         """The chain hash of full block i of ``seq``, computed at most once per sequence (OPT-5)."""
         self.extend_chain(seq, i + 1)
-        return seq._hashes[i]
+        return seq.core.hashes[i]
 
     def defer(self, seq: Sequence, start: int, block_ids: list[int]) -> None:
         """Blocks start, start+1, ... of ``seq`` (held in ``block_ids``) just became full: register them later."""
-        self.pending.append((seq, start, block_ids))
+        self.pending.append(FullBlocks(seq, start, block_ids))
 
     def defer_fills(self, clock: int, seqs: list[Sequence]) -> None:
         """Decode step ``clock`` filled the last block of each of ``seqs``: register those blocks later.
 
         Only the step is logged: which block that was is read back at the flush from the member's
-        segment for that clock (``Sequence._segments``), whose table list deallocate leaves intact.
+        segment for that clock (``CoreState.segments``), whose table list deallocate leaves intact.
         """
-        self.pending.append((None, clock, seqs))
+        self.pending.append(DecodeFills(clock, seqs))
 
     def flush(self) -> None:
         """Apply the pending registrations in order: store hash and contents, map the hash to the block.
@@ -284,10 +210,11 @@ class KVCacheManager:
         if not pending:
             return
         for entry in pending:
-            if entry[0] is None:
-                self._register_fills(entry[1], entry[2])
+            if type(entry) is DecodeFills:
+                self._register_fills(entry.clock, entry.seqs)
             else:
-                self._register(*entry)
+                assert type(entry) is FullBlocks
+                self._register(entry.seq, entry.start, entry.block_ids)
         pending.clear()
 
     def _register_fills(self, clock: int, seqs: list[Sequence]) -> None:
@@ -295,21 +222,21 @@ class KVCacheManager:
         hashes, contents, table, memo = self._hashes, self._contents, self._table, self._memo
         block_size = self.block_size
         width = 8 * block_size
-        to_bytes = int.to_bytes
         new_hashes: list[int] = []
         new_blocks: list[int] = []
         for seq in seqs:
-            segments = seq._segments
+            core = seq.core
+            segments = core.segments
             k = len(segments) - 1
             while segments[k][0] > clock:
                 k -= 1
             _, anchor, block_table = segments[k]
             i = (anchor + clock) // block_size - 1
             block_id = block_table[i]
-            chain = seq._hashes
-            arena = seq._arena
+            chain = core.hashes
+            arena = core.arena
             if arena is not None:
-                at = 8 * seq.region_offset + i * width
+                at = 8 * core.region_offset + i * width
                 piece = arena.bytes_view[at : at + width].tobytes()
             else:
                 view, at = token_bytes(seq)
@@ -320,9 +247,9 @@ class KVCacheManager:
             else:
                 if n < i:
                     self.extend_chain(seq, i)
-                h = xxh64_intdigest(to_bytes(chain[i - 1], 8, "little") + piece) if i else xxh64_intdigest(piece)
+                h = chain_hashes(chain[i - 1] if i else -1, (piece,))[0]
                 chain.append(h)
-                seq._pieces.append(piece)
+                core.pieces.append(piece)
             hashes[block_id] = h
             contents[block_id] = piece
             table[h] = block_id
@@ -334,9 +261,9 @@ class KVCacheManager:
     def _register(self, seq: Sequence, start: int, block_ids: list[int]) -> None:
         end = start + len(block_ids)
         self.extend_chain(seq, end)
-        chain = seq._hashes[start:end]
+        chain = seq.core.hashes[start:end]
         self._hashes.update(zip(block_ids, chain, strict=True))
-        self._contents.update(zip(block_ids, seq._pieces[start:end], strict=True))
+        self._contents.update(zip(block_ids, seq.core.pieces[start:end], strict=True))
         self._table.update(zip(chain, block_ids, strict=True))
         memo = self._memo
         if memo is not None and self._touches(memo, chain, block_ids):
@@ -356,11 +283,12 @@ class KVCacheManager:
     def take_fresh_many(self, m: int) -> list[int]:
         """The reference's ``_allocate_block`` m times over: the m front ids, in order (OPT-4).
 
-        Entries before ``_clean_end`` are never-used blocks: no hash to forget, nothing pending (OPT-13).
+        Entries before the pool's ``clean_end`` are never-used blocks: no hash to forget, nothing pending
+        (OPT-13).
         """
         free = self.free
         ids = free.take(m)
-        if free.front > self._clean_end:
+        if free.front > self.pool.clean_end:
             self._forget(ids)
         return ids
 
@@ -383,38 +311,10 @@ class KVCacheManager:
             memo.cut(min(memo.hashes.get(h, memo.cached) for h in unmapped))
 
     def release(self, table: list[int]) -> None:
-        """``deallocate``'s release: from the table's end to its start, freed ids join the queue in that order.
-
-        A block with ``_extra`` 0 is held by this table alone and goes back; the others lose one holder.
-        """
-        extra = self._extra
-        freed = table[::-1]
-        if self._shared:
-            counts = itemgetter(*table)(extra) if len(table) > 1 else tuple(extra[b] for b in table)
-            shared = len(counts) - counts.count(0)
-            if shared:
-                # A block twice in one table (only after a hash collision) has extra >= 1 and is in held.
-                prefix = shared == len(counts) or counts.index(0) == shared
-                held = table[:shared] if prefix else [b for b in table if extra[b]]
-                if len(set(held)) == len(held):
-                    # The usual shape: a shared prefix, then the table's own blocks.
-                    freed = freed[: len(counts) - shared] if prefix else [b for b in freed if not extra[b]]
-                    for block_id in held:
-                        extra[block_id] -= 1
-                    self._shared -= counts.count(1)  # those that had one other holder are now its alone
-                else:  # the reference's loop, one holder at a time
-                    freed = []
-                    for block_id in reversed(table):
-                        if extra[block_id]:
-                            extra[block_id] -= 1
-                            if not extra[block_id]:
-                                self._shared -= 1
-                        else:
-                            freed.append(block_id)
-        if freed:
-            if self._memo is not None:
-                self._memo.freed(freed)
-            self.free.extend(freed)
+        """``deallocate``'s release (the pool's); a remembered walk learns which of its hits went free."""
+        freed = self.pool.release(table)
+        if freed and self._memo is not None:
+            self._memo.freed(freed)
 
     def forget_walk(self, seq: Sequence) -> None:
         """``seq`` leaves the scheduler: a walk remembered for it is of no further use."""
@@ -424,7 +324,7 @@ class KVCacheManager:
     def deallocate(self, seq: Sequence) -> None:
         """Release the table from its end to its start; the freed ids join the queue in that order."""
         self.release(seq.block_table)
-        seq._ncached = 0
+        seq.core.ncached = 0
         seq.block_table = []  # a new list: a pending decode fill may still read the old one (defer_fills)
 
     # --- the reference's BlockManager API, on sequences outside the decode group ----------------------
@@ -434,19 +334,19 @@ class KVCacheManager:
         memo = self._memo
         if memo is None or memo.seq is not seq:
             memo = self._walk(seq)
-        if self.free.count < blocks_for(seq._ntok, self.block_size) - memo.used:
+        if self.free.count < blocks_for(seq.core.ntok, self.block_size) - memo.used:
             return -1
         return memo.cached
 
     def _walk(self, seq: Sequence) -> WalkMemo:
         """The reference's lookup walk over the sequence's full blocks but its last."""
         block_size = self.block_size
-        last = blocks_for(seq._ntok, block_size) - 1
+        last = blocks_for(seq.core.ntok, block_size) - 1
         # Hash only what the walk reads: the first block, and the rest once the first one hits (the
         # registration hashes the others later, if anything ever reads them).
         self.extend_chain(seq, min(last, 1))
         table = self._table
-        chain, pieces = seq._hashes, seq._pieces
+        chain, pieces = seq.core.hashes, seq.core.pieces
         hits: list[int] = []
         missed = -1
         if last and chain[0] in table:
@@ -464,11 +364,7 @@ class KVCacheManager:
                 missed = hit_ids[j]
         m = len(hits)
         looked = chain[: m + 1] if m < last else chain[:m]
-        if m:
-            slot, front = self.free.slots(), self.free.front
-            held = [slot[b] < front for b in hits]
-        else:
-            held = []
+        held = self.pool.held(hits) if m else []
         memo = self._memo = WalkMemo(seq, hits, held, looked, missed)
         return memo
 
@@ -478,38 +374,24 @@ class KVCacheManager:
         memo = self._memo
         assert memo is not None and memo.seq is seq and num_cached_blocks <= memo.cached
         hits = memo.hits[:num_cached_blocks]
-        extra, free = self._extra, self.free
-        if num_cached_blocks == memo.cached and memo.used == len(hits) == len(set(hits)):
-            # Every hit is held already (a shared prefix): extra += 1 for each.
-            for block_id in hits:
-                extra[block_id] += 1
-            self._shared += sum(1 for b in hits if extra[b] == 1)
-        else:
-            slot, front = free.slots(), free.front
-            for block_id in hits:
-                if slot[block_id] >= front:  # free: revived where it stands
-                    free.remove(block_id)
-                else:
-                    if not extra[block_id]:
-                        self._shared += 1
-                    extra[block_id] += 1
+        self.pool.hold(hits, num_cached_blocks == memo.cached and memo.used == len(hits) == len(set(hits)))
         self._memo = None
         block_table = seq.block_table
         block_table.extend(hits)
-        block_table.extend(self.take_fresh_many(blocks_for(seq._ntok, self.block_size) - num_cached_blocks))
-        seq._ncached = num_cached_blocks * self.block_size
+        block_table.extend(self.take_fresh_many(blocks_for(seq.core.ntok, self.block_size) - num_cached_blocks))
+        seq.core.ncached = num_cached_blocks * self.block_size
 
     def can_append(self, seq: Sequence) -> bool:
-        return self.free.count >= needs_new_block(seq._ntok, self.block_size)
+        return self.free.count >= needs_new_block(seq.core.ntok, self.block_size)
 
     def may_append(self, seq: Sequence) -> None:
-        if needs_new_block(seq._ntok, self.block_size):
+        if needs_new_block(seq.core.ntok, self.block_size):
             seq.block_table.append(self.take_fresh())
 
     def hash_blocks(self, seq: Sequence) -> None:
         """The blocks this step's tokens filled enter the prefix cache (at the next flush)."""
         block_size = self.block_size
-        start = seq._ncached // block_size
-        end = (seq._ncached + seq._nsched) // block_size
+        start = seq.core.ncached // block_size
+        end = (seq.core.ncached + seq.core.nsched) // block_size
         if end > start:
             self.defer(seq, start, seq.block_table[start:end])

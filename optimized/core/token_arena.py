@@ -55,12 +55,6 @@ class TokenArena:
         owner.region_capacity = capacity
         self._owners[id(owner)] = owner
 
-    def resize(self, owner: Region, capacity: int) -> None:
-        """Move the owner's tokens to a region of ``capacity`` positions."""
-        tokens = self.release(owner)
-        self.place(owner, tokens, capacity)
-        self._on_move()
-
     def release(self, owner: Region) -> I64:
         """Free the owner's region and hand back its tokens.
 

@@ -4,7 +4,7 @@ Invariants (OPT-2, OPT-3): ``members`` is always a prefix of the scheduler's
 ``running`` list, in the same order, and is exactly the batch of the last
 decode step (and of the next one, unless sequences join, finish or are
 preempted). ``now`` counts the decode steps the group has run; a member that
-joined at clock ``_since`` with ``_ntok`` tokens holds ``_ntok + now - _since``
+joined at clock ``core.since`` with ``core.ntok`` tokens holds ``ntok + now - since``
 tokens. ``positions[j] + now - base_clock`` is the arena index where member j's
 next token goes (the step writes through a view of the arena shifted by
 ``now - base_clock`` instead of adding 1 to every position).
@@ -18,7 +18,7 @@ block_size`` (their last block fills in postprocess: ``hash_blocks``) are
 ``phases[-c % block_size]``. ``finishes[c]`` lists, in member order, the
 members whose completion count reaches max_tokens at clock c. A member leaving
 (``settle``) is taken out of its phase and its finish entry. Members are
-ordered by the ``_gord`` they got on joining, which is their order in ``running``.
+ordered by the ``core.gord`` they got on joining, which is their order in ``running``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from optimized.sequence import Sequence
+from optimized.core.sequence import Sequence
 
 I64 = npt.NDArray[np.int64]
 
@@ -43,12 +43,13 @@ class DecodeGroup:
         self.tables: list[list[list[int]]] = [[] for _ in range(block_size)]
         self.finishes: dict[int, list[Sequence]] = {}
         self.eos_watchers = 0  # members with ignore_eos False
+        self.stop_ids: dict[int, int] = {}  # stop token id -> members watching for it (OPT-23)
         self._next_gord = 0
 
     # --- clock arithmetic ----------------------------------------------------------------------
     def phase(self, seq: Sequence) -> int:
         """``(length - clock) mod block_size``, fixed while the sequence is a member."""
-        return (seq._ntok - seq._since) % self.block_size
+        return (seq.core.ntok - seq.core.since) % self.block_size
 
     def needing_blocks(self, clock: int) -> int:
         """The phase of the members whose length at ``clock`` is 1 mod block_size.
@@ -61,9 +62,10 @@ class DecodeGroup:
         """Members whose length at ``clock`` is 0 mod block_size: postprocess fills their last block."""
         return self.phases[-clock % self.block_size]
 
-    def _finish_step(self, seq: Sequence, max_tokens: int) -> int:
+    def _finish_step(self, seq: Sequence) -> int:
         """The clock whose postprocess brings the completion count to ``max_tokens``."""
-        return seq._since + max_tokens - 1 - (seq._ntok - seq.num_prompt_tokens)
+        core = seq.core
+        return core.since + core.max_tokens - 1 - (core.ntok - seq.num_prompt_tokens)
 
     # --- joining and leaving -------------------------------------------------------------------
     def join(self, seqs: list[Sequence], keep_segments: bool) -> None:
@@ -73,19 +75,20 @@ class DecodeGroup:
         """
         now, phases, tables, finishes = self.now, self.phases, self.tables, self.finishes
         for seq in seqs:
-            seq._group = self
-            seq._since = now
-            seq._gord = self._next_gord
+            core = seq.core
+            core.group = self
+            core.since = now
+            core.gord = self._next_gord
             self._next_gord += 1
-            seq._is_prefill = False
+            core.is_prefill = False
             if not keep_segments:
-                seq._segments.clear()
+                core.segments.clear()
             # From this clock on, its length at clock c is anchor + c and its blocks are in this table list.
-            seq._segments.append((now, seq._ntok - now, seq.block_table))
+            core.segments.append((now, core.ntok - now, seq.block_table))
             phase = self.phase(seq)
             phases[phase].append(seq)
             tables[phase].append(seq.block_table)
-            step = self._finish_step(seq, seq._max_tokens)
+            step = self._finish_step(seq)
             entry = finishes.get(step)
             if entry is None:
                 finishes[step] = [seq]
@@ -93,18 +96,31 @@ class DecodeGroup:
                 entry.append(seq)
             if not seq.ignore_eos:
                 self.eos_watchers += 1
+            if core.stops:
+                self._watch(core.stops, 1)
         self.members.extend(seqs)
-        fresh = np.fromiter((s.region_offset + s._ntok for s in seqs), dtype=np.int64, count=len(seqs))
+        fresh = np.fromiter((s.core.region_offset + s.core.ntok for s in seqs), dtype=np.int64, count=len(seqs))
         self.positions = np.concatenate((self.positions + (now - self.base_clock), fresh))
         self.base_clock = now
 
+    def _watch(self, stops: frozenset[int], delta: int) -> None:
+        """A member watching for ``stops`` joins (+1) or leaves (-1)."""
+        watched = self.stop_ids
+        for t in stops:
+            count = watched.get(t, 0) + delta
+            if count:
+                watched[t] = count
+            else:
+                del watched[t]
+
     def _unbook_finish(self, seq: Sequence) -> None:
-        step = self._finish_step(seq, seq._max_tokens)
+        step = self._finish_step(seq)
         entry = self.finishes.get(step)
-        if entry is not None and seq in entry:
-            entry.remove(seq)
-            if not entry:
-                del self.finishes[step]
+        if entry is None:  # postprocess took this step's entry: the member is finishing by length now
+            return
+        entry.remove(seq)  # every other member is booked once (max_tokens never changes)
+        if not entry:
+            del self.finishes[step]
 
     def settle(self, seq: Sequence) -> None:
         """Write the member's clock-derived values into its fields and forget its bookings.
@@ -117,13 +133,16 @@ class DecodeGroup:
         del members[j]
         del self.tables[phase][j]
         self._unbook_finish(seq)
-        seq._ntok += self.now - seq._since
-        seq._ncached = seq._ntok - 1
-        seq._nsched = int(self.inflight)
-        seq._is_prefill = False
-        seq._group = None
+        core = seq.core
+        core.ntok += self.now - core.since
+        core.ncached = core.ntok - 1
+        core.nsched = int(self.inflight)
+        core.is_prefill = False
+        core.group = None
         if not seq.ignore_eos:
             self.eos_watchers -= 1
+        if core.stops:
+            self._watch(core.stops, -1)
 
     def dissolve(self) -> None:
         """Every member leaves (used when the caller departs from schedule/postprocess pairs)."""
@@ -158,20 +177,6 @@ class DecodeGroup:
         """Recompute the arena positions after the arena moved regions."""
         members = self.members
         self.positions = np.fromiter(
-            (s.region_offset + s.num_tokens for s in members), dtype=np.int64, count=len(members)
+            (s.core.region_offset + s.num_tokens for s in members), dtype=np.int64, count=len(members)
         )
         self.base_clock = self.now
-
-    def move_finish(self, seq: Sequence, max_tokens: int) -> None:
-        """A member's max_tokens changed: its finish step moves with it (kept in member order)."""
-        self._unbook_finish(seq)
-        seq._max_tokens = max_tokens
-        step = self._finish_step(seq, max_tokens)
-        if step >= self.now:
-            entry = self.finishes.setdefault(step, [])
-            entry.append(seq)
-            entry.sort(key=_gord)
-
-
-def _gord(seq: Sequence) -> int:
-    return seq._gord

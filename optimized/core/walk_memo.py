@@ -1,0 +1,81 @@
+"""What ``can_allocate`` read for one waiting sequence, kept while it stays valid (OPT-14).
+
+Invariant: while a memo is kept, walking the prefix cache again for its
+sequence would give the same hits; the KV-cache manager drops it (or cuts it,
+or marks hits freed) whenever it changes a hash, a table entry or a block the
+walk read.
+"""
+
+from __future__ import annotations
+
+from optimized.core.sequence import Sequence
+
+
+class WalkMemo:
+    """What ``can_allocate`` read for one sequence, kept up to date while it stays valid (OPT-14).
+
+    The walk looked up the chain hashes ``hashes`` (hash -> first index; the
+    hits and the one that missed) and compared the contents of ``blocks``
+    (block -> index); the first ``cached`` of ``hits`` are the blocks it hit,
+    ``held[i]`` says whether hit i is used.
+    Taking hit i (its table entry goes) cuts the walk to i hits; releasing a
+    used hit makes it free; anything else that touches a hash or block named
+    here drops the memo.
+    """
+
+    __slots__ = ("_blocks", "_hashes", "cached", "held", "hits", "looked", "missed", "seq", "used")
+
+    def __init__(self, seq: Sequence, hits: list[int], held: list[bool], looked: list[int], missed: int) -> None:
+        self.seq = seq
+        self.hits = hits
+        self.held = held
+        self.cached = len(hits)
+        self.used = sum(held)
+        self.looked = looked
+        self.missed = missed
+        # Built on first use: most walks are followed at once by allocate, which drops the memo.
+        self._hashes: dict[int, int] | None = None
+        self._blocks: dict[int, int] | None = None
+
+    @property
+    def hashes(self) -> dict[int, int]:
+        if self._hashes is None:
+            looked = self.looked
+            # Built backwards so that a repeated hash keeps its first index.
+            self._hashes = dict(zip(reversed(looked), range(len(looked) - 1, -1, -1), strict=True))
+        return self._hashes
+
+    @property
+    def blocks(self) -> dict[int, int]:
+        if self._blocks is None:
+            hits = self.hits
+            blocks = dict(zip(reversed(hits), range(len(hits) - 1, -1, -1), strict=True))
+            if self.missed != -1:
+                blocks.setdefault(self.missed, len(hits))
+            self._blocks = blocks
+        return self._blocks
+
+    def reads(self, h: int, block_id: int) -> bool:
+        """Whether mapping ``h`` or changing ``block_id`` could change the walk's answer.
+
+        Entries past the walk's end (left by ``cut``) are ignored: the walk no longer reaches them.
+        """
+        cached = self.cached
+        return self.hashes.get(h, cached + 1) <= cached or self.blocks.get(block_id, cached + 1) <= cached
+
+    def cut(self, index: int) -> None:
+        """Hit ``index`` lost its table entry: the walk now stops there."""
+        if index < self.cached:
+            self.cached = index
+            del self.held[index:]
+            self.used = sum(self.held)
+
+    def freed(self, block_ids: list[int]) -> None:
+        """These blocks went back to the free queue: a hit among them is no longer used."""
+        if self.blocks.keys().isdisjoint(block_ids):
+            return
+        for block_id in block_ids:
+            index = self.blocks.get(block_id, -1)
+            if 0 <= index < self.cached and self.held[index]:
+                self.held[index] = False
+                self.used -= 1
