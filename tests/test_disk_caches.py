@@ -75,6 +75,14 @@ def record_of(data: bytes) -> dict[str, Any]:
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def replace_file(library: Path, data: bytes) -> None:
+    """Put ``data`` at ``library``'s path as a new file: this process may have the old one mapped, and changing a
+    mapped library in place would crash it (SIGBUS) the next time its pages are read, at exit at the latest."""
+    scratch = library.with_name(library.name + ".test-scratch")
+    scratch.write_bytes(data)
+    os.replace(scratch, library)
+
+
 def write_record(library: Path, data: bytes) -> None:
     """A checksum beside ``library`` that records ``data``."""
     sidecar(library).write_text(json.dumps(record_of(data)), encoding="utf-8")
@@ -204,7 +212,7 @@ def test_a_library_without_a_matching_checksum_is_rebuilt_before_loading(
     for damage in ("byte", "record"):
         cpu_build.forget()
         if damage == "byte":
-            target.write_bytes(bytes(damaged))
+            replace_file(target, bytes(damaged))
         else:
             sidecar(target).write_text("{not json", encoding="utf-8")
         assert cpu_build.unavailable_reason() is None
@@ -226,14 +234,14 @@ def test_a_checked_library_the_loader_refuses_is_rebuilt_once(
     the rebuilt one is refused too, the kernel is unavailable with the loader's reason (KERN-24 falls back)."""
     target = cached_library(kernel_cache, good_library)
     garbage = b"not an ELF file " * 64
-    target.write_bytes(garbage)
+    replace_file(target, garbage)
     write_record(target, garbage)
     calls = compile_counter(monkeypatch, good_library.data)
     assert cpu_build.unavailable_reason() is None
     assert len(calls) == 1
     assert_whole(target, good_library.data)
     cpu_build.forget()
-    target.write_bytes(garbage)
+    replace_file(target, garbage)
     write_record(target, garbage)
     calls = compile_counter(monkeypatch, garbage + b"!")
     reason = cpu_build.unavailable_reason()
