@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any, BinaryIO
 
 import reference
-from optimized.core.errors import EmptyDecodeError, WorkloadError
+from optimized.core.errors import EmptyDecodeError, WorkloadError, is_strict_int
 
 CONFIG_FIELDS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "eos")
 # A replay builds every block: bound what one line of input can make this process allocate.
@@ -58,7 +58,7 @@ def _shown(value: Any) -> str:
 
 
 def _int(value: Any, where: str, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_strict_int(value):
         raise WorkloadError(f"{where} must be an integer, got {_shown(value)}")
     if minimum is not None and value < minimum:
         raise WorkloadError(f"{where} must be >= {minimum}, got {_shown(value)}")

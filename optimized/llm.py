@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from optimized import cpu_defaults
+from optimized.core.errors import is_strict_int, strict_int
 from optimized.engine import Engine, EngineLimits, Request, SchedulerConfig, describe, validate_request
 from optimized.model_runner import ModelRunner
 from optimized.models.loader import load_model
@@ -69,9 +70,7 @@ def _physical_memory() -> int:
 
 
 def _positive(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return strict_int(value, name, minimum)
 
 
 def _device(device: str | None) -> torch.device:
@@ -143,7 +142,7 @@ class LLM:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         if not _number(cpu_kvcache_gib) or not 0 < cpu_kvcache_gib < math.inf:
             raise ValueError(f"cpu_kvcache_gib must be a positive finite number, got {cpu_kvcache_gib!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        if not is_strict_int(seed):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         dev = _device(device)
         torch_dtype = _dtype(dtype, dev)

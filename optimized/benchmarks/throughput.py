@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from optimized.cli.arguments import MAX_COUNT, MAX_THREADS
+from optimized.core.errors import is_strict_int
 from optimized.llm import DTYPES, LLM
 from optimized.sampling_params import SamplingParams
 
@@ -143,10 +144,10 @@ def check_arguments(args: argparse.Namespace) -> None:
         if value is None and name == "threads":
             continue
         most = MAX_THREADS if name == "threads" else MAX_COUNT
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+        if not is_strict_int(value) or not 1 <= value <= most:
             raise ValueError(f"--{name.replace('_', '-')} must be an integer in [1, {most}], got {value!r}")
     seed = _arg(args, "seed")
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_strict_int(seed):
         raise ValueError(f"--seed must be an integer, got {seed!r}")
 
 

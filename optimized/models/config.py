@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from optimized.core.errors import is_strict_int
 from optimized.models.checkpoint_files import read_json_object, regular_file
 
 FAMILIES = ("qwen3", "qwen2", "llama")
@@ -72,7 +73,7 @@ class ModelConfig:
 def _int(d: dict[str, Any], key: str, minimum: int = 1) -> int:
     value = d.get(key)
     maximum = LIMITS.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_strict_int(value) or value < minimum:
         raise ValueError(f"config.json: {key} must be an integer >= {minimum}, got {_short(value)}")
     if maximum is not None and value > maximum:
         raise ValueError(f"config.json: {key} must be at most {maximum}, got {_short(value)}")
@@ -81,7 +82,7 @@ def _int(d: dict[str, Any], key: str, minimum: int = 1) -> int:
 
 def _short(value: object) -> str:
     """``repr(value)``, cut to 80 characters (a hostile config may hold a huge value)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+    if is_strict_int(value) and value.bit_length() > 200:
         return f"an integer of {value.bit_length()} bits"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -158,7 +159,7 @@ def _refuse_sliding_window(d: dict[str, Any], family: str, num_layers: int) -> N
     window = d.get("sliding_window", SLIDING_WINDOW_DEFAULT)  # an absent key is transformers' default, not null
     if d.get("use_sliding_window") and window is not None:
         first = d.get("max_window_layers", MAX_WINDOW_LAYERS_DEFAULT)
-        if isinstance(first, bool) or not isinstance(first, int) or first < num_layers:
+        if not is_strict_int(first) or first < num_layers:
             raise ValueError(
                 f"config.json: use_sliding_window is not supported (sliding_window {_short(window)} "
                 f"from layer max_window_layers={_short(first)} of num_hidden_layers={num_layers})"
@@ -188,7 +189,7 @@ def eos_ids(d: dict[str, Any], vocab_size: int, file: str = "config.json") -> tu
     value = d.get("eos_token_id")
     ids = [] if value is None else value if isinstance(value, list) else [value]
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+        if not is_strict_int(t) or not 0 <= t < vocab_size:
             raise ValueError(
                 f"{file}: eos_token_id must be token ids in [0, vocab_size={vocab_size}), got {_short(value)}"
             )
