@@ -2,12 +2,12 @@
 
 Importing this package is cheap: the scheduler (pure Python and numpy) and the
 engine (torch) are loaded on first use of their names. It sets the OpenMP wait
-policy first, before anything can load torch (optimized/cpu_defaults.py).
+policy first, before anything can load torch (optimized/engine/cpu_defaults.py).
 """
 
 from __future__ import annotations
 
-from optimized import cpu_defaults
+from optimized.engine import cpu_defaults
 
 cpu_defaults.set_wait_policy()
 
@@ -15,23 +15,23 @@ import importlib  # noqa: E402  (after the wait policy, on purpose)
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
 from optimized.core.errors import EmptyDecodeError  # noqa: E402
-from optimized.sampling_params import SamplingParams  # noqa: E402
+from optimized.engine.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:  # the lazy names, as mypy should see them
     from optimized.core.scheduler import Scheduler as Scheduler
     from optimized.core.scheduler import SchedulerConfig as SchedulerConfig
     from optimized.core.scheduler import Sequence as Sequence
     from optimized.core.scheduler import SequenceStatus as SequenceStatus
-    from optimized.llm import LLM as LLM
-    from optimized.llm import RequestOutput as RequestOutput
+    from optimized.engine.llm import LLM as LLM
+    from optimized.engine.llm import RequestOutput as RequestOutput
 
 _LAZY = {
     "Scheduler": "optimized.core.scheduler",
     "SchedulerConfig": "optimized.core.scheduler",
     "Sequence": "optimized.core.scheduler",
     "SequenceStatus": "optimized.core.scheduler",
-    "LLM": "optimized.llm",
-    "RequestOutput": "optimized.llm",
+    "LLM": "optimized.engine.llm",
+    "RequestOutput": "optimized.engine.llm",
 }
 
 
@@ -39,13 +39,7 @@ def __getattr__(name: str) -> Any:
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(f"module 'optimized' has no attribute {name!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
-        raise AttributeError(f"optimized.{name} is not implemented yet") from None
-    return getattr(module, name)
+    return getattr(importlib.import_module(module_name), name)
 
 
 __all__ = ["EmptyDecodeError", "SamplingParams", *_LAZY]

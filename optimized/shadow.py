@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import reference
 from invariants import SchedulerState, check_batch, check_state, seq_view, snapshot
-from optimized.sampling_params import SamplingParams
+from optimized.engine.sampling_params import SamplingParams
 from reference.extensions import abort, abort_step, postprocess_with_stops
 
 

@@ -15,7 +15,7 @@ import reference
 from invariants import check_batch, check_state, seq_view, snapshot
 from optimized.conformance import parse_workload
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
-from optimized.sampling_params import SamplingParams
+from optimized.engine.sampling_params import SamplingParams
 from optimized.shadow import schedule_reporting_preemptions
 from reference.extensions import postprocess_with_stops
 

@@ -7,7 +7,7 @@ import pytest
 
 from invariants import snapshot
 from optimized.core.scheduler import Scheduler, SchedulerConfig, Sequence
-from optimized.sampling_params import SamplingParams
+from optimized.engine.sampling_params import SamplingParams
 from tests.optimized_pair import Pair
 
 

@@ -10,7 +10,7 @@ import pytest
 import optimized.core.kv_cache_manager as kvm
 from optimized.conformance import parse_workload, replay
 from optimized.core.scheduler import Sequence
-from optimized.sampling_params import SamplingParams
+from optimized.engine.sampling_params import SamplingParams
 from tests.optimized_pair import SAMPLES, Pair, opt_impl
 
 

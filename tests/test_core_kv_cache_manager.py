@@ -17,7 +17,7 @@ import reference
 from invariants import snapshot
 from optimized.core.scheduler import Scheduler, SchedulerConfig, Sequence
 from optimized.core.walk_memo import WalkMemo
-from optimized.sampling_params import SamplingParams
+from optimized.engine.sampling_params import SamplingParams
 from tests.optimized_pair import Computed, Pair, RecordedChain, expected_chain, requests, twin_run
 
 

@@ -11,7 +11,7 @@ import pytest
 from optimized.conformance import parse_workload, replay
 from optimized.core.errors import EmptyDecodeError
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
-from optimized.sampling_params import SamplingParams
+from optimized.engine.sampling_params import SamplingParams
 from tests.optimized_pair import SAMPLES, Pair, check_between, check_step, opt_impl
 
 

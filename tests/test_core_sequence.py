@@ -12,7 +12,7 @@ import optimized
 import reference
 from invariants import snapshot
 from optimized.core.scheduler import Scheduler, SchedulerConfig, Sequence
-from optimized.sampling_params import SamplingParams
+from optimized.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.clause("OPT-10")

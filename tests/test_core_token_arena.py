@@ -13,7 +13,7 @@ from invariants import snapshot
 from optimized.conformance import parse_workload
 from optimized.core.scheduler import Scheduler, SchedulerConfig, Sequence
 from optimized.core.token_arena import TokenArena
-from optimized.sampling_params import SamplingParams
+from optimized.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.clause("OPT-11")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from optimized import cpu_defaults
+from optimized.engine import cpu_defaults
 
 PROBE = "import os, sys\n{first}\nprint(os.environ.get('OMP_WAIT_POLICY', 'unset'))"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from optimized import LLM, SamplingParams
-from optimized.graph_runner import EagerGraph
+from optimized.engine.graph_runner import EagerGraph
 from tests.engine_fixtures import VOCAB, checkpoint
 
 pytestmark = pytest.mark.usefixtures("engine_env")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-import optimized.model_runner as model_runner
+import optimized.engine.model_runner as model_runner
 from kernels import cpu_build, paged_attention
 from kernels.backend import DecodePlan
 from kernels.sampling import sample
@@ -316,7 +316,7 @@ def test_cuda_graphs_follow_the_declared_capturable(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(kernels.backend, "get_backend", lambda name, device: spy)
-    monkeypatch.setattr("optimized.llm.load_model", load_on_cpu)
+    monkeypatch.setattr("optimized.engine.llm.load_model", load_on_cpu)
     llm = make(device="cuda")
     assert loads == ["cuda"] and llm.enforce_eager is not capturable
     assert (llm.engine.runner.graphs is not None) is capturable

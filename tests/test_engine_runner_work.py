@@ -21,7 +21,7 @@ import torch
 
 from kernels.backend import AttentionBackend, DecodePlan
 from optimized import LLM, SamplingParams
-from optimized.model_runner import PLACEHOLDER, DrawParams, ModelRunner, ScheduledSeq
+from optimized.engine.model_runner import PLACEHOLDER, DrawParams, ModelRunner, ScheduledSeq
 from tests.engine_fixtures import checkpoint, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("engine_env")

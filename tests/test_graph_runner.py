@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.paged_attention import paged_decode, store_kv
-from optimized.graph_runner import DecodeMetadata, EagerGraph, GraphRunner, decode_buckets
+from optimized.engine.graph_runner import DecodeMetadata, EagerGraph, GraphRunner, decode_buckets
 
 BLOCK_SIZE, KV_HEADS, HEADS, DIM, VOCAB, NUM_BLOCKS, MAX_BLOCKS = 4, 2, 4, 8, 50, 24, 6
 

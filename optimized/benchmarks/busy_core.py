@@ -46,8 +46,8 @@ def child(args: argparse.Namespace) -> int:
     """One timed run in this process; prints a JSON line with the wall time and the thread count used."""
     import torch
 
-    from optimized.llm import LLM
-    from optimized.sampling_params import SamplingParams
+    from optimized.engine.llm import LLM
+    from optimized.engine.sampling_params import SamplingParams
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from optimized.llm import LLM
+from optimized.engine.llm import LLM
+from optimized.engine.sampling_params import SamplingParams
 from optimized.models.decoder import CausalLM
-from optimized.sampling_params import SamplingParams
 
 
 def _sync(device: torch.device) -> None:

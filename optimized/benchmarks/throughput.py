@@ -27,8 +27,8 @@ import torch
 
 from optimized.cli.arguments import MAX_COUNT, MAX_THREADS
 from optimized.core.errors import is_strict_int
-from optimized.llm import DTYPES, LLM
-from optimized.sampling_params import SamplingParams
+from optimized.engine.llm import DTYPES, LLM
+from optimized.engine.sampling_params import SamplingParams
 
 DEFAULTS: dict[str, Any] = {
     "model": None,

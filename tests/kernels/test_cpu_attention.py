@@ -26,7 +26,7 @@ import torch
 from kernels import cpu_attention, cpu_build, paged_attention
 from kernels.backend import get_backend
 from optimized import SamplingParams
-from optimized.model_runner import DrawParams, ScheduledSeq
+from optimized.engine.model_runner import DrawParams, ScheduledSeq
 from tests.engine_fixtures import VOCAB, checkpoint, hf_greedy, make_llm
 
 CPU = torch.device("cpu")

@@ -36,8 +36,8 @@ from optimized.core.errors import is_strict_int
 
 # The one import point of the scheduler the engine drives (reference.* has the same API).
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
-from optimized.model_runner import DrawParams, ModelRunner
-from optimized.sampling_params import SamplingParams, token_id
+from optimized.engine.model_runner import DrawParams, ModelRunner
+from optimized.engine.sampling_params import SamplingParams, token_id
 from optimized.shadow import Shadow
 
 __all__ = ["Engine", "EngineLimits", "EngineStats", "Request", "SchedulerConfig", "describe", "validate_request"]

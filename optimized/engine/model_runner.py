@@ -37,7 +37,7 @@ from invariants.block_math import batch_slot_mapping, blocks_for
 from kernels.backend import AttentionBackend
 from kernels.rotary import rotary_cos_sin
 from kernels.sampling import sample
-from optimized.graph_runner import DecodeMetadata, GraphFactory, GraphRunner, cuda_graph_factory
+from optimized.engine.graph_runner import DecodeMetadata, GraphFactory, GraphRunner, cuda_graph_factory
 from optimized.models.decoder import AttentionContext, CausalLM
 
 PLACEHOLDER = -1  # the token handed to postprocess for an unfinished prefill chunk
