@@ -1,7 +1,7 @@
 """Hypothesis profiles for the suite (``ci`` by default, ``fuzz`` with HYPOTHESIS_PROFILE=fuzz), and the
 ``engine_env`` fixture every engine test module uses.
 
-The settings themselves live in optimized.machines so that the installed
+The settings themselves live in optimized.verify.machines so that the installed
 ``nanoverify fuzz`` command uses exactly the same ones.
 """
 
@@ -18,7 +18,7 @@ if os.environ.get("NANOVERIFY_KERNEL_DEVICE", "cpu") == "cpu":
 import pytest
 from hypothesis import settings
 
-from optimized.machines import CI_SETTINGS, FUZZ_SETTINGS
+from optimized.verify.machines import CI_SETTINGS, FUZZ_SETTINGS
 from tests.engine_fixtures import one_thread, set_root
 
 settings.register_profile("ci", **CI_SETTINGS)

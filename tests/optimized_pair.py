@@ -13,14 +13,14 @@ from typing import Any
 import optimized
 import reference
 from invariants import check_batch, check_state, seq_view, snapshot
-from optimized.conformance import parse_workload
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
 from optimized.engine.sampling_params import SamplingParams
-from optimized.shadow import schedule_reporting_preemptions
+from optimized.verify.conformance import parse_workload
+from optimized.verify.shadow import schedule_reporting_preemptions
 from reference.extensions import postprocess_with_stops
 
-SAMPLES = [json.loads(line) for line in
-           (Path(optimized.__file__).parent / "data" / "conformance.jsonl").read_text().splitlines() if line.strip()]
+SAMPLES_FILE = Path(optimized.__file__).parent / "verify" / "data" / "conformance.jsonl"
+SAMPLES = [json.loads(line) for line in SAMPLES_FILE.read_text().splitlines() if line.strip()]
 
 
 def opt_impl() -> ModuleType:

@@ -18,7 +18,7 @@ import optimized.core.scheduler as opt
 import reference as ref
 from invariants import SchedulerState, check_state, snapshot
 from optimized.engine.sampling_params import SamplingParams
-from optimized.machines.abort_contract import check_abort, check_abort_step
+from optimized.verify.machines.abort_contract import check_abort, check_abort_step
 from reference.extensions import abort, abort_step
 
 BS = 4

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine
 
 from optimized.cli import arguments, fuzz, main
 from optimized.cli import command as cli
-from optimized.machines import Stats
+from optimized.verify.machines import Stats
 
 ROOT = Path(__file__).resolve().parent.parent
 MISSING = "/nonexistent/nanoverify"
@@ -136,7 +136,7 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.clause("CLI-3")
 @pytest.mark.parametrize("args", [
-    ["replay", str(ROOT / "optimized" / "data" / "conformance.jsonl")],
+    ["replay", str(ROOT / "optimized" / "verify" / "data" / "conformance.jsonl")],
     ["fuzz", "--minutes", "0", "--seed", "1", "--machine", "reference"],
 ], ids=["replay", "fuzz"])
 def test_a_reader_that_closes_the_pipe_early_ends_the_command_quietly(args: list[str]) -> None:
@@ -155,7 +155,7 @@ def test_a_reader_that_closes_the_pipe_early_ends_the_command_quietly(args: list
 @pytest.mark.clause("CLI-3")
 def test_a_reader_that_reads_a_little_then_closes(tmp_path: Path) -> None:
     """CLI-3: the same when some output was read first (`| head -c 100`), mid-way through the traces."""
-    lines = (ROOT / "optimized" / "data" / "conformance.jsonl").read_text(encoding="utf-8")
+    lines = (ROOT / "optimized" / "verify" / "data" / "conformance.jsonl").read_text(encoding="utf-8")
     path = tmp_path / "many.jsonl"
     path.write_text(lines * 4, encoding="utf-8")  # ~1 MB of traces: far more than a pipe holds
     proc = subprocess.Popen(_python("replay", str(path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())

@@ -1,6 +1,6 @@
 """The 80 shipped conformance samples replay identically on the reference, every step checked.
 
-Each sample is replayed through the normative loop (optimized/conformance.py)
+Each sample is replayed through the normative loop (optimized/verify/conformance.py)
 with a scheduler that snapshots itself around schedule() and postprocess(), so
 the state invariants, the batch invariants and the step contract are all
 checked at every step. Two mutants show the traces pin the lesson's decisions:
@@ -19,13 +19,13 @@ import pytest
 
 import reference
 from invariants import SchedulerState, SeqView, Violation, check_batch, check_state, seq_view, snapshot
-from optimized.conformance import parse_workload, replay
-from optimized.machines.step_contract import check_postprocess, check_schedule
+from optimized.verify.conformance import parse_workload, replay
+from optimized.verify.machines.step_contract import check_postprocess, check_schedule
 from reference import Sequence
 
 
 def shipped() -> list[dict[str, Any]]:
-    text = resources.files("optimized").joinpath("data/conformance.jsonl").read_text(encoding="utf-8")
+    text = resources.files("optimized.verify").joinpath("data/conformance.jsonl").read_text(encoding="utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 

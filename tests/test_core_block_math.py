@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 import optimized.core.kv_cache_manager as kvm
-from optimized.conformance import parse_workload, replay
 from optimized.core.scheduler import Sequence
 from optimized.engine.sampling_params import SamplingParams
+from optimized.verify.conformance import parse_workload, replay
 from tests.optimized_pair import SAMPLES, Pair, opt_impl
 
 

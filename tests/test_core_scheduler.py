@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from optimized.conformance import parse_workload, replay
 from optimized.core.errors import EmptyDecodeError
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
 from optimized.engine.sampling_params import SamplingParams
+from optimized.verify.conformance import parse_workload, replay
 from tests.optimized_pair import SAMPLES, Pair, check_between, check_step, opt_impl
 
 

@@ -10,10 +10,10 @@ import pytest
 
 import reference
 from invariants import snapshot
-from optimized.conformance import parse_workload
 from optimized.core.scheduler import Scheduler, SchedulerConfig, Sequence
 from optimized.core.token_arena import TokenArena
 from optimized.engine.sampling_params import SamplingParams
+from optimized.verify.conformance import parse_workload
 
 
 @pytest.mark.clause("OPT-11")

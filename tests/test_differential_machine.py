@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimized.machines.differential_machine import DifferentialMachine
+from optimized.verify.machines.differential_machine import DifferentialMachine
 
 pytestmark = pytest.mark.clause("OPT-1", "OPT-9")
 

@@ -3,7 +3,7 @@
 Hypothesis finds the empty decode as soon as requests may break ADMIT-1, and
 never finds it when they obey it, under the same fixed, derandomized settings.
 The whole-workload properties replay through the normative loop
-(optimized/conformance.py) on the reference.
+(optimized/verify/conformance.py) on the reference.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
 import reference
-from optimized.conformance import Request, Workload, replay
 from optimized.core.errors import EmptyDecodeError
-from optimized.machines import Stats, counting
-from optimized.machines.reference_machine import Machine, UnadmittedMachine
+from optimized.verify.conformance import Request, Workload, replay
+from optimized.verify.machines import Stats, counting
+from optimized.verify.machines.reference_machine import Machine, UnadmittedMachine
 
 EOS = 9
 HUNT = settings(max_examples=80, stateful_step_count=30, derandomize=True, database=None, deadline=None,

@@ -9,8 +9,8 @@ import pytest
 
 from optimized import LLM, SamplingParams
 from optimized.cli import main as cli_main
-from optimized.conformance import parse_workload
 from optimized.core.errors import WorkloadError
+from optimized.verify.conformance import parse_workload
 from tests.engine_fixtures import make_llm
 
 pytestmark = pytest.mark.usefixtures("engine_env")

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from optimized import LLM, SamplingParams
-from optimized.shadow import ShadowDivergence
+from optimized.verify.shadow import ShadowDivergence
 from tests.engine_fixtures import checkpoint, make_llm, with_config
 
 pytestmark = pytest.mark.usefixtures("engine_env")

@@ -18,9 +18,9 @@ import pytest
 
 import reference
 from invariants import SchedulerState, SeqView, Violation, check_batch, check_state, seq_view, snapshot
-from optimized.conformance import parse_workload, replay
+from optimized.verify.conformance import parse_workload, replay
 
-SAMPLES = Path(__file__).resolve().parent.parent / "optimized" / "data" / "conformance.jsonl"
+SAMPLES = Path(__file__).resolve().parent.parent / "optimized" / "verify" / "data" / "conformance.jsonl"
 BLOCK_SIZE = 4
 
 

@@ -1,6 +1,6 @@
 """The reference state machine under the ``ci`` profile, and the step contract it checks, shown to bite.
 
-``TestReferenceMachine`` runs optimized/machines/reference_machine.py: requests
+``TestReferenceMachine`` runs optimized/verify/machines/reference_machine.py: requests
 arrive and steps run on the reference scheduler, with the step contract and
 every state invariant checked throughout. The other tests take one real step,
 corrupt what it produced, and see the right clause reported, so the checks
@@ -21,9 +21,9 @@ from hypothesis.stateful import run_state_machine_as_test
 
 import reference
 from invariants import SchedulerState, SeqView, seq_view, snapshot
-from optimized.machines import Stats, counting
-from optimized.machines.reference_machine import Machine, StepFailed
-from optimized.machines.step_contract import (
+from optimized.verify.machines import Stats, counting
+from optimized.verify.machines.reference_machine import Machine, StepFailed
+from optimized.verify.machines.step_contract import (
     can_allocate,
     chain_hashes,
     check_postprocess,

@@ -18,12 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from optimized.cli import main
-from optimized.conformance import Workload, implementation, read_workloads, replay
 from optimized.core.errors import WorkloadError
+from optimized.verify.conformance import Workload, implementation, read_workloads, replay
 
 
 def shipped_lines() -> list[str]:
-    text = resources.files("optimized").joinpath("data/conformance.jsonl").read_text(encoding="utf-8")
+    text = resources.files("optimized.verify").joinpath("data/conformance.jsonl").read_text(encoding="utf-8")
     return [line for line in text.splitlines() if line.strip()]
 
 
@@ -230,7 +230,7 @@ def test_nesting_up_to_the_limit_and_brackets_in_strings_are_fine(tmp_path: Path
 def test_an_input_over_the_size_limit_is_refused_without_reading_on(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """CLI-7: the whole input is bounded too (64 MiB; made smaller here to keep the test small)."""
-    from optimized import conformance
+    from optimized.verify import conformance
 
     monkeypatch.setattr(conformance, "MAX_INPUT_BYTES", 3 * max(len(line) for line in LINES[:4]))
     path = tmp_path / "long.jsonl"

@@ -9,7 +9,7 @@ from importlib import resources
 from typing import Any
 
 from invariants import Violation, check_batch, check_state, seq_view, snapshot
-from optimized.conformance import implementation, parse_workload, replay
+from optimized.verify.conformance import implementation, parse_workload, replay
 
 HELP = "replay the shipped conformance samples with invariant checks on and print a summary"
 
@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def shipped_samples() -> list[dict[str, Any]]:
-    text = resources.files("optimized").joinpath("data/conformance.jsonl").read_text(encoding="utf-8")
+    text = resources.files("optimized.verify").joinpath("data/conformance.jsonl").read_text(encoding="utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import hypothesis
     from hypothesis.stateful import RuleBasedStateMachine
 
-    from optimized.machines import Stats
+    from optimized.verify.machines import Stats
 
 HELP = "fuzz the scheduler with the hypothesis state machines (fuzz profile) for N minutes"
 CHUNK_EXAMPLES = 5
@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from optimized import machines
+    from optimized.verify import machines
 
     if args.reproduce is None and args.minutes is None:
         print("nanoverify fuzz: --minutes is required (a number >= 0, or inf)", file=sys.stderr)
@@ -73,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def fuzz(factories: dict[str, type[RuleBasedStateMachine]], seed: int, minutes: float, shrink: bool) -> int:
-    from optimized.machines import Stats
+    from optimized.verify.machines import Stats
 
     stats = {name: Stats() for name in factories}
     start = time.monotonic()
@@ -108,7 +108,7 @@ def run_chunk(machine: type[RuleBasedStateMachine], stats: Stats, chunk_seed: in
     """One chunk of examples under the fuzz profile; the exception hypothesis raised, if any."""
     import hypothesis
 
-    from optimized.machines import FUZZ_SETTINGS
+    from optimized.verify.machines import FUZZ_SETTINGS
 
     phases = list(hypothesis.Phase) if shrink else [
         p for p in hypothesis.Phase if p not in (hypothesis.Phase.shrink, hypothesis.Phase.explain)]
@@ -122,7 +122,7 @@ def machine_test(machine: type[RuleBasedStateMachine], stats: Stats,
                  settings: hypothesis.settings) -> Callable[[], None]:
     from hypothesis.stateful import get_state_machine_test
 
-    from optimized.machines import counting
+    from optimized.verify.machines import counting
 
     return get_state_machine_test(counting(machine, stats), settings=settings)
 
@@ -140,7 +140,7 @@ def call(test: Callable[[], None]) -> BaseException | None:
 def reproduce(name: str, machine: type[RuleBasedStateMachine], blob: str) -> int:
     import hypothesis
 
-    from optimized.machines import FUZZ_SETTINGS, Stats
+    from optimized.verify.machines import FUZZ_SETTINGS, Stats
 
     check_blob(blob)
     test = machine_test(machine, Stats(), hypothesis.settings(**FUZZ_SETTINGS))

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from optimized.conformance import Workload, implementation, read_workloads, replay
+from optimized.verify.conformance import Workload, implementation, read_workloads, replay
 
 HELP = "replay conformance workloads (JSON lines with a 'workload' key) and print their traces"
 

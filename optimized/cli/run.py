@@ -1,6 +1,6 @@
 """``nanoverify run``: the main job: a few hundred bench-shaped requests on the default model, in check mode.
 
-Every step the reference scheduler shadows the engine's (optimized/shadow.py);
+Every step the reference scheduler shadows the engine's (optimized/verify/shadow.py);
 the command reports throughput, steps, preemptions, prefix-cache hit tokens
 and how many steps' decisions were identical to the reference's. The workload
 is the benchmark's shape scaled to a CPU: random prompts, half of them opening

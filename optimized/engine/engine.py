@@ -38,7 +38,7 @@ from optimized.core.errors import is_strict_int
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
 from optimized.engine.model_runner import DrawParams, ModelRunner
 from optimized.engine.sampling_params import SamplingParams, token_id
-from optimized.shadow import Shadow
+from optimized.verify.shadow import Shadow
 
 __all__ = ["Engine", "EngineLimits", "EngineStats", "Request", "SchedulerConfig", "describe", "validate_request"]
 

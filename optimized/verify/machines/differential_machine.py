@@ -34,7 +34,7 @@ import reference as ref
 from invariants import SchedulerState, Violation, check_batch, check_state, seq_view, snapshot
 from optimized.core.errors import EmptyDecodeError
 from optimized.engine.sampling_params import SamplingParams
-from optimized.machines import Stats
+from optimized.verify.machines import Stats
 from reference.extensions import abort, abort_step, postprocess_with_stops
 
 EOS = 7

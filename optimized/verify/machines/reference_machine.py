@@ -24,9 +24,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from invariants import SchedulerState, SeqView, Violation, check_batch, check_state, seq_view, snapshot
 from optimized.core.errors import EmptyDecodeError
-from optimized.machines import Stats
-from optimized.machines.abort_contract import check_abort, check_abort_step
-from optimized.machines.step_contract import check_postprocess, check_schedule
+from optimized.verify.machines import Stats
+from optimized.verify.machines.abort_contract import check_abort, check_abort_step
+from optimized.verify.machines.step_contract import check_postprocess, check_schedule
 from reference import SamplingParams, Scheduler, SchedulerConfig, Sequence
 from reference.extensions import abort, abort_step
 

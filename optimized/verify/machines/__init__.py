@@ -21,8 +21,8 @@ from typing import Any, cast
 from hypothesis.stateful import RuleBasedStateMachine
 
 MACHINES: dict[str, str] = {
-    "reference": "optimized.machines.reference_machine",
-    "differential": "optimized.machines.differential_machine",
+    "reference": "optimized.verify.machines.reference_machine",
+    "differential": "optimized.verify.machines.differential_machine",
 }
 
 # Settings as keyword arguments, so that conftest and the fuzz command build the
