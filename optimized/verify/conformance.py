@@ -123,10 +123,7 @@ def implementation(name: str) -> ModuleType:
     """The package whose scheduler API a replay drives: 'reference' or 'optimized'."""
     if name not in ("reference", "optimized"):
         raise ValueError(f"impl must be 'reference' or 'optimized', got {name!r}")
-    module = importlib.import_module(name)
-    if not hasattr(module, "Scheduler"):
-        raise NotImplementedError(f"the {name} scheduler is not implemented yet")
-    return module
+    return importlib.import_module(name)
 
 
 StepHook = Callable[[Any, list[Any], bool], None]
