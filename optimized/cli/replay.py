@@ -33,11 +33,7 @@ def read_input(name: str) -> list[Workload]:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        impl = implementation(args.impl)
-    except NotImplementedError as e:
-        print(f"nanoverify replay: {e}", file=sys.stderr)
-        return 2
+    impl = implementation(args.impl)
     # WorkloadError (a ValueError) and OSError are one line and exit 2 by optimized/cli/command.py.
     workloads = read_input(args.file)
     for workload in workloads:
