@@ -354,3 +354,73 @@ def test_an_exception_that_cannot_be_printed_still_propagates_as_itself(monkeypa
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.undo()
     refuses_further_use(llm, "Unprintable")
+
+
+class InterruptOnce:
+    """A callable that raises KeyboardInterrupt on its first call and otherwise calls ``wrapped``."""
+
+    def __init__(self, wrapped: Any) -> None:
+        self.wrapped, self.fired = wrapped, False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt("in the LLM's bookkeeping")
+        return self.wrapped(*args, **kwargs)
+
+
+class InterruptingIds(dict[int, Any]):
+    """The LLM's map of issued add_request ids, interrupted while an id is recorded."""
+
+    def __setitem__(self, key: int, value: Any) -> None:
+        raise KeyboardInterrupt("in the LLM's bookkeeping")
+
+
+@pytest.mark.clause("FAULT-6", "ENG-24")
+@pytest.mark.parametrize("where", ["add_request", "step", "generate", "abort"])
+def test_an_interrupt_in_the_llms_bookkeeping_leaves_it_refusing(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """FAULT-6: after the engine did its part, an interrupt before the LLM recorded the id or handed the outputs
+    over propagates as itself, and every later call refuses, naming the interrupted bookkeeping."""
+    llm = make()
+    if where == "add_request":
+        monkeypatch.setattr(llm, "_stepped", InterruptingIds())
+        call: Any = lambda: llm.add_request([1, 2, 3], GREEDY)  # noqa: E731
+        what = "an add_request"
+    elif where == "abort":
+        rid = llm.add_request([1, 2, 3], GREEDY)
+        monkeypatch.setattr(llm, "_output", InterruptOnce(llm._output))
+        call, what = (lambda: llm.abort(rid)), "an abort"
+    else:
+        monkeypatch.setattr(llm, "_deliver", InterruptOnce(llm._deliver))
+        if where == "step":
+            llm.add_request([1, 2, 3], GREEDY)
+            call = llm.step
+        else:
+            call = lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # noqa: E731
+        what = "a step"
+    with pytest.raises(KeyboardInterrupt, match="in the LLM's bookkeeping"):
+        call()
+    assert llm.engine.trusted  # the engine itself is consistent: the loss would be the LLM's
+    refuses_further_use(llm, f"interrupted during {what}")
+
+
+@pytest.mark.clause("FAULT-6", "ABORT-8")
+def test_a_refused_abort_is_not_an_interrupted_bookkeeping() -> None:
+    """FAULT-6: an abort refused for an id never issued changes nothing; the LLM stays usable."""
+    llm = make()
+    for bad in (7, -1, "0"):
+        with pytest.raises(ValueError, match="request_id"):
+            llm.abort(bad)  # type: ignore[arg-type]
+    assert llm.interrupted is None and len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == len(PROMPTS)
+
+
+@pytest.mark.clause("FAULT-6", "FAULT-1")
+def test_a_model_fault_is_not_an_interrupted_bookkeeping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAULT-6: a model fault the engine recovered from leaves the LLM usable (FAULT-1 and FAULT-3 hold)."""
+    llm = make()
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "run", InterruptOnce(runner.run))
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.interrupted is None
+    assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == len(PROMPTS)

@@ -221,8 +221,7 @@ class Engine:
         ValueError for an arrival the engine never issued.
         """
         self.require_trusted()
-        if not is_strict_int(arrival) or not 0 <= arrival < self._arrivals:
-            raise ValueError(f"request_id {arrival!r} is unknown (issued so far: 0..{self._arrivals - 1})")
+        self.check_issued(arrival)
         request = self.by_arrival.get(arrival)
         if request is None:
             return None
@@ -234,6 +233,11 @@ class Engine:
                 self.shadow.abort(self.scheduler, arrival, self._live_arrivals())
             self.stats.aborted_requests += 1
         return request
+
+    def check_issued(self, arrival: object) -> None:
+        """ValueError unless ``arrival`` is a request id this engine issued (ABORT-8)."""
+        if not is_strict_int(arrival) or not 0 <= arrival < self._arrivals:
+            raise ValueError(f"request_id {arrival!r} is unknown (issued so far: 0..{self._arrivals - 1})")
 
     def take_failed(self) -> list[Request]:
         """The requests failed steps finished with ``"error"`` since the last call (FAULT-1)."""

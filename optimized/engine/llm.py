@@ -105,6 +105,29 @@ def _valid_text(prompt: str) -> str:
     return prompt
 
 
+class _Bookkeeping:
+    """``with``: one piece of this LLM's own bookkeeping around the engine (handing outputs over, recording ids).
+
+    FAULT-6: an exception inside it leaves ``llm.interrupted`` set, since an output may be lost half-way, and the
+    LLM then refuses further use; a model fault the engine recovered from clears it (``_settled``) first.
+    """
+
+    __slots__ = ("llm", "what")
+
+    def __init__(self, llm: LLM, what: str) -> None:
+        self.llm = llm
+        self.what = what
+
+    def __enter__(self) -> None:
+        self.llm.interrupted = self.what
+
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        if error is None:
+            self.llm.interrupted = None
+        elif self.llm.interrupted is not None:
+            self.llm.interrupted_by = describe(error)
+
+
 class LLM:
     def __init__(
         self,
@@ -195,6 +218,8 @@ class LLM:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()  # THREAD-1: held for one engine operation at a time
         self._changes = 0  # steps and aborts so far: a generate call that sees it move rescans its requests
+        self.interrupted: str | None = None  # FAULT-6: the bookkeeping an exception broke off, if any
+        self.interrupted_by = ""
         self._stepped: dict[int, str | None] = {}  # add_request ids whose output is not returned yet: their prompt
         self._undelivered: list[RequestOutput] = []  # their outputs that finished outside step()
 
@@ -246,15 +271,21 @@ class LLM:
         """ABORT-7: validate and queue one request (as generate would); its request_id. Refused: ValueError."""
         self._require_trusted()
         ids, params = self._validated(prompt, SamplingParams() if sampling_params is None else sampling_params)
-        with self._lock:
+        with self._lock, _Bookkeeping(self, "an add_request"):
             request = self._add(ids, params)
             self._stepped[request.arrival] = prompt if isinstance(prompt, str) else None
         return request.arrival
 
     def _require_trusted(self) -> None:
-        """ENG-24, first of all; read under the lock, since another thread's step makes the engine busy."""
+        """ENG-24, FAULT-6, first of all; read under the lock, since another thread's step makes the engine busy."""
         with self._lock:
-            self.engine.require_trusted()
+            self._require_trusted_locked()
+
+    def _require_trusted_locked(self) -> None:
+        self.engine.require_trusted()
+        if self.interrupted is not None:
+            raise RuntimeError(f"the LLM was interrupted during {self.interrupted} ({self.interrupted_by}) and may "
+                               "have lost outputs: make a new LLM")
 
     def has_unfinished_requests(self) -> bool:
         """ABORT-7: a request is queued, or an add_request output is still to be returned by step()."""
@@ -268,11 +299,12 @@ class LLM:
         finish_reason "error" and the next step() returns their outputs.
         """
         with self._lock:
-            self.engine.require_trusted()  # ENG-24, even when there is nothing to step
-            finished = self._engine_step() if self.engine.has_unfinished() else []
-            # Taken only now: if the step raised, what was pending is still pending.
-            outputs, self._undelivered = self._undelivered, []
-            return outputs + self._deliver(finished)
+            self._require_trusted_locked()  # ENG-24, even when there is nothing to step
+            with _Bookkeeping(self, "a step"):
+                finished = self._engine_step() if self.engine.has_unfinished() else []
+                # Taken only now: if the step raised, what was pending is still pending.
+                outputs, self._undelivered = self._undelivered, []
+                return outputs + self._deliver(finished)
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """ABORT-8: abort a live request; its output (finish_reason "abort"), never returned by step() then.
@@ -280,12 +312,15 @@ class LLM:
         An id never issued is a ValueError; a request already finished is left alone and None returned.
         """
         with self._lock:
-            request = self.engine.abort(request_id)
-            self._changes += 1
-            if request is None:
-                return None
-            prompt = self._stepped.pop(request.arrival, None)
-            return self._output(request, prompt)
+            self._require_trusted_locked()
+            self.engine.check_issued(request_id)  # a bad id changes nothing (before the bookkeeping begins)
+            with _Bookkeeping(self, "an abort"):
+                request = self.engine.abort(request_id)
+                self._changes += 1
+                if request is None:
+                    return None
+                prompt = self._stepped.pop(request.arrival, None)
+                return self._output(request, prompt)
 
     def _engine_step(self) -> list[Request]:
         """engine.step(); on a fault, the failed add_request outputs are kept for the next step() (FAULT-1)."""
@@ -294,6 +329,8 @@ class LLM:
             return self.engine.step()
         except BaseException:
             self._undelivered += self._deliver(self.engine.take_failed())
+            if self.engine.trusted:  # FAULT-1: the engine recovered and the failed outputs are kept
+                self.interrupted = None
             raise
 
     def _deliver(self, finished: list[Request]) -> list[RequestOutput]:
@@ -325,7 +362,7 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
         requests: list[Request] = []
         try:
-            with self._lock:
+            with self._lock, _Bookkeeping(self, "a generate call's adds"):
                 for ids, sp in validated:
                     requests.append(self._add(ids, sp))
             self._run(requests, use_tqdm)
@@ -376,10 +413,11 @@ class LLM:
                         for arrival in [a for a, r in pending.items() if r.finish_reason is not None]:
                             del pending[arrival]
                     if pending:
-                        finished = self._engine_step()
-                        self._undelivered += self._deliver(finished)
-                        for r in finished:
-                            pending.pop(r.arrival, None)
+                        with _Bookkeeping(self, "a step"):
+                            finished = self._engine_step()
+                            self._undelivered += self._deliver(finished)
+                            for r in finished:
+                                pending.pop(r.arrival, None)
                     seen = self._changes
                 bar.update(len(requests) - len(pending) - bar.n)
                 prefill = st.prefill_tokens / st.prefill_seconds if st.prefill_seconds else 0.0
