@@ -509,3 +509,29 @@ def test_an_unwritable_cache_is_one_clear_error(where: str, tmp_path: Path, monk
         reasons = ("Not a directory", "No such file", "Permission denied", "not a folder")
         assert any(reason in message for reason in reasons), message
         assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+FULL_DISK = r"""
+import resource, signal, sys
+from optimized.models import default_model
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+try:
+    default_model.default_model_dir()
+except default_model.DefaultModelUnavailable as e:
+    print(type(e).__name__, e.__cause__ is None, e)
+"""
+
+
+@pytest.mark.clause("DISK-7")
+def test_a_write_that_fails_while_making_the_model_is_one_clear_error(tmp_path: Path) -> None:
+    """DISK-7: a disk that fills up while the weights are written (a file-size limit here) is the same one
+    DefaultModelUnavailable naming the folder and the reason, not the tensor library's own error; nothing is left."""
+    env = {**os.environ, "NANOVERIFY_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", FULL_DISK], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("DefaultModelUnavailable True cannot make the default model in "), done.stdout
+    assert "File too large" in done.stdout and "NANOVERIFY_CACHE" in done.stdout
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []

@@ -167,7 +167,7 @@ def write_tokenizer(folder: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(EOS, special=True)])
-    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
@@ -208,8 +208,9 @@ def _weights() -> dict[str, Any]:
 
 
 def write_checkpoint(folder: Path) -> None:
-    from safetensors.torch import save_file
+    """Every file written by this process, not by a library, so a failed write is an OSError (DISK-7)."""
+    from safetensors.torch import save
 
     (folder / "config.json").write_text(json.dumps(CONFIG, indent=2))
     write_tokenizer(folder)
-    save_file(_weights(), str(folder / "model.safetensors"))
+    (folder / "model.safetensors").write_bytes(save(_weights()))
