@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,17 @@ def test_the_busy_core_spinner_runs_during_the_run_and_is_gone_after(monkeypatch
     for pid in spinners:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.clause("ENG-27", "CLI-1")
+def test_a_failing_run_is_one_line_naming_the_configuration_and_the_childs_reason(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENG-27, CLI-1: a child that cannot run (here: an unwritable cache) makes the command exit 2 with one line
+    carrying the configuration and the child's own last line, not a traceback."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("", encoding="utf-8")
+    monkeypatch.setenv("NANOVERIFY_CACHE", str(a_file))
+    monkeypatch.setattr(busy_core, "POLICIES", ("PASSIVE",))
+    assert main(["bench", "threads", "--num-requests", "1", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "OMP_WAIT_POLICY PASSIVE" in err and "NANOVERIFY_CACHE" in err, err

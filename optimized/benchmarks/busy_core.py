@@ -17,6 +17,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from optimized.engine import cpu_defaults
+
 SPIN = "while True: pass"
 # The wait policies compared: the one we set by default, libgomp's own (unset: spin a while, then sleep), and
 # spinning for good.
@@ -74,7 +76,10 @@ def run_config(config: Config, args: argparse.Namespace) -> tuple[float, int]:
                "--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens)]
     if config.threads is not None:
         command += ["--threads", str(config.threads)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        said = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+        raise ValueError(f"the run with {config.label()} failed (exit {done.returncode}): {said}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     return float(result["wall"]), int(result["threads"])
 
@@ -93,7 +98,7 @@ def timed(config: Config, args: argparse.Namespace, busy: bool) -> tuple[float, 
 def main(args: argparse.Namespace) -> int:
     if args.child:
         return child(args)
-    cpus = len(os.sched_getaffinity(0))
+    cpus = cpu_defaults.usable_cpus()
     configs = [Config(None, "PASSIVE")] + [Config(t, p) for t in sorted({1, cpus}) for p in POLICIES]
     print(f"workload: {args.num_requests} prompts of 1..64 tokens, {args.max_tokens} greedy output tokens each, "
           f"default model; {cpus} CPUs this process may use; 'busy': another process spins on one core")
