@@ -12,7 +12,8 @@ trap 'rm -rf "$scratch"' EXIT
   echo "# Every package the setup installs, at the version the suite passed with. Made by scripts/lock.sh."
   # torch without its local label (+cpu): pip still prefers the CPU wheel where one lies on disk, and the pin
   # stays installable from PyPI elsewhere.
-  "$scratch/venv/bin/python" -m pip freeze --disable-pip-version-check --exclude-editable |
+  # --all: setuptools is torch's dependency and the build backend; pip itself is the venv's own.
+  "$scratch/venv/bin/python" -m pip freeze --all --disable-pip-version-check --exclude-editable | grep -v '^pip==' |
     sed -E 's/^(torch==[^+]+)\+cpu$/\1/' | sort -f
 } > requirements/lock.txt
 echo "requirements/lock.txt: $(grep -vc '^#' requirements/lock.txt) packages"

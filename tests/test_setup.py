@@ -1,13 +1,14 @@
 """The setup installs exactly the pinned versions: every dependency pyproject.toml names is pinned in
-requirements/lock.txt, and the environment running the suite holds each pin (so CI tests what the lock says)."""
+requirements/lock.txt, and the environment running the suite holds the pins and nothing else (so CI tests what
+the lock says)."""
 
 from __future__ import annotations
 
 import re
+import tomllib
 from importlib import metadata
 from pathlib import Path
 
-import tomllib
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,8 +36,13 @@ def test_every_dependency_of_the_project_is_pinned() -> None:
     assert not outside, f"pins outside pyproject.toml's ranges: {outside}"
 
 
-def test_the_environment_holds_the_pinned_versions() -> None:
+def test_the_environment_holds_exactly_the_pinned_versions() -> None:
+    """Every pin is installed at its version, and nothing is installed that the lock does not pin (a dependency
+    a release brings in must reach the lock too), but for pip and nanoverify itself."""
     installed = {canonical(d.metadata["Name"]): d.version for d in metadata.distributions()}
-    drifted = [f"{name}: pinned {version}, installed {installed.get(name)}" for name, version in pins().items()
+    locked = pins()
+    drifted = [f"{name}: pinned {version}, installed {installed.get(name)}" for name, version in locked.items()
                if installed.get(name, "").split("+")[0] != version]
     assert not drifted, f"this environment differs from the lock (rerun bash scripts/setup.sh): {drifted}"
+    unpinned = sorted(set(installed) - set(locked) - {"pip", "nanoverify"})
+    assert not unpinned, f"installed but not pinned in {LOCK.name} (run bash scripts/lock.sh): {unpinned}"

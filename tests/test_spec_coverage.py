@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFINITION = re.compile(r"\*\*([A-Z]+-[0-9]+)\*\*")
