@@ -44,9 +44,11 @@ WAITING = SequenceStatus.WAITING
 FINISHED = SequenceStatus.FINISHED
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass costs about 0.5 us more to build, on every step
 class ScheduleOutput:
     """What one ``schedule()`` did (OPT-22): the batch to run, and what the caller would otherwise scan for.
+
+    A report, read by the caller; nothing in the core reads it back, so changing one changes no decision.
 
     ``batch`` is handed back to ``postprocess`` as it is. ``preempted`` are the sequences this step sent
     back to waiting, in the order it preempted them; ``prefix_hit_tokens`` counts the tokens the sequences
