@@ -5,7 +5,10 @@
 # The files and tests are listed in tests/mutation/targets.py. Works in mutants/ (git-ignored), never in the tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python=${PYTHON:-python3}
-if [[ -x .venv/bin/python && -z ${PYTHON:-} ]]; then python=.venv/bin/python; fi
+# The python with the test extra: $PYTHON, else the active virtualenv's, else .venv/'s (scripts/setup.sh), else python3.
+python=${PYTHON:-}
+if [[ -z $python && -n ${VIRTUAL_ENV:-} ]]; then python=$VIRTUAL_ENV/bin/python; fi
+if [[ -z $python && -x .venv/bin/python ]]; then python=.venv/bin/python; fi
+python=${python:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec "$python" -m tests.mutation "$@"

@@ -6,7 +6,7 @@ on every machine (MUT-1). Each mutant is one edit of the kinds mutmut makes
 (MUT-2): delete a simple statement (it becomes ``pass``), flip a comparison,
 swap ``and``/``or``, drop a ``not``, flip ``True``/``False``, add one to an
 int, swap an arithmetic operator (also in ``+=``), swap ``break``/``continue``.
-Never mutated: docstrings, annotations, asserts (our own invariants),
+Never mutated: docstrings and ``...`` bodies, annotations, asserts (our own invariants),
 imports, ``__slots__``/``__all__``, ``if TYPE_CHECKING:`` blocks, strings,
 f-strings, and lines marked ``# pragma: no mutate``. An edit that does not
 compile or leaves the AST unchanged is not a mutant.
@@ -57,7 +57,10 @@ def _one_line(text: str, limit: int = 70) -> str:
 
 
 def _is_docstring(node: ast.stmt) -> bool:
-    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+    """A docstring, or the ``...`` body of a Protocol method: text, not code."""
+    if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+        return False
+    return isinstance(node.value.value, str) or node.value.value is Ellipsis
 
 
 def _is_type_checking(node: ast.If) -> bool:
