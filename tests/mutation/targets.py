@@ -29,6 +29,7 @@ TARGETS = REFERENCE + OPTIMIZED_CORE
 
 # The tests that judge every mutant, in the order pytest runs them.
 TESTS = (
+    "tests/test_mutation_gaps.py",
     "tests/test_lesson_exercises.py",
     "tests/test_block_manager_spec.py",
     "tests/test_abort.py",
