@@ -14,6 +14,7 @@ import pytest
 import optimized.scheduler as opt
 import reference as ref
 from optimized.block_math import batch_slot_mapping, chunk_slot_runs, expand_runs, per_token_slots, slot_of
+from optimized.kv_cache_manager import KVCacheManager
 from optimized.sampling_params import SamplingParams
 
 TABLE = [5, 2, 7, 0]
@@ -100,3 +101,19 @@ def test_after_a_failed_decode_step_the_rest_can_be_aborted() -> None:
     scheduler.abort_step(batch)
     scheduler.abort(second)  # between steps again: no RuntimeError
     assert scheduler.is_finished()
+
+
+def test_a_block_twice_in_one_table_is_freed_once_its_last_holder_goes() -> None:
+    """MUT-8 (kv_cache_manager.py 413, the reference's loop in release): freed ids join the queue, table end first.
+
+    A block sits twice in one table only after a hash collision, which no test can make with xxh64; the
+    table is built here by hand: block 0 is held twice (``_extra`` 1), block 1 once.
+    """
+    manager = KVCacheManager(num_blocks=4, block_size=2)
+    assert manager.take_fresh_many(2) == [0, 1]
+    manager._extra[0] += 1
+    manager._shared += 1
+    manager.release([0, 0, 1])
+    # BM-5 over [0, 0, 1] reversed: 1 reaches 0 (freed), 0 drops to 1, 0 reaches 0 (freed).
+    assert manager.free_block_ids == [2, 3, 1, 0]
+    assert manager.ref_counts == [0, 0, 0, 0] and manager._shared == 0
