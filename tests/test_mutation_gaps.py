@@ -7,6 +7,7 @@ Every test names the mutant it kills. They are part of the judging tests
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import reference as ref
 from optimized.block_math import batch_slot_mapping, chunk_slot_runs, expand_runs, per_token_slots, slot_of
 from optimized.kv_cache_manager import KVCacheManager
 from optimized.sampling_params import SamplingParams
+from optimized.token_arena import TokenArena
 
 TABLE = [5, 2, 7, 0]
 
@@ -117,3 +119,26 @@ def test_a_block_twice_in_one_table_is_freed_once_its_last_holder_goes() -> None
     # BM-5 over [0, 0, 1] reversed: 1 reaches 0 (freed), 0 drops to 1, 0 reaches 0 (freed).
     assert manager.free_block_ids == [2, 3, 1, 0]
     assert manager.ref_counts == [0, 0, 0, 0] and manager._shared == 0
+
+
+def _region(tokens: int) -> SimpleNamespace:
+    region = SimpleNamespace(region_offset=0, region_capacity=0, n=tokens)
+    region.stored_length = lambda: region.n
+    return region
+
+
+def test_the_arena_grows_enough_after_a_packing() -> None:
+    """MUT-8 (token_arena.py 92, ``self.dead = 0`` deleted): a packing forgets the dead space it reclaimed.
+
+    Otherwise the next growth counts those positions as dead again, sizes the array too small and the
+    placement does not fit.
+    """
+    arena = TokenArena(on_move=lambda: None, capacity=8)
+    regions = [_region(n) for n in (3, 1, 1, 5)]
+    arena.place(regions[0], np.full(3, 0, dtype=np.int64), 5)
+    arena.place(regions[1], np.full(1, 1, dtype=np.int64), 2)
+    arena.release(regions[0])
+    arena.place(regions[2], np.full(1, 2, dtype=np.int64), 2)  # does not fit: packs regions[1] to the front
+    arena.place(regions[3], np.full(5, 3, dtype=np.int64), 5)  # does not fit either: the array must grow
+    for k, region in enumerate(regions[1:], start=1):
+        assert arena.data[region.region_offset : region.region_offset + region.n].tolist() == [k] * region.n
