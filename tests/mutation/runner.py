@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.mutation.explained import explanation
 from tests.mutation.mutants import Mutant
 
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
@@ -37,27 +38,32 @@ class BaselineFailed(RuntimeError):
 @dataclass(frozen=True)
 class Outcome:
     mutant: Mutant
-    status: str  # "killed", "timeout" or "survived"
+    status: str  # "killed", "timeout", "survived", or "explained" (survived, and listed in explained.py)
     seconds: float
     killer: str = ""  # the first failing test, when pytest named one
+    why: str = ""  # the reason an explained survivor may survive
 
     @property
     def killed(self) -> bool:
-        return self.status != "survived"
+        return self.status in ("killed", "timeout")
 
 
 @dataclass
 class Score:
-    """Killed / total, per file and overall; the survivors in file order."""
+    """Killed / scored, per file and overall (explained survivors are not scored); the survivors in file order."""
 
     outcomes: list[Outcome] = field(default_factory=list)
 
     def per_file(self) -> dict[str, tuple[int, int]]:
         table: dict[str, tuple[int, int]] = {}
-        for o in self.outcomes:
+        for o in self.scored:
             killed, total = table.get(o.mutant.path, (0, 0))
             table[o.mutant.path] = (killed + o.killed, total + 1)
         return table
+
+    @property
+    def scored(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status != "explained"]
 
     @property
     def killed(self) -> int:
@@ -65,11 +71,16 @@ class Score:
 
     @property
     def ratio(self) -> float:
-        return self.killed / len(self.outcomes) if self.outcomes else 1.0
+        scored = len(self.scored)
+        return self.killed / scored if scored else 1.0
 
     @property
     def survivors(self) -> list[Outcome]:
-        return [o for o in self.outcomes if not o.killed]
+        return [o for o in self.outcomes if o.status == "survived"]
+
+    @property
+    def explained(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == "explained"]
 
 
 @dataclass(frozen=True)
@@ -127,8 +138,13 @@ def pytest_command(tests: Iterable[str], seed: int) -> tuple[str, ...]:
 
 
 def run(source: Path, mutants: list[Mutant], command: tuple[str, ...], copied: Iterable[str], *, workspace: Path,
-        jobs: int = 1, timeout: float | None = None, report: Callable[[str], None] = print) -> Score:
-    """Copy the tree ``jobs`` times, check the unmutated tests pass, then judge every mutant (in file order)."""
+        jobs: int = 1, timeout: float | None = None, report: Callable[[str], None] = print,
+        explain: Callable[[Mutant, list[str]], str] = explanation) -> Score:
+    """Copy the tree ``jobs`` times, check the unmutated tests pass, then judge every mutant (in file order).
+
+    A survivor that ``explain`` gives a reason for is marked explained (MUT-9).
+    """
+    lines = {path: (source / path).read_text().splitlines() for path in {m.path for m in mutants}}
     spaces = [Workspace.copy_of(source, workspace / f"w{i}", copied, command) for i in range(max(1, jobs))]
     status, output, baseline = spaces[0].run_tests(timeout=3600)
     if status != 0:
@@ -147,6 +163,9 @@ def run(source: Path, mutants: list[Mutant], command: tuple[str, ...], copied: I
         finally:
             with lock:
                 free.append(space)
+        why = explain(mutant, lines[mutant.path]) if outcome.status == "survived" else ""
+        if why:
+            outcome = Outcome(mutant, "explained", outcome.seconds, why=why)
         with lock:
             report(f"[{index + 1}/{len(mutants)}] {outcome.status:8} {outcome.seconds:5.1f}s  {mutant.describe()}"
                    + (f"  ({outcome.killer})" if outcome.killer else ""))
@@ -165,10 +184,15 @@ def verdict(score: Score, min_score: float) -> int:
 def summary(score: Score) -> list[str]:
     """The score per file and overall, then every survivor."""
     lines = [f"{path}: {killed}/{total} killed" for path, (killed, total) in score.per_file().items()]
-    lines.append(f"score: {score.killed}/{len(score.outcomes)} killed ({100 * score.ratio:.1f}%)")
+    explained = score.explained
+    lines.append(f"score: {score.killed}/{len(score.scored)} killed ({100 * score.ratio:.1f}%)"
+                 + (f", {len(explained)} explained survivors not scored" if explained else ""))
     timeouts = sum(o.status == "timeout" for o in score.outcomes)
     if timeouts:
         lines.append(f"  ({timeouts} of them by timeout)")
+    if explained:
+        lines.append(f"explained survivors: {len(explained)}")
+        lines.extend(f"  {o.mutant.describe()}  [{o.why}]" for o in explained)
     lines.append(f"survivors: {len(score.survivors)}")
     lines.extend(f"  {o.mutant.describe()}" for o in score.survivors)
     return lines
