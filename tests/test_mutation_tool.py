@@ -1,4 +1,4 @@
-"""MUT-1..MUT-6: the mutation tool (tests/mutation/) on tiny files and a planted survivor.
+"""MUT-1..MUT-6, MUT-9: the mutation tool (tests/mutation/) on tiny files and a planted survivor.
 
 The mutator's edits are checked on a few lines of code; the runner on a
 two-file project in a temporary folder whose test leaves one mutant alive.
@@ -14,7 +14,8 @@ import pytest
 
 from tests.mutation import targets
 from tests.mutation.__main__ import main
-from tests.mutation.mutants import find_mutants, sample
+from tests.mutation.explained import EXPLAINED, explanation
+from tests.mutation.mutants import Mutant, find_mutants, sample
 from tests.mutation.runner import BaselineFailed, Outcome, Score, pytest_command, run, summary, verdict
 
 TINY = b'''"""A docstring is never mutated."""
@@ -172,3 +173,33 @@ def test_the_script_runs_the_tool() -> None:
                           capture_output=True, text=True, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("reference/config.py:") and len(done.stdout.splitlines()) == 1
+
+
+def test_an_explained_survivor_is_listed_with_its_reason_and_not_scored(tmp_path: Path) -> None:
+    """MUT-9: a survivor the explanations name is reported with its reason and left out of the score."""
+    source = tmp_path / "project"
+    _tiny_project(source)
+    (source / "check.py").write_text("from calc import double\n\nassert double(3) == 6\n")
+    mutants = [m for m in find_mutants("calc.py", (source / "calc.py").read_bytes()) if m.line == 6]
+
+    def explain(mutant: Mutant, lines: list[str]) -> str:
+        assert lines[mutant.line - 1].strip() == "return 9 if x >= 9 else x"
+        return "equivalent: planted" if mutant.kind == "comparison" else ""
+
+    score = run(source, mutants, _plain("check.py"), ("calc.py", "check.py"), workspace=tmp_path / "mutants",
+                report=lambda _line: None, explain=explain)
+    assert [o.status for o in score.outcomes] == ["survived", "explained", "survived"]
+    assert (score.killed, len(score.scored)) == (0, 2)
+    report = summary(score)
+    assert "score: 0/2 killed (0.0%), 1 explained survivors not scored" in report
+    assert "  calc.py:6 comparison: `x >= 9` -> `(x > 9)`  [equivalent: planted]" in report
+
+
+def test_every_explanation_names_a_mutant_of_the_current_code() -> None:
+    """MUT-9: no stale entry: each explained survivor still exists in its file (update explained.py on a move)."""
+    mutants = {path: find_mutants(path, Path(path).read_bytes()) for path in {e.path for e in EXPLAINED}}
+    lines = {path: Path(path).read_text().splitlines() for path in mutants}
+    for entry in EXPLAINED:
+        matches = [m for m in mutants[entry.path] if explanation(m, lines[entry.path], (entry,))]
+        assert matches, f"no mutant of {entry.path} matches {entry}"
+        assert entry.why.startswith(("equivalent: ", "dead code: "))

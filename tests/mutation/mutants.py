@@ -9,7 +9,7 @@ int, swap an arithmetic operator (also in ``+=``), swap ``break``/``continue``.
 Never mutated: docstrings and ``...`` bodies, annotations, asserts (our own invariants),
 imports, ``__slots__``/``__all__``, ``if TYPE_CHECKING:`` blocks, strings,
 f-strings, and lines marked ``# pragma: no mutate``. An edit that does not
-compile or leaves the AST unchanged is not a mutant.
+parse or leaves the node's syntax tree unchanged is not a mutant.
 """
 
 from __future__ import annotations
@@ -198,7 +198,6 @@ def _offsets(source: bytes) -> list[int]:
 def find_mutants(path: str, source: bytes) -> list[Mutant]:
     """Every mutant of ``source`` (the text of ``path``), in order of position then kind (MUT-1, MUT-2)."""
     tree = ast.parse(source)
-    original = ast.dump(tree)
     lines = source.decode().splitlines()
     starts = _offsets(source)
     finder = _Finder()
@@ -212,17 +211,21 @@ def find_mutants(path: str, source: bytes) -> list[Mutant]:
         start, end = starts[line - 1] + node.col_offset, starts[end_line - 1] + node.end_col_offset
         before = source[start:end].decode()
         mutant = Mutant(path, line, kind, _one_line(before), _one_line(replacement), start, end, replacement)
-        if _changes_code(mutant.apply(source), original):
+        if _changes_node(node, replacement):
             found.append(mutant)
     found.sort(key=lambda m: (m.start, m.end, m.kind, m.replacement))
     return found
 
 
-def _changes_code(mutated: bytes, original_dump: str) -> bool:
+def _changes_node(node: ast.stmt | ast.expr, replacement: str) -> bool:
+    """Whether ``replacement`` parses and differs from ``node`` (in place of which it always parses)."""
     try:
-        return ast.dump(ast.parse(mutated)) != original_dump
+        new: ast.AST = ast.parse(replacement).body[0]
     except SyntaxError:
         return False
+    if isinstance(node, ast.expr) and isinstance(new, ast.Expr):
+        new = new.value
+    return ast.dump(new) != ast.dump(node)
 
 
 def sample(mutants: list[Mutant], n: int | None, seed: int) -> list[Mutant]:
