@@ -33,6 +33,13 @@ EXPLAINED: tuple[Explained, ...] = (
     Explained("optimized/decode_group.py", "seq._segments.clear()", "seq._segments.clear()", "pass",
               "equivalent: a deferred fill walks back from the newest segment, so stale older ones are never "
               "reached; clearing bounds memory only"),
+    Explained("optimized/decode_group.py", "del self.finishes[step]", "del self.finishes[step]", "pass",
+              "equivalent: an emptied entry stays as []; join appends to it and postprocess pops it at its clock, "
+              "where [] and None both mean nobody finishes"),
+    *(Explained("optimized/scheduler.py", "self._last_batch = None", "self._last_batch = None", "pass",
+                "equivalent: postprocess's fast path also needs group.inflight, which only the decode that "
+                "set _last_batch turns on, and postprocess or dissolve turn off", previous=before)
+      for before in ("if self._waiting:", "self._postprocess_each(seqs, token_ids, is_prefill)")),
     Explained("optimized/free_queue.py", "self.stale -= 1", "self.stale -= 1", "self.stale += 1",
               "equivalent: stale > 0 only sends take() down its checking path, which returns the same ids"),
     Explained("optimized/kv_cache_manager.py",
