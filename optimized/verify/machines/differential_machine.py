@@ -1,12 +1,20 @@
 """A hypothesis state machine that drives the reference and the optimized scheduler with the same operations.
 
-Each run draws a tiny configuration (block size 2-16, a handful of blocks,
-small budgets) and whether requests must obey the admission rule (ADMIT-1) or
-may overflow the cache. Rules add requests whose prompts share prefixes (so the
-prefix cache hits), run steps (the same model tokens, EOS now and then, to
-both), and give some requests stop tokens that finish them beside EOS (OPT-23:
-``Scheduler.add``'s stop set, ``reference.extensions.postprocess_with_stops``). After every schedule() and
-every postprocess() the two must agree on every decision, compared by arrival
+Each run draws a tiny configuration (block size 2-16, mostly 2-4 so that
+prompts fill several blocks; a handful of blocks, small budgets) and whether
+requests must obey the admission rule (ADMIT-1) or may overflow the cache.
+Rules add requests whose prompts share prefixes (so the prefix cache hits): a
+prompt starts with a drawn prefix or with all or part of an earlier request's
+tokens (prompt and output so far), then goes on, so prompts share and extend
+each other and hit blocks that decode filled; cache hits are freed and walked
+again while a request waits (MUT-7). Rules run steps (the same model tokens,
+EOS now and then, to both), give one request in eight stop tokens that finish
+it beside EOS (OPT-23: ``Scheduler.add``'s stop set,
+``reference.extensions.postprocess_with_stops``), and sometimes hand the batch back to postprocess as a copy of the list schedule()
+returned, which the optimized scheduler must treat like the list itself. At
+most MAX_LIVE requests are live at once, and a rule lets the queue drain, so
+a run is many small workloads on one cache. After every schedule() and every
+postprocess() the two must agree on every decision, compared by arrival
 index: batch order, num_scheduled_tokens, block tables, the prefill flag,
 preemptions, finishes, queue orders, every sequence's counters and tokens, and
 the whole block-manager state (free-queue order, ref counts, hashes, prefix
@@ -41,11 +49,15 @@ EOS = 7
 TOKENS = st.integers(1, 3)  # few distinct ids: prompts collide and blocks get shared
 MODEL_TOKENS = st.integers(1, EOS)
 MAX_REQUEST_TOKENS = 40
+# Arrivals wait while this many requests are live, so that runs are many small workloads on a shared cache
+# (requests finish, their blocks are freed and hit again) rather than one queue that only grows.
+MAX_LIVE = 5
+DRAIN_STEPS = 30
 
 configs = st.builds(
     ref.SchedulerConfig,
     num_blocks=st.integers(1, 8),
-    block_size=st.integers(2, 16),
+    block_size=st.one_of(st.integers(2, 4), st.integers(2, 16)),
     max_num_seqs=st.integers(1, 5),
     max_num_batched_tokens=st.integers(1, 32),
     eos=st.just(EOS),
@@ -101,32 +113,43 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.ref = ref.Scheduler(config)
         self.opt = opt.Scheduler(config)
 
-    @precondition(lambda self: self.ref is not None)
+    def room(self) -> int:
+        """How many requests may still arrive now (MAX_LIVE)."""
+        if self.ref is None:
+            return 0
+        return MAX_LIVE - len(self.ref.waiting) - len(self.ref.running)
+
+    @precondition(lambda self: self.room() > 0)
     @rule(data=st.data())
     def a_request_arrives(self, data: st.DataObject) -> None:
         """The same prompt to both; without the admission rule max_tokens may overflow the cache."""
         self.stats.rule_applications += 1
         self.arrive(data)
 
-    @precondition(lambda self: self.ref is not None)
+    @precondition(lambda self: self.room() > 1)
     @rule(data=st.data(), n=st.integers(2, 4))
     def a_burst_arrives(self, data: st.DataObject, n: int) -> None:
         """Several requests at once: they compete for blocks, so decode preempts."""
         self.stats.rule_applications += 1
-        for _ in range(n):
+        for _ in range(min(n, self.room())):
             self.arrive(data)
 
     def arrive(self, data: st.DataObject) -> None:
         assert self.ref is not None and self.opt is not None
         capacity = self.config.num_blocks * self.config.block_size
         limit = capacity if self.admission_rule else 2 * capacity
-        footprint = data.draw(st.integers(1, min(limit, MAX_REQUEST_TOKENS)), label="footprint")
-        length = data.draw(st.integers(1, min(footprint, capacity)), label="prompt length")
-        shared = data.draw(st.sampled_from(self.prefixes), label="prefix")[:length]
+        # The length first, uniform up to the whole cache: long prompts keep later ones waiting (MUT-7).
+        length = data.draw(st.integers(1, min(capacity, MAX_REQUEST_TOKENS)), label="prompt length")
+        footprint = data.draw(st.integers(length, max(length, min(limit, MAX_REQUEST_TOKENS))), label="footprint")
+        earlier = [list(r.token_ids) for r in self.ref_seqs]  # prompts and outputs so far: prefixes to extend
+        shared = data.draw(st.sampled_from(self.prefixes + earlier), label="prefix")[:length]
         tail = data.draw(st.lists(TOKENS, min_size=length - len(shared), max_size=length - len(shared)), label="tail")
         max_tokens = footprint - length + 1
         ignore_eos = data.draw(st.booleans(), label="ignore_eos")
-        stops = data.draw(st.frozensets(MODEL_TOKENS, max_size=2), label="stop tokens")
+        # Stop tokens for one request in eight, so that most requests live long enough to hold blocks.
+        with_stops = data.draw(st.integers(0, 7), label="stop tokens for this request") == 0
+        stops = data.draw(st.frozensets(MODEL_TOKENS, min_size=1, max_size=2), label="stop tokens") if with_stops \
+            else frozenset[int]()
         prompt = shared + tail
         r = ref.Sequence(prompt, ref.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
                          self.config.block_size)
@@ -159,6 +182,16 @@ class DifferentialMachine(RuleBasedStateMachine):
         """Several steps without arrivals."""
         self.stats.rule_applications += 1
         for _ in range(n):
+            if not self.busy():
+                break
+            self.step(data)
+
+    @precondition(lambda self: self.busy())
+    @rule(data=st.data())
+    def the_queue_drains(self, data: st.DataObject) -> None:
+        """Steps until every request is done (DRAIN_STEPS at most): the cache is left full of freed, hashed blocks."""
+        self.stats.rule_applications += 1
+        for _ in range(DRAIN_STEPS):
             if not self.busy():
                 break
             self.step(data)
@@ -197,6 +230,8 @@ class DifferentialMachine(RuleBasedStateMachine):
         ref_prefill = opt_prefill = is_prefill
         assert self.ref is not None and self.opt is not None
         tokens = data.draw(st.lists(MODEL_TOKENS, min_size=len(ref_batch), max_size=len(ref_batch)), label="tokens")
+        if data.draw(st.booleans(), label="batch handed back as a copy"):
+            ref_batch, opt_batch = list(ref_batch), list(opt_batch)
         stops = [self.stops[self.ref_arrival[s.seq_id]] for s in ref_batch]
         postprocess_with_stops(self.ref, ref_batch, tokens, ref_prefill, stops)
         self.opt.postprocess(opt_batch, tokens, opt_prefill)

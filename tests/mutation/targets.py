@@ -1,0 +1,54 @@
+"""What the mutation run mutates and which tests judge it: the one place to edit when files move.
+
+The scheduler tests run fastest-first, so that ``pytest -x`` stops a killed
+mutant early; test_contracts.py (a minute, engine contracts) and the engine
+tests are left out: they add nothing to the scheduler's decisions.
+"""
+
+from __future__ import annotations
+
+# Files whose code is mutated, relative to the repository root.
+REFERENCE = (
+    "reference/block_manager.py",
+    "reference/config.py",
+    "reference/extensions.py",
+    "reference/scheduler.py",
+    "reference/sequence.py",
+)
+OPTIMIZED_CORE = (
+    "invariants/block_math.py",
+    "optimized/core/block_pool.py",
+    "optimized/core/decode_group.py",
+    "optimized/core/errors.py",
+    "optimized/core/free_queue.py",
+    "optimized/core/kv_cache_manager.py",
+    "optimized/core/scheduler.py",
+    "optimized/core/sequence.py",
+    "optimized/core/token_arena.py",
+    "optimized/core/walk_memo.py",
+)
+TARGETS = REFERENCE + OPTIMIZED_CORE
+
+# The tests that judge every mutant, in the order pytest runs them.
+TESTS = (
+    "tests/test_mutation_gaps.py",
+    "tests/test_lesson_exercises.py",
+    "tests/test_block_manager_spec.py",
+    "tests/test_abort.py",
+    "tests/test_invariants.py",
+    "tests/test_conformance.py",
+    "tests/test_core_scheduler.py",
+    "tests/test_core_decode_group.py",
+    "tests/test_core_kv_cache_manager.py",
+    "tests/test_core_free_queue.py",
+    "tests/test_core_token_arena.py",
+    "tests/test_core_sequence.py",
+    "tests/test_core_abort.py",
+    "tests/test_core_block_math.py",
+    "tests/test_reference_machine.py",
+    "tests/test_differential_machine.py",
+    "tests/test_empty_decode.py",
+)
+
+# Folders and files copied into the mutation workspace (what the tests import and read).
+COPIED = ("reference", "optimized", "invariants", "kernels", "tests", "spec", "pyproject.toml")
