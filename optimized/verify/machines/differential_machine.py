@@ -12,8 +12,9 @@ EOS now and then, to both), give one request in eight stop tokens that finish
 it beside EOS (OPT-23: ``Scheduler.add``'s stop set,
 ``reference.extensions.postprocess_with_stops``), and sometimes hand the
 batch back to postprocess as a copy of the list schedule() returned, which
-the optimized scheduler must treat like the list itself. At most MAX_LIVE requests are live at once, and a rule lets the queue drain, so
-a run is many small workloads on one cache. After every schedule() and every
+the optimized scheduler must treat like the list itself. At most MAX_LIVE
+requests are live at once, and a rule lets the queue drain, so a run is many
+small workloads on one cache. After every schedule() and every
 postprocess() the two must agree on every decision, compared by arrival
 index: batch order, num_scheduled_tokens, block tables, the prefill flag,
 preemptions, finishes, queue orders, every sequence's counters and tokens, and
