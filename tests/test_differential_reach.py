@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 FINDING_CHUNK_SEED = 13  # chunk 12 of `fuzz --seed 1` (chunk c runs with seed 1 + c)
 
@@ -45,6 +47,7 @@ print("FOUND" if error is not None else "MISSED", str(error)[:300])
 """
 
 
+@pytest.mark.clause("MUT-7")
 def test_a_fuzz_chunk_finds_the_walk_memo_mutant() -> None:
     """MUT-7: the machine itself, under the fuzz profile, reports the mutant as an OPT-1 disagreement."""
     done = subprocess.run([sys.executable, "-c", REPLAY], cwd=ROOT, capture_output=True, text=True, timeout=300,

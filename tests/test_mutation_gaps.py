@@ -1,7 +1,8 @@
 """MUT-8: the test gaps the mutation run found (spec/mutation.md), each closed by a test here.
 
-Every test names the mutant it kills. They are part of the judging tests
-(tests/mutation/targets.py), first in line because they are fast.
+Every test names the mutant it kills, by file (``core/`` is optimized/core/, block_math.py is
+invariants/block_math.py) and line. They are part of the judging tests (tests/mutation/targets.py),
+first in line because they are fast.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from optimized.engine.sampling_params import SamplingParams
 TABLE = [5, 2, 7, 0]
 
 
+@pytest.mark.clause("MUT-8")
 def test_the_lesson_defaults_of_the_config() -> None:
     """MUT-8 (reference/config.py, 16384 -> 16385): the defaults are spec/knobs.md's."""
     config = ref.SchedulerConfig(num_blocks=1, block_size=2)
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.eos) == (512, 16384, -1)
 
 
+@pytest.mark.clause("MUT-8")
 @pytest.mark.parametrize("block_size", [1, 2, 3, 4])
 def test_slots_follow_the_block_table(block_size: int) -> None:
     """MUT-8 (block_math.py 83, 105): slot_of and chunk_slot_runs against the definition, every range."""
@@ -41,8 +44,9 @@ def test_slots_follow_the_block_table(block_size: int) -> None:
         assert len(runs) == len({p // block_size for p in range(start, end)})
 
 
+@pytest.mark.clause("MUT-8")
 def test_the_batch_slot_mapping_is_the_rows_slots_in_order() -> None:
-    """MUT-8 (block_math.py 121, 122, 127): batch_slot_mapping over padded rows equals each row's slots, joined."""
+    """MUT-8 (block_math.py 121, 122, 127): batch_slot_mapping over padded rows: each row's slots, joined."""
     block_size = 3
     tables = np.array([[5, 2, 7, 0], [4, 1, -1, -1], [6, -1, -1, -1]], dtype=np.int64)
     starts = np.array([2, 0, 1], dtype=np.int64)
@@ -62,8 +66,9 @@ def _step(scheduler: opt.Scheduler, token: int) -> list[opt.Sequence]:
     return batch
 
 
+@pytest.mark.clause("MUT-8")
 def test_last_token_before_and_after_the_scheduler_holds_the_tokens() -> None:
-    """MUT-8 (sequence.py 192: -1 -> -2, 196: ``n - 1`` -> ``n - 2``): the last token, or -1 as the reference says."""
+    """MUT-8 (core/sequence.py 222: -1 -> -2, 226: ``n - 1`` -> ``n - 2``): the last token, or the reference's -1."""
     assert _sequence([], 1).last_token == ref.Sequence([], ref.SamplingParams(), 4).last_token == -1
     seq = _sequence([4, 5, 6], 8)
     assert seq.last_token == 6
@@ -74,8 +79,9 @@ def test_last_token_before_and_after_the_scheduler_holds_the_tokens() -> None:
     assert seq.last_token == 9 and list(seq.token_ids) == [4, 5, 6, 9]
 
 
+@pytest.mark.clause("MUT-8")
 def test_decode_writes_tokens_where_the_arena_moved_them() -> None:
-    """MUT-8 (decode_group.py 160): after the arena packs its regions, decode writes each token at the new place."""
+    """MUT-8 (core/decode_group.py 179): after the arena packs its regions, decode writes each token where it moved."""
     scheduler = opt.Scheduler(ref.SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4))
     gone, kept = _sequence([1, 2], 30), _sequence([3, 4, 5], 30)
     scheduler.add(gone)
@@ -83,15 +89,16 @@ def test_decode_writes_tokens_where_the_arena_moved_them() -> None:
     for token in (6, 7):
         _step(scheduler, token)
     scheduler.abort(gone)  # its region is dead: the next growth packs ``kept`` to the front
-    before = kept.region_offset
+    before = kept.core.region_offset
     scheduler.add(_sequence([8], 1 << 17))  # does not fit: the arena grows and moves every live region
-    assert kept.region_offset != before
+    assert kept.core.region_offset != before
     given = [token for token in (10, 11, 12) if kept in _step(scheduler, token)]
     assert given and list(kept.token_ids) == [3, 4, 5, 6, 7, *given]
 
 
+@pytest.mark.clause("MUT-8")
 def test_after_a_failed_decode_step_the_rest_can_be_aborted() -> None:
-    """MUT-8 (scheduler.py 132): abort_step withdraws the step, so a request left running can be aborted at once."""
+    """MUT-8 (core/scheduler.py 163): abort_step withdraws the step; a request left running can be aborted at once."""
     scheduler = opt.Scheduler(ref.SchedulerConfig(num_blocks=16, block_size=4, max_num_seqs=1))
     first, second = _sequence([1, 2, 3], 10), _sequence([4, 5, 6], 10)
     scheduler.add(first)
@@ -105,20 +112,21 @@ def test_after_a_failed_decode_step_the_rest_can_be_aborted() -> None:
     assert scheduler.is_finished()
 
 
+@pytest.mark.clause("MUT-8")
 def test_a_block_twice_in_one_table_is_freed_once_its_last_holder_goes() -> None:
-    """MUT-8 (kv_cache_manager.py 413, the reference's loop in release): freed ids join the queue, table end first.
+    """MUT-8 (core/block_pool.py 90, the reference's loop in release): freed ids join the queue, table end first.
 
     A block sits twice in one table only after a hash collision, which no test can make with xxh64; the
     table is built here by hand: block 0 is held twice (``_extra`` 1), block 1 once.
     """
     manager = KVCacheManager(num_blocks=4, block_size=2)
     assert manager.take_fresh_many(2) == [0, 1]
-    manager._extra[0] += 1
-    manager._shared += 1
+    manager.pool._extra[0] += 1
+    manager.pool._shared += 1
     manager.release([0, 0, 1])
     # BM-5 over [0, 0, 1] reversed: 1 reaches 0 (freed), 0 drops to 1, 0 reaches 0 (freed).
     assert manager.free_block_ids == [2, 3, 1, 0]
-    assert manager.ref_counts == [0, 0, 0, 0] and manager._shared == 0
+    assert manager.ref_counts == [0, 0, 0, 0] and manager.pool._shared == 0
 
 
 def _region(tokens: int) -> SimpleNamespace:
@@ -127,8 +135,9 @@ def _region(tokens: int) -> SimpleNamespace:
     return region
 
 
+@pytest.mark.clause("MUT-8")
 def test_the_arena_grows_enough_after_a_packing() -> None:
-    """MUT-8 (token_arena.py 92, ``self.dead = 0`` deleted): a packing forgets the dead space it reclaimed.
+    """MUT-8 (core/token_arena.py 86, ``self.dead = 0`` deleted): a packing forgets the dead space it reclaimed.
 
     Otherwise the next growth counts those positions as dead again, sizes the array too small and the
     placement does not fit.

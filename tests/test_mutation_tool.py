@@ -43,12 +43,13 @@ def _edits(source: bytes) -> list[str]:
     return [f"{m.line} {m.kind}: {m.before} -> {m.after}" for m in find_mutants("tiny.py", source)]
 
 
+@pytest.mark.clause("MUT-1")
 @pytest.mark.parametrize("seed", [0, 1])
 def test_mutants_are_found_in_file_order_and_sampled_reproducibly(seed: int) -> None:
     """MUT-1: the same text and seed give the same mutants and the same sample; the sample keeps file order."""
-    source = Path("optimized/free_queue.py").read_bytes()
-    every = find_mutants("optimized/free_queue.py", source)
-    assert every == find_mutants("optimized/free_queue.py", source)
+    source = Path("optimized/core/free_queue.py").read_bytes()
+    every = find_mutants("optimized/core/free_queue.py", source)
+    assert every == find_mutants("optimized/core/free_queue.py", source)
     assert [m.start for m in every] == sorted(m.start for m in every)
     picked = sample(every, 10, seed)
     assert picked == sample(every, 10, seed) and len(picked) == 10
@@ -57,6 +58,7 @@ def test_mutants_are_found_in_file_order_and_sampled_reproducibly(seed: int) -> 
     assert sample(every, len(every) + 5, seed) == every
 
 
+@pytest.mark.clause("MUT-2")
 def test_the_edits_on_a_tiny_file() -> None:
     """MUT-2: one edit per mutant, of mutmut's kinds; docstrings, asserts, annotations, __all__ and pragmas kept."""
     assert _edits(TINY) == [
@@ -78,6 +80,7 @@ def test_the_edits_on_a_tiny_file() -> None:
     ]
 
 
+@pytest.mark.clause("MUT-2")
 def test_each_mutant_changes_the_code_and_compiles() -> None:
     """MUT-2: applying a mutant changes exactly its span, and the result compiles."""
     for m in find_mutants("tiny.py", TINY):
@@ -95,6 +98,7 @@ def _tiny_project(root: Path) -> None:
         "from calc import clamp, double\n\n\ndef test_calc():\n    assert double(3) == 6\n    assert clamp(12) == 9\n")
 
 
+@pytest.mark.clause("MUT-3", "MUT-6")
 def test_a_planted_survivor_is_reported_and_the_tree_is_untouched(tmp_path: Path) -> None:
     """MUT-3, MUT-6: a mutant the test misses survives and is listed, a caught one is killed; sources unchanged."""
     source = tmp_path / "project"
@@ -122,6 +126,7 @@ def _plain(test_file: str) -> tuple[str, ...]:
     return (sys.executable, test_file)
 
 
+@pytest.mark.clause("MUT-3")
 def test_a_hanging_mutant_is_killed_by_the_timeout(tmp_path: Path) -> None:
     """MUT-3: tests that run past the per-mutant limit count as a kill, by timeout."""
     source = tmp_path / "project"
@@ -134,6 +139,7 @@ def test_a_hanging_mutant_is_killed_by_the_timeout(tmp_path: Path) -> None:
     assert [o.status for o in score.outcomes] == ["timeout"] and score.ratio == 1.0
 
 
+@pytest.mark.clause("MUT-4")
 def test_no_score_when_the_tests_fail_without_a_mutant(tmp_path: Path) -> None:
     """MUT-4: a failing clean run stops the tool before any mutant is judged."""
     source = tmp_path / "project"
@@ -144,6 +150,7 @@ def test_no_score_when_the_tests_fail_without_a_mutant(tmp_path: Path) -> None:
             ("calc.py", "check.py"), workspace=tmp_path / "mutants", report=lambda _line: None)
 
 
+@pytest.mark.clause("MUT-5")
 def test_the_score_threshold_and_the_exit_status() -> None:
     """MUT-5: below --min-score (95% by default) the run fails; at or above it, it passes."""
     assert verdict(Score(), 0.95) == 0
@@ -157,6 +164,7 @@ def _outcomes(n: int, status: str) -> list[Outcome]:
     return [Outcome(mutant, status, 0.0) for _ in range(n)]
 
 
+@pytest.mark.clause("MUT-1", "MUT-5")
 def test_the_targets_exist_and_the_command_lists_its_sample(capsys: pytest.CaptureFixture[str]) -> None:
     """MUT-1, MUT-5: every target and test named in targets.py exists; --list prints N mutants per file."""
     for path in (*targets.TARGETS, *targets.TESTS):
@@ -167,6 +175,7 @@ def test_the_targets_exist_and_the_command_lists_its_sample(capsys: pytest.Captu
     assert main(["--list", "--only", "reference/nowhere.py"]) == 2
 
 
+@pytest.mark.clause("MUT-5")
 def test_the_script_runs_the_tool() -> None:
     """MUT-5: scripts/mutation.sh is the entry point; it passes its arguments on."""
     done = subprocess.run(["bash", "scripts/mutation.sh", "--list", "--sample", "1", "--only", "reference/config.py"],
@@ -175,6 +184,7 @@ def test_the_script_runs_the_tool() -> None:
     assert done.stdout.startswith("reference/config.py:") and len(done.stdout.splitlines()) == 1
 
 
+@pytest.mark.clause("MUT-9")
 def test_an_explained_survivor_is_listed_with_its_reason_and_not_scored(tmp_path: Path) -> None:
     """MUT-9: a survivor the explanations name is reported with its reason and left out of the score."""
     source = tmp_path / "project"
@@ -195,6 +205,7 @@ def test_an_explained_survivor_is_listed_with_its_reason_and_not_scored(tmp_path
     assert "  calc.py:6 comparison: `x >= 9` -> `(x > 9)`  [equivalent: planted]" in report
 
 
+@pytest.mark.clause("MUT-9")
 def test_every_explanation_names_a_mutant_of_the_current_code() -> None:
     """MUT-9: no stale entry: each explained survivor still exists in its file (update explained.py on a move)."""
     mutants = {path: find_mutants(path, Path(path).read_bytes()) for path in {e.path for e in EXPLAINED}}
