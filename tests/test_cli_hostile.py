@@ -55,7 +55,8 @@ GARBAGE: dict[str, list[list[str]]] = {
                  ["--max-tokens", "-5", "hi"]],
     "gpu-check": [["--deadline-s", "nan"], ["--deadline-s", "-1"], ["--deadline-s", "inf"], ["--work", A_FILE],
                   ["--device", "tpu"], ["--device", "cpu"], ["--device", "cpu", "--tiny", "--stages", "bogus"]],
-    "bench threads": [["--num-requests", "0"], ["--max-tokens", "-1"], ["--max-tokens", "nan"], ["stray"]],
+    "bench threads": [["--num-requests", "0"], ["--max-tokens", "-1"], ["--max-tokens", "nan"], ["--repeat", "0"],
+                      ["stray"]],
     "bench": [[], ["nope"]],
     "": [[], ["no-such-command"]],
 }
