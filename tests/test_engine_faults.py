@@ -414,7 +414,7 @@ def test_a_refused_abort_is_not_an_interrupted_bookkeeping() -> None:
     assert llm.interrupted is None and len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == len(PROMPTS)
 
 
-@pytest.mark.clause("FAULT-6", "FAULT-1")
+@pytest.mark.clause("FAULT-6", "FAULT-1", "FAULT-3")
 def test_a_model_fault_is_not_an_interrupted_bookkeeping(monkeypatch: pytest.MonkeyPatch) -> None:
     """FAULT-6: a model fault the engine recovered from leaves the LLM usable (FAULT-1 and FAULT-3 hold)."""
     llm = make()
