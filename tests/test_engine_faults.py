@@ -424,3 +424,29 @@ def test_a_model_fault_is_not_an_interrupted_bookkeeping(monkeypatch: pytest.Mon
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.interrupted is None
     assert len(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == len(PROMPTS)
+
+
+@pytest.mark.clause("FAULT-6", "THREAD-2")
+def test_another_callers_interruption_is_not_hidden_by_a_later_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAULT-6: while a generate call is between its steps, another caller's step is interrupted in its bookkeeping
+    (its add_request output is lost); the generate call's next step must refuse, not clear the mark and go on."""
+    import tqdm
+
+    llm = make()
+    llm.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=1))
+    real_update, real_deliver = tqdm.tqdm.update, llm._deliver
+    fired: list[bool] = []
+
+    def other_caller_between_steps(bar: Any, n: float = 1) -> Any:
+        if not fired:  # generate holds no lock while it updates its bar: "another thread" steps now
+            fired.append(True)
+            monkeypatch.setattr(llm, "_deliver", InterruptOnce(real_deliver))
+            with pytest.raises(KeyboardInterrupt):
+                llm.step()
+        return real_update(bar, n)
+
+    monkeypatch.setattr(tqdm.tqdm, "update", other_caller_between_steps)
+    with pytest.raises(RuntimeError, match="interrupted during a step"):
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert llm.interrupted == "a step"
+    refuses_further_use(llm, "interrupted during a step")

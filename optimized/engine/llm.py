@@ -108,8 +108,9 @@ def _valid_text(prompt: str) -> str:
 class _Bookkeeping:
     """``with``: one piece of this LLM's own bookkeeping around the engine (handing outputs over, recording ids).
 
-    FAULT-6: an exception inside it leaves ``llm.interrupted`` set, since an output may be lost half-way, and the
-    LLM then refuses further use; a model fault the engine recovered from clears it (``_settled``) first.
+    FAULT-6: it begins only on a trusted LLM (the caller holds the lock); an exception inside it leaves
+    ``llm.interrupted`` set, since an output may be lost half-way, and the LLM then refuses further use; a model
+    fault the engine recovered from clears it first (``LLM._engine_step``).
     """
 
     __slots__ = ("llm", "what")
@@ -119,6 +120,7 @@ class _Bookkeeping:
         self.what = what
 
     def __enter__(self) -> None:
+        self.llm._require_trusted_locked()  # never over another caller's interruption, which would hide it
         self.llm.interrupted = self.what
 
     def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
