@@ -15,7 +15,15 @@ import pytest
 
 import optimized.core.scheduler as opt
 import reference as ref
-from invariants.block_math import batch_slot_mapping, chunk_slot_runs, expand_runs, per_token_slots, slot_of
+from invariants.block_math import (
+    admits,
+    batch_slot_mapping,
+    chunk_slot_runs,
+    expand_runs,
+    per_token_slots,
+    slot_of,
+)
+from optimized.core.errors import strict_int
 from optimized.core.kv_cache_manager import KVCacheManager
 from optimized.core.token_arena import TokenArena
 from optimized.engine.sampling_params import SamplingParams
@@ -28,6 +36,15 @@ def test_the_lesson_defaults_of_the_config() -> None:
     """MUT-8 (reference/config.py, 16384 -> 16385): the defaults are spec/knobs.md's."""
     config = ref.SchedulerConfig(num_blocks=1, block_size=2)
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.eos) == (512, 16384, -1)
+
+
+@pytest.mark.clause("MUT-8", "ADMIT-1")
+def test_a_request_that_exactly_fills_the_cache_is_admitted() -> None:
+    """MUT-8 (block_math.py 55, ``<=`` -> ``<``): admits is ADMIT-1's rule, up to a request that fills every slot."""
+    for block_size, num_blocks, prompt_len, max_tokens in itertools.product(range(1, 5), range(1, 4), range(1, 14),
+                                                                            range(1, 14)):
+        fits = prompt_len + max_tokens - 1 <= num_blocks * block_size
+        assert admits(prompt_len, max_tokens, block_size, num_blocks) == fits
 
 
 @pytest.mark.clause("MUT-8")
@@ -61,9 +78,9 @@ def _sequence(prompt: list[int], max_tokens: int, block_size: int = 4) -> opt.Se
 
 
 def _step(scheduler: opt.Scheduler, token: int) -> list[opt.Sequence]:
-    batch, is_prefill = scheduler.schedule()
-    scheduler.postprocess(batch, [token] * len(batch), is_prefill)
-    return batch
+    out = scheduler.schedule()
+    scheduler.postprocess(out.batch, [token] * len(out.batch), out.is_prefill)
+    return out.batch
 
 
 @pytest.mark.clause("MUT-8")
@@ -151,3 +168,30 @@ def test_the_arena_grows_enough_after_a_packing() -> None:
     arena.place(regions[3], np.full(5, 3, dtype=np.int64), 5)  # does not fit either: the array must grow
     for k, region in enumerate(regions[1:], start=1):
         assert arena.data[region.region_offset : region.region_offset + region.n].tolist() == [k] * region.n
+
+
+@pytest.mark.clause("MUT-8")
+def test_a_bad_count_is_refused_naming_its_field_and_bound() -> None:
+    """MUT-8 (core/errors.py 31, ``minimum is None`` flipped): the ValueError names the field and the bound."""
+    scheduler = opt.Scheduler(ref.SchedulerConfig(num_blocks=4, block_size=2))
+    with pytest.raises(ValueError, match=r"^max_tokens must be an integer >= 1, got 0$"):
+        scheduler.add(_sequence([1, 2], 0, block_size=2))
+    with pytest.raises(ValueError, match=r"^count must be an integer, got 'x'$"):
+        strict_int("x", "count")
+
+
+@pytest.mark.clause("MUT-8")
+def test_a_walk_stops_at_a_hash_hit_whose_tokens_differ() -> None:
+    """MUT-8 (core/kv_cache_manager.py 363, ``hits = hit_ids[:j]`` deleted): the hits before the differing block count.
+
+    Equal chain hashes over other tokens need an xxh64 collision, which no test can make; the stored bytes of
+    the second cached block are changed by hand instead. Like the reference, the walk keeps the first hit.
+    """
+    scheduler = opt.Scheduler(ref.SchedulerConfig(num_blocks=8, block_size=2))
+    scheduler.add(_sequence([1, 2, 3, 4, 5], 1, block_size=2))
+    _step(scheduler, 6)  # prefill: blocks 0 and 1 fill and register; max_tokens 1 finishes it, they go free
+    bm = scheduler.block_manager
+    bm.flush()
+    assert bm.hash_to_block_id and scheduler.is_finished()
+    bm._contents[1] = bytes(16)  # block 1 keeps its hash, with other tokens
+    assert bm.can_allocate(_sequence([1, 2, 3, 4, 5], 1, block_size=2)) == 1
