@@ -24,59 +24,109 @@ class Explained:
 
 
 EQUIVALENT_ARENA_SIZE = "equivalent: only how big the token array is, never which tokens a region holds"
+ARENA_INIT = "def __init__(self, on_move: Callable[[], None], capacity: int = 1 << 16) -> None:"
+
+EQUIVALENT_SHARED = ("equivalent: _shared > 0 only sends release() down its counting path, which frees the same ids; "
+                     "a count too large costs time only")
 
 EXPLAINED: tuple[Explained, ...] = (
-    Explained("optimized/decode_group.py", "self.base_clock = 0", "0", "1",
+    Explained("reference/extensions.py",
+              "kept = not is_prefill or seq.num_cached_tokens + seq.num_scheduled_tokens >= seq.num_tokens",
+              "not is_prefill", "(is_prefill)",
+              "equivalent: in a decode step the other operand holds anyway (cached + scheduled == tokens), and a "
+              "sequence mid-chunk is still WAITING, so the RUNNING check skips it whatever kept says"),
+    Explained("optimized/core/block_pool.py", "self._shared += sum(1 for b in hits if extra[b] == 1)", "1", "2",
+              EQUIVALENT_SHARED + " (the same edit of ``extra[b] == 1`` undercounts and is killed)"),
+    Explained("optimized/core/block_pool.py", "self._shared += 1", "1", "2", EQUIVALENT_SHARED),
+    Explained("optimized/core/block_pool.py",
+              "self._shared -= counts.count(1)  # those that had one other holder are now its alone",
+              "self._shared -= counts.count(1)", "pass", EQUIVALENT_SHARED),
+    Explained("optimized/core/block_pool.py",
+              "counts = itemgetter(*table)(extra) if len(table) > 1 else tuple(extra[b] for b in table)", "1", "2",
+              "equivalent: for two ids the generator gives the same tuple of counts as itemgetter"),
+    Explained("optimized/core/decode_group.py", "self.eos_watchers = 0  # members with ignore_eos False", "0", "1",
+              "equivalent: eos_watchers > 0 only makes postprocess look for EOS, and _eos_hits keeps only members "
+              "with ignore_eos False; a count too large costs time only"),
+    Explained("optimized/core/decode_group.py", "self._watch(core.stops, 1)", "1", "2",
+              "equivalent: a stop id watched too long only makes postprocess look for it, and _stop_hits keeps only "
+              "members whose own stops hold the drawn token; it costs time only"),
+    Explained("optimized/core/decode_group.py", "self.base_clock = 0", "0", "1",
               "equivalent: positions is empty until the first join, which sets base_clock"),
-    Explained("optimized/decode_group.py", "self._next_gord += 1", "1", "2",
+    Explained("optimized/core/decode_group.py", "self._next_gord += 1", "1", "2",
               "equivalent: only the order of the join ordinals is read"),
-    Explained("optimized/decode_group.py", "seq._segments.clear()", "seq._segments.clear()", "pass",
+    Explained("optimized/core/decode_group.py", "core.segments.clear()", "core.segments.clear()", "pass",
               "equivalent: a deferred fill walks back from the newest segment, so stale older ones are never "
               "reached; clearing bounds memory only"),
-    Explained("optimized/decode_group.py", "del self.finishes[step]", "del self.finishes[step]", "pass",
-              "equivalent: an emptied entry stays as []; join appends to it and postprocess pops it at its clock, "
-              "where [] and None both mean nobody finishes"),
-    *(Explained("optimized/scheduler.py", "self._last_batch = None", "self._last_batch = None", "pass",
-                "equivalent: postprocess's fast path also needs group.inflight, which only the decode that "
-                "set _last_batch turns on, and postprocess or dissolve turn off", previous=before)
-      for before in ("if self._waiting:", "self._postprocess_each(seqs, token_ids, is_prefill)")),
-    Explained("optimized/free_queue.py", "self.stale -= 1", "self.stale -= 1", "self.stale += 1",
+    Explained("optimized/core/scheduler.py", "self._last_batch = None", "self._last_batch = None", "pass",
+              "equivalent: postprocess's fast path also needs group.inflight, which only the decode that "
+              "set _last_batch turns on, and postprocess or dissolve turn off",
+              previous="finished = self._postprocess_each(seqs, token_ids, is_prefill)"),
+    Explained("optimized/core/free_queue.py", "return self._base + len(self._buf)", "self._base + len(self._buf)",
+              "(self._base - len(self._buf))",
+              "dead code: nothing reads FreeBlockQueue.end (settle and contains compute the end themselves)"),
+    Explained("optimized/core/free_queue.py", "self.stale -= 1", "self.stale -= 1", "self.stale += 1",
               "equivalent: stale > 0 only sends take() down its checking path, which returns the same ids"),
-    Explained("optimized/kv_cache_manager.py",
+    Explained("optimized/core/free_queue.py", "if k > 1024 and 2 * k > len(buf):", "k > 1024 and 2 * k > len(buf)",
+              "(k > 1024 or 2 * k > len(buf))",
+              "equivalent: trimming the taken front is right at any k (positions are absolute); the bound only "
+              "amortises the memmove"),
+    Explained("optimized/core/kv_cache_manager.py", "if i >= end:", "i >= end", "(i > end)",
+              "equivalent: at i == end the rest of extend_chain hashes an empty run of blocks, which adds nothing"),
+    Explained("optimized/core/kv_cache_manager.py", "if self._memo is not None and self._memo.seq is seq:",
+              "self._memo.seq is seq", "(self._memo.seq is not seq)",
+              "equivalent: the memo is a cache; dropping another sequence's walk only makes can_allocate walk "
+              "again, and a walk kept for the aborted sequence is never asked for (it cannot be added again)"),
+    Explained("optimized/core/kv_cache_manager.py",
+              "self.pool.hold(hits, num_cached_blocks == memo.cached and memo.used == len(hits) == len(set(hits)))",
+              "num_cached_blocks == memo.cached", "(num_cached_blocks != memo.cached)",
+              "equivalent: the scheduler allocates every hit of the walk (num_cached_blocks is can_allocate's "
+              "answer), where the edit only turns off hold's fast path, whose other path does the same"),
+    Explained("optimized/core/scheduler.py", "prefix_hit_tokens: int = 0", "0", "1",
+              "equivalent: both schedule paths pass prefix_hit_tokens; the core never uses the default"),
+    Explained("optimized/core/walk_memo.py", "if index < self.cached:", "index < self.cached",
+              "(index <= self.cached)",
+              "equivalent: cutting at index == cached keeps every hit, and used already equals sum(held)"),
+    Explained("optimized/core/walk_memo.py",
+              "self._hashes = dict(zip(reversed(looked), range(len(looked) - 1, -1, -1), strict=True))",
+              "True", "False", "equivalent: the two sequences zipped always have the same length"),
+    Explained("optimized/core/walk_memo.py",
+              "return self.hashes.get(h, cached + 1) <= cached or self.blocks.get(block_id, cached + 1) <= cached",
+              "cached + 1", "(cached - 1)",
+              "equivalent: a default at or below cached makes reads() answer yes for anything, which only drops "
+              "the memo more often (the next can_allocate walks again)"),
+    Explained("optimized/core/walk_memo.py",
               "return self.hashes.get(h, cached + 1) <= cached or self.blocks.get(block_id, cached + 1) <= cached",
               "1", "2", "equivalent: any default above ``cached`` gives the same answer"),
-    *(Explained("optimized/kv_cache_manager.py", text, text, "pass",
-                "dead code: nothing reads KVCacheManager.blocks (the optimized Scheduler's snapshot() builds "
-                "its state itself); the core split should drop the property")
-      for text in ("block = Block(b)", "block.ref_count = refs[b]", "block.hash = self.block_hash(b)",
-                   "block.token_ids = self.token_ids_of(b)", "out.append(block)", "out = []",
-                   "refs = self.ref_counts")),
-    Explained("optimized/scheduler.py", "if len(members) < k:", "len(members) < k", "(len(members) <= k)",
+    Explained("optimized/core/scheduler.py", "if len(members) < k:", "len(members) < k", "(len(members) <= k)",
               "equivalent: joining an empty slice of running changes nothing"),
-    Explained("optimized/scheduler.py", "break", "break", "continue",
+    Explained("optimized/core/scheduler.py", "break", "break", "continue",
               "equivalent: due is in member order, so once j >= t every later member has j >= t too",
               previous="if j >= t:"),
-    Explained("optimized/scheduler.py", "break", "break", "continue",
+    Explained("optimized/core/scheduler.py", "break", "break", "continue",
               "equivalent: after a preemption in _decode_with_preemption t <= j, so the next due member "
               "(later in member order) meets j >= t and the loop ends anyway", previous="continue"),
-    Explained("optimized/sequence.py", "self.sampling_params = sampling_params",
+    Explained("optimized/core/sequence.py", "self.sampling_params = sampling_params",
               "self.sampling_params = sampling_params", "pass",
               "dead code: Sequence.sampling_params is read nowhere (the fields are copied out in __init__)"),
-    Explained("optimized/sequence.py", "self.region_capacity = 0", "self.region_capacity = 0", "pass",
+    Explained("optimized/core/sequence.py", "self.region_capacity = 0", "self.region_capacity = 0", "pass",
               "equivalent: TokenArena.place sets it when the scheduler adds the sequence, before any read"),
-    Explained("optimized/sequence.py", "self.region_capacity = 0", "0", "1",
+    Explained("optimized/core/sequence.py", "self.region_capacity = 0", "0", "1",
               "equivalent: TokenArena.place sets it when the scheduler adds the sequence, before any read"),
-    Explained("optimized/sequence.py", "self._gord = 0", "self._gord = 0", "pass",
+    Explained("optimized/core/sequence.py", "self.gord = 0", "self.gord = 0", "pass",
               "equivalent: DecodeGroup.join sets it before any read"),
-    Explained("optimized/token_arena.py", "def __init__(self, on_move: Callable[[], None], capacity: int = 1 << 16) "
-              "-> None:", "1", "2", EQUIVALENT_ARENA_SIZE),
-    Explained("optimized/token_arena.py", "def __init__(self, on_move: Callable[[], None], capacity: int = 1 << 16) "
-              "-> None:", "16", "17", EQUIVALENT_ARENA_SIZE),
-    Explained("optimized/token_arena.py", "self.dead += owner.region_capacity", "self.dead += owner.region_capacity",
-              "pass", EQUIVALENT_ARENA_SIZE + " (dead space counted as live makes it bigger)"),
-    Explained("optimized/token_arena.py", "while size < 2 * (live + capacity):", "2", "3", EQUIVALENT_ARENA_SIZE),
-    Explained("optimized/token_arena.py", "size *= 2", "2", "3", EQUIVALENT_ARENA_SIZE),
-    Explained("optimized/token_arena.py", "top = 0", "0", "1",
+    *(Explained("optimized/core/token_arena.py", ARENA_INIT, before, after, EQUIVALENT_ARENA_SIZE)
+      for before, after in (("1", "2"), ("16", "17"))),
+    Explained("optimized/core/token_arena.py", "if self.top + capacity > self.data.shape[0]:",
+              "self.top + capacity > self.data.shape[0]", "(self.top + capacity >= self.data.shape[0])",
+              EQUIVALENT_ARENA_SIZE + " (a region that would end exactly at the array's end packs first)"),
+    Explained("optimized/core/token_arena.py", "live = self.top - self.dead", "self.top - self.dead",
+              "(self.top + self.dead)", EQUIVALENT_ARENA_SIZE + " (live space counted too large makes it bigger)"),
+    Explained("optimized/core/token_arena.py", "self.dead += owner.region_capacity",
+              "self.dead += owner.region_capacity", "pass",
+              EQUIVALENT_ARENA_SIZE + " (dead space counted as live makes it bigger)"),
+    Explained("optimized/core/token_arena.py", "while size < 2 * (live + capacity):", "2", "3", EQUIVALENT_ARENA_SIZE),
+    Explained("optimized/core/token_arena.py", "size *= 2", "2", "3", EQUIVALENT_ARENA_SIZE),
+    Explained("optimized/core/token_arena.py", "top = 0", "0", "1",
               "equivalent: packing leaves the first slot unused; every read goes through region_offset"),
 )
 
