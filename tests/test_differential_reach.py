@@ -1,15 +1,15 @@
-"""MUT-7: the differential machine's own strategies reach a walk-memo mutant that the ci run and old fuzzing missed.
+"""MUT-7: a program the differential machine's own strategies drew reaches a walk-memo mutant the ci run misses.
 
 The mutant (``False`` to ``True`` in ``WalkMemo.freed``) keeps a freed cache
 hit marked as held; it shows only when a waiting request's remembered walk is
 cut after one of its hits was freed, and the request is admitted on the stale
-count. ``nanoverify fuzz --machine differential --minutes 2 --seed 1`` finds
-it (spec/mutation.md); this test replays one fuzz chunk that finds it, without
-shrinking, so that a change to the strategies that loses the reach fails here.
-The chunk runs in a fresh interpreter: what hypothesis generates for a seed
-also depends on the examples run before it in the same process. Without the
-mutant the same machine finds nothing (tests/test_differential_machine.py and
-the fuzz runs recorded in spec/mutation.md).
+count. ``nanoverify fuzz --machine differential --minutes 10 --seed 19
+--no-shrink`` found it after about six minutes (spec/mutation.md); this test
+replays the program that run found, from the ``@reproduce_failure`` blob it
+printed, so that a change to the strategies (the blob no longer decodes to
+that program) or a fix that no longer tells the mutant apart fails here and
+the reach is measured again. The same program runs to its end on the
+unmutated code. Each replay runs in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FINDING_CHUNK_SEED = 13  # chunk 12 of `fuzz --seed 1` (chunk c runs with seed 1 + c)
+# Printed by the run above (hypothesis 6.170.17, the version the lock pins).
+HYPOTHESIS = "6.170.17"
+BLOB = ("AXicRU9JDgMxCDMhaebQai49VHPoX/z/TxWbkaogQsALAQ+Cg8kPIliRjiqGo4tu9jMAUVCcFPXkVbkGk0++aswJ5YSvLbjAX2G2mOACD+E"
+        "Mq9nJd2mUil1L55IBgiusI8ywnrlTnQkXLaLutlHwYb8GD1sHbtzNSZ/oBQN//uxl67HqO/qv4Nt5tMgP1Ssc0A==")
 
-REPLAY = f"""
-from optimized.cli.fuzz import run_chunk
+MUTANT = """
 from optimized.core.walk_memo import WalkMemo
-from optimized.verify.machines import Stats
-from optimized.verify.machines.differential_machine import DifferentialMachine
 
 
 def freed_keeps_held(self, block_ids):
@@ -42,15 +42,38 @@ def freed_keeps_held(self, block_ids):
 
 
 WalkMemo.freed = freed_keeps_held
-error = run_chunk(DifferentialMachine, Stats(), {FINDING_CHUNK_SEED}, shrink=False)
-print("FOUND" if error is not None else "MISSED", str(error)[:300])
+"""
+
+REPLAY = f"""
+import hypothesis
+
+from optimized.cli.fuzz import call, machine_test
+from optimized.verify.machines import FUZZ_SETTINGS, Stats
+from optimized.verify.machines.differential_machine import DifferentialMachine
+
+test = machine_test(DifferentialMachine, Stats(), hypothesis.settings(**FUZZ_SETTINGS))
+error = call(hypothesis.reproduce_failure({HYPOTHESIS!r}, {BLOB.encode()!r})(test))
+print("RESULT:", type(error).__name__, str(error)[:300])  # NoneType when the program passed
 """
 
 
-@pytest.mark.clause("MUT-7")
-def test_a_fuzz_chunk_finds_the_walk_memo_mutant() -> None:
-    """MUT-7: the machine itself, under the fuzz profile, reports the mutant as an OPT-1 disagreement."""
-    done = subprocess.run([sys.executable, "-c", REPLAY], cwd=ROOT, capture_output=True, text=True, timeout=300,
+def _replay(with_mutant: bool) -> str:
+    script = (MUTANT if with_mutant else "") + REPLAY
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("FOUND") and "OPT-1" in done.stdout, done.stdout
+    return done.stdout.rpartition("RESULT: ")[2]  # hypothesis prints the program before it
+
+
+@pytest.mark.clause("MUT-7")
+def test_the_fuzzers_program_finds_the_walk_memo_mutant() -> None:
+    """MUT-7: the machine, replaying its own finding, reports the mutant as an OPT-1 disagreement."""
+    out = _replay(with_mutant=True)
+    assert out.startswith("Disagreement OPT-1"), out
+
+
+@pytest.mark.clause("MUT-7")
+def test_the_same_program_passes_without_the_mutant() -> None:
+    """MUT-7: on the unmutated code the program runs past the point where the mutant failed (no finding)."""
+    out = _replay(with_mutant=False)
+    assert out.startswith("DidNotReproduce"), out  # hypothesis: the program ran on past its failure
