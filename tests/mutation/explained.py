@@ -83,6 +83,8 @@ EXPLAINED: tuple[Explained, ...] = (
               "answer), where the edit only turns off hold's fast path, whose other path does the same"),
     Explained("optimized/core/scheduler.py", "prefix_hit_tokens: int = 0", "0", "1",
               "equivalent: both schedule paths pass prefix_hit_tokens; the core never uses the default"),
+    Explained("optimized/core/walk_memo.py", "index = self.blocks.get(block_id, -1)", "1", "2",
+              "equivalent: any negative default fails the 0 <= index test that follows"),
     Explained("optimized/core/walk_memo.py", "if index < self.cached:", "index < self.cached",
               "(index <= self.cached)",
               "equivalent: cutting at index == cached keeps every hit, and used already equals sum(held)"),
