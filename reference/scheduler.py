@@ -2,12 +2,13 @@
 
 Read it beside spec/scheduler.md: each block names the lesson's section (§) and
 the lines of its scheduler.py it mirrors, and spec/scheduler.md has a section of
-the same name stating that block's rules as clauses. Invariants the code keeps (spec/invariants.md states them as
-clauses): every sequence is in exactly one of ``waiting`` and ``running`` until
-it finishes; ``running`` followed by ``waiting`` is in arrival order; a batch is
-all-prefill or all-decode; only the first sequence of a prefill batch may be
-left unfinished. ``assert scheduled_seqs`` is kept exactly as the lesson has it:
-it can fire (spec EDGE-2), and that is part of what this oracle reproduces.
+the same name stating that block's rules as clauses. Invariants the code keeps
+(spec/invariants.md states them as clauses): every sequence is in exactly one
+of ``waiting`` and ``running`` until it finishes; ``running`` followed by
+``waiting`` is in arrival order; a batch is all-prefill or all-decode; only the
+first sequence of a prefill batch may be left unfinished. ``assert
+scheduled_seqs`` is kept exactly as the lesson has it: it can fire (spec
+EDGE-2), and that is part of what this oracle reproduces.
 """
 
 from __future__ import annotations

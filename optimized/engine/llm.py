@@ -300,13 +300,12 @@ class LLM:
         FAULT-1: if the model raises, the exception propagates; the failed batch's requests finish with
         finish_reason "error" and the next step() returns their outputs.
         """
-        with self._lock:
-            self._require_trusted_locked()  # ENG-24, even when there is nothing to step
-            with _Bookkeeping(self, "a step"):
-                finished = self._engine_step() if self.engine.has_unfinished() else []
-                # Taken only now: if the step raised, what was pending is still pending.
-                outputs, self._undelivered = self._undelivered, []
-                return outputs + self._deliver(finished)
+        # The bookkeeping refuses an untrusted LLM (ENG-24), even when there is nothing to step.
+        with self._lock, _Bookkeeping(self, "a step"):
+            finished = self._engine_step() if self.engine.has_unfinished() else []
+            # Taken only now: if the step raised, what was pending is still pending.
+            outputs, self._undelivered = self._undelivered, []
+            return outputs + self._deliver(finished)
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """ABORT-8: abort a live request; its output (finish_reason "abort"), never returned by step() then.
