@@ -195,3 +195,26 @@ def test_a_walk_stops_at_a_hash_hit_whose_tokens_differ() -> None:
     assert bm.hash_to_block_id and scheduler.is_finished()
     bm._contents[1] = bytes(16)  # block 1 keeps its hash, with other tokens
     assert bm.can_allocate(_sequence([1, 2, 3, 4, 5], 1, block_size=2)) == 1
+
+
+@pytest.mark.clause("MUT-8", "OPT-14")
+def test_a_cut_walk_forgets_the_held_hits_past_the_cut() -> None:
+    """MUT-8 (core/walk_memo.py 70, ``del self.held[index:]`` deleted): after a cut, only hits before it count.
+
+    The waiting head's walk hits a free block and then a held one; a take unmaps the free one (the walk is
+    cut to no hits), and the head must then be admitted as the reference admits it, with no hit counted as
+    held; a memo that still counts the held hit past the cut misjudges the admission. Found by a random
+    search over small workloads with the mutant applied.
+    """
+    from tests.optimized_pair import Pair
+
+    p = Pair(block_size=2, num_blocks=6, max_num_seqs=2, max_num_batched_tokens=16)
+    arrivals = [([1, 3, 1, 1, 2], 5, 0), ([1, 3, 1, 1, 2, 1], 5, 1), ([1, 3, 1], 4, 1), ([3], 2, 5)]
+    steps = 0
+    while arrivals or p.step():
+        while arrivals and arrivals[0][2] <= steps:
+            prompt, max_tokens, _ = arrivals.pop(0)
+            p.add(prompt, max_tokens)
+        steps += 1
+        p.agree()
+    assert steps > 5

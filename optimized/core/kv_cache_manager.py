@@ -348,7 +348,6 @@ class KVCacheManager:
         table = self._table
         chain, pieces = seq.core.hashes, seq.core.pieces
         hits: list[int] = []
-        missed = -1
         if last and chain[0] in table:
             self.extend_chain(seq, last)
             # Every lookup at C speed; the walk ends at the first missing hash or the first other tokens.
@@ -361,11 +360,10 @@ class KVCacheManager:
             else:
                 j = next(j for j in range(m) if stored[j] != pieces[j])
                 hits = hit_ids[:j]
-                missed = hit_ids[j]
         m = len(hits)
         looked = chain[: m + 1] if m < last else chain[:m]
         held = self.pool.held(hits) if m else []
-        memo = self._memo = WalkMemo(seq, hits, held, looked, missed)
+        memo = self._memo = WalkMemo(seq, hits, held, looked)
         return memo
 
     def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:

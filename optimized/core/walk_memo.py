@@ -17,22 +17,24 @@ class WalkMemo:
     The walk looked up the chain hashes ``hashes`` (hash -> first index; the
     hits and the one that missed) and compared the contents of ``blocks``
     (block -> index); the first ``cached`` of ``hits`` are the blocks it hit,
-    ``held[i]`` says whether hit i is used.
+    ``held[i]`` says whether hit i is used. A hash hit whose block holds other
+    tokens (an xxh64 collision) ends the walk like a missing hash; that block
+    is not watched: its contents change only after it is taken fresh, which
+    unmaps its hash, a hash the memo watches.
     Taking hit i (its table entry goes) cuts the walk to i hits; releasing a
     used hit makes it free; anything else that touches a hash or block named
     here drops the memo.
     """
 
-    __slots__ = ("_blocks", "_hashes", "cached", "held", "hits", "looked", "missed", "seq", "used")
+    __slots__ = ("_blocks", "_hashes", "cached", "held", "hits", "looked", "seq", "used")
 
-    def __init__(self, seq: Sequence, hits: list[int], held: list[bool], looked: list[int], missed: int) -> None:
+    def __init__(self, seq: Sequence, hits: list[int], held: list[bool], looked: list[int]) -> None:
         self.seq = seq
         self.hits = hits
         self.held = held
         self.cached = len(hits)
         self.used = sum(held)
         self.looked = looked
-        self.missed = missed
         # Built on first use: most walks are followed at once by allocate, which drops the memo.
         self._hashes: dict[int, int] | None = None
         self._blocks: dict[int, int] | None = None
@@ -49,10 +51,7 @@ class WalkMemo:
     def blocks(self) -> dict[int, int]:
         if self._blocks is None:
             hits = self.hits
-            blocks = dict(zip(reversed(hits), range(len(hits) - 1, -1, -1), strict=True))
-            if self.missed != -1:
-                blocks.setdefault(self.missed, len(hits))
-            self._blocks = blocks
+            self._blocks = dict(zip(reversed(hits), range(len(hits) - 1, -1, -1), strict=True))
         return self._blocks
 
     def reads(self, h: int, block_id: int) -> bool:
