@@ -62,11 +62,6 @@ class FreeBlockQueue:
         self.settle()
         return self._slot
 
-    @property
-    def end(self) -> int:
-        """The absolute position the next appended entry will get."""
-        return self._base + len(self._buf)
-
     def take(self, m: int) -> list[int]:
         """The m ids at the front, removed from the queue (m <= count)."""
         assert 0 <= m <= self.count, f"take {m} from a free queue of {self.count}"

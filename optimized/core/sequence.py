@@ -132,7 +132,6 @@ class Sequence:
         "core",
         "ignore_eos",
         "num_prompt_tokens",
-        "sampling_params",
         "seq_id",
         "temperature",
     )
@@ -141,7 +140,6 @@ class Sequence:
         strict_int(block_size, "block_size", 2)
         tokens = token_array(token_ids)
         self.seq_id = next(_seq_ids)
-        self.sampling_params = sampling_params
         self.block_size = block_size
         self.temperature: float = sampling_params.temperature
         self.ignore_eos: bool = sampling_params.ignore_eos

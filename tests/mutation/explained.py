@@ -61,9 +61,6 @@ EXPLAINED: tuple[Explained, ...] = (
               "equivalent: postprocess's fast path also needs group.inflight, which only the decode that "
               "set _last_batch turns on, and postprocess or dissolve turn off",
               previous="finished = self._postprocess_each(seqs, token_ids, is_prefill)"),
-    Explained("optimized/core/free_queue.py", "return self._base + len(self._buf)", "self._base + len(self._buf)",
-              "(self._base - len(self._buf))",
-              "dead code: nothing reads FreeBlockQueue.end (settle and contains compute the end themselves)"),
     Explained("optimized/core/free_queue.py", "self.stale -= 1", "self.stale -= 1", "self.stale += 1",
               "equivalent: stale > 0 only sends take() down its checking path, which returns the same ids"),
     Explained("optimized/core/free_queue.py", "if k > 1024 and 2 * k > len(buf):", "k > 1024 and 2 * k > len(buf)",
@@ -107,9 +104,6 @@ EXPLAINED: tuple[Explained, ...] = (
     Explained("optimized/core/scheduler.py", "break", "break", "continue",
               "equivalent: after a preemption in _decode_with_preemption t <= j, so the next due member "
               "(later in member order) meets j >= t and the loop ends anyway", previous="continue"),
-    Explained("optimized/core/sequence.py", "self.sampling_params = sampling_params",
-              "self.sampling_params = sampling_params", "pass",
-              "dead code: Sequence.sampling_params is read nowhere (the fields are copied out in __init__)"),
     Explained("optimized/core/sequence.py", "self.region_capacity = 0", "self.region_capacity = 0", "pass",
               "equivalent: TokenArena.place sets it when the scheduler adds the sequence, before any read"),
     Explained("optimized/core/sequence.py", "self.region_capacity = 0", "0", "1",
