@@ -13,6 +13,10 @@ dtypes, shapes) must hold every tensor the config requires, each of a floating d
 and the model the config describes (weights plus the rotary table) must fit in the device's memory. Each weight
 is checked finite in the engine's dtype as it lands (CKPT-6). Any file the safetensors library still cannot read
 is a ValueError naming it (CKPT-5).
+
+A tensor-parallel rank (spec/parallel.md, TP-2) reads only its own piece of each split tensor from the file
+(``safe_open(...).get_slice``), so no rank ever holds the whole model; the checks above stay on the whole
+checkpoint's headers.
 """
 
 from __future__ import annotations
@@ -22,13 +26,15 @@ import os
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from optimized.models.checkpoint_files import FLOAT_DTYPES, TensorInfo, read_safetensors_header, regular_file
 from optimized.models.config import ModelConfig, load_config
-from optimized.models.decoder import CausalLM
+from optimized.models.decoder import CausalLM, TensorParallel
+from optimized.parallel.sharding import source_slice
 
 # Checkpoint name suffix -> (packed parameter suffix, shard index) within a layer.
 _PACKED = {
@@ -105,7 +111,7 @@ def _checkpoint_name(pname: str, packed_module: str | None = None) -> str:
 
 def _expected_pieces(model: CausalLM) -> dict[Piece, str]:
     """Every piece the checkpoint must fill, with the checkpoint tensor that fills it (named in refusals)."""
-    c = model.config
+    c = model.local_config
     pieces: dict[Piece, str] = {}
     for pname, _ in model.named_parameters():  # tied lm_head is listed once, as embed_tokens
         kind_free = pname.rpartition(".")[0]
@@ -230,19 +236,31 @@ def _all_finite(t: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(flat[a : a + _FINITE_CHUNK]).all()) for a in range(0, flat.numel(), _FINITE_CHUNK))
 
 
+def _read(f: Any, name: str, model: CausalLM) -> torch.Tensor:
+    """Checkpoint tensor ``name``, or only this rank's piece of it under tensor parallelism (TP-2)."""
+    if model.tp is None:
+        return f.get_tensor(name)  # type: ignore[no-any-return]
+    part = source_slice(model.tp.shard, model.config, name)
+    if part is None:
+        return f.get_tensor(name)  # type: ignore[no-any-return]
+    dim, a, b = part
+    piece = f.get_slice(name)
+    return piece[a:b] if dim == 0 else piece[:, a:b]  # type: ignore[no-any-return]
+
+
 def _load_file(model: CausalLM, path: Path, expected: dict[Piece, str], loaded: set[Piece]) -> None:
     """Each tensor of ``path`` into its parameter piece, checked finite in the model's dtype there (CKPT-6)."""
     params = dict(model.named_parameters())
     with safe_open(str(path), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-            target = _target(model.config, name)
+            target = _target(model.local_config, name)
             if target is None:
                 continue
             if target not in expected:
                 raise ValueError(f"checkpoint tensor {name!r} is not part of a {model.config.family} model")
             if target in loaded:
                 raise ValueError(f"checkpoint tensor {name!r} appears twice")
-            dest = _copy(params[target[0]].data, f.get_tensor(name), target[1], name)
+            dest = _copy(params[target[0]].data, _read(f, name, model), target[1], name)
             if not _all_finite(dest):
                 raise ValueError(f"checkpoint tensor {name!r} in {path} holds non-finite values (NaN or Inf) "
                                  f"as {dest.dtype}")
@@ -265,15 +283,18 @@ def load_weights(model: CausalLM, model_dir: Path, files: list[Path] | None = No
         raise ValueError(f"checkpoint {model_dir} lacks tensors for: {', '.join(missing[:8])}")
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Config, then weights, then the model in ``dtype`` on ``device``, in inference mode."""
+def load_model(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
+) -> CausalLM:
+    """Config, then weights, then the model (this rank's piece under ``tp``) in ``dtype`` on ``device``, in
+    inference mode."""
     config = load_config(model_dir)
     check_fits(config, dtype, device)
     files = _safetensors_files(model_dir)
     check_headers(config, model_dir, files)
     # Built on the meta device and materialised uninitialised: the loader fills every parameter.
     with torch.device("meta"):
-        model = CausalLM(config).to(dtype)
+        model = CausalLM(config, tp).to(dtype)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
