@@ -80,19 +80,20 @@ class RowParallelLinear(nn.Linear):
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """An embedding of this rank's vocabulary slice ``[start, start + rows)``: ids outside it give zeros, and the
-    all-reduce gives every rank every id's row (exactly: the other ranks add zeros)."""
+    """An embedding of this rank's vocabulary slice ``[start, end)`` (its first ``end - start`` rows; the rest is
+    padding): ids outside it give zeros, and the all-reduce gives every rank every id's row (exactly: the other
+    ranks add zeros)."""
 
-    def __init__(self, rows: int, hidden: int, start: int, tp: TensorParallel | None) -> None:
+    def __init__(self, rows: int, hidden: int, held: tuple[int, int], tp: TensorParallel | None) -> None:
         super().__init__(rows, hidden)
-        self.start = start
+        self.start, self.end = held
         self.tp = tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return super().forward(ids)
         local = ids - self.start
-        outside = (local < 0) | (local >= self.num_embeddings)
+        outside = (local < 0) | (local >= self.end - self.start)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
 
@@ -232,8 +233,8 @@ class CausalLM(nn.Module):
         self.tp = tp
         local = c if tp is None else tp.shard.local_config(c)
         self.local_config = local
-        start = 0 if tp is None else tp.shard.vocab_range(c)[0]
-        self.embed_tokens = VocabParallelEmbedding(local.vocab_size, c.hidden_size, start, tp)
+        held = (0, c.vocab_size) if tp is None else tp.shard.vocab_range(c)
+        self.embed_tokens = VocabParallelEmbedding(local.vocab_size, c.hidden_size, held, tp)
         self.layers = nn.ModuleList([DecoderLayer(local, tp) for _ in range(c.num_layers)])
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
         self.lm_head = nn.Linear(c.hidden_size, local.vocab_size, bias=False)
@@ -263,4 +264,6 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of rows ``hidden``; under tensor parallelism, whole on rank 0 only (its slice elsewhere)."""
         out: torch.Tensor = self.lm_head(hidden)
-        return out if self.tp is None else self.tp.gather_columns(out)
+        if self.tp is None:
+            return out
+        return self.tp.gather_columns(out)[..., : self.config.vocab_size]  # the padding's columns dropped

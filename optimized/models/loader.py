@@ -248,6 +248,22 @@ def _read(f: Any, name: str, model: CausalLM) -> torch.Tensor:
     return piece[a:b] if dim == 0 else piece[:, a:b]  # type: ignore[no-any-return]
 
 
+def _vocab_rows(model: CausalLM, name: str) -> tuple[int, int] | None:
+    """The rows a rank's padded vocabulary piece fills from ``name`` (None: all of them, or not a vocabulary)."""
+    if model.tp is None or name not in ("model.embed_tokens.weight", "lm_head.weight"):
+        return None
+    start, end = model.tp.shard.vocab_range(model.config)
+    return (0, end - start)
+
+
+def _zero_padding(model: CausalLM) -> None:
+    """A padded vocabulary piece's rows past the checkpoint's: zeros, never the allocation's garbage."""
+    rows = _vocab_rows(model, "lm_head.weight")
+    if rows is not None:
+        model.embed_tokens.weight[rows[1] :].zero_()
+        model.lm_head.weight[rows[1] :].zero_()
+
+
 def _load_file(model: CausalLM, path: Path, expected: dict[Piece, str], loaded: set[Piece]) -> None:
     """Each tensor of ``path`` into its parameter piece, checked finite in the model's dtype there (CKPT-6)."""
     params = dict(model.named_parameters())
@@ -260,7 +276,7 @@ def _load_file(model: CausalLM, path: Path, expected: dict[Piece, str], loaded: 
                 raise ValueError(f"checkpoint tensor {name!r} is not part of a {model.config.family} model")
             if target in loaded:
                 raise ValueError(f"checkpoint tensor {name!r} appears twice")
-            dest = _copy(params[target[0]].data, _read(f, name, model), target[1], name)
+            dest = _copy(params[target[0]].data, _read(f, name, model), target[1] or _vocab_rows(model, name), name)
             if not _all_finite(dest):
                 raise ValueError(f"checkpoint tensor {name!r} in {path} holds non-finite values (NaN or Inf) "
                                  f"as {dest.dtype}")
@@ -281,6 +297,7 @@ def load_weights(model: CausalLM, model_dir: Path, files: list[Path] | None = No
     missing = sorted(name for piece, name in expected.items() if piece not in loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors for: {', '.join(missing[:8])}")
+    _zero_padding(model)
 
 
 def load_model(

@@ -5,7 +5,9 @@ disjoint equal pieces (one per rank) or held whole by every rank, and the split 
 config and the rank, so every rank computes the same plan without talking (TP-2). Column-parallel (rows of the
 checkpoint matrix split): q, k, v, gate, up (weights and biases), the embedding and the LM head (by vocabulary).
 Row-parallel (columns split, partial sums all-reduced, the bias added once after): o_proj and down_proj. Norms are
-whole on every rank. KV heads are split like query heads; when ``size`` exceeds their count, each rank holds one
+whole on every rank. The vocabulary is cut into ``ceil(vocab_size / size)`` rows per rank, the last rank's
+piece padded with zero rows whose logits are dropped when gathered, so any vocabulary size splits (as vLLM pads
+it). KV heads are split like query heads; when ``size`` exceeds their count, each rank holds one
 KV head, the one its query heads read (replicated over ``size // num_kv_heads`` ranks, as vLLM does), which needs
 ``size`` to be a multiple of the KV head count (TP-3).
 """
@@ -22,7 +24,6 @@ def check_divisible(c: ModelConfig, size: int) -> None:
     fields = (
         ("num_attention_heads", c.num_heads),
         ("intermediate_size", c.intermediate_size),
-        ("vocab_size", c.vocab_size),
     )
     for name, value in fields:
         if value % size:
@@ -49,12 +50,13 @@ class Shard:
             num_heads=c.num_heads // self.size,
             num_kv_heads=max(1, c.num_kv_heads // self.size),
             intermediate_size=c.intermediate_size // self.size,
-            vocab_size=c.vocab_size // self.size,
+            vocab_size=-(-c.vocab_size // self.size),  # padded: every rank's piece has the same rows
         )
 
     def vocab_range(self, c: ModelConfig) -> tuple[int, int]:
-        part = c.vocab_size // self.size
-        return self.rank * part, (self.rank + 1) * part
+        """The token ids whose rows this rank holds (fewer than its piece's rows on a padded last rank)."""
+        part = -(-c.vocab_size // self.size)
+        return min(self.rank * part, c.vocab_size), min((self.rank + 1) * part, c.vocab_size)
 
     def q_rows(self, c: ModelConfig) -> tuple[int, int]:
         part = c.num_heads // self.size * c.head_dim
