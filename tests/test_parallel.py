@@ -64,7 +64,8 @@ def test_tp2_greedy_equals_transformers_and_tp1(tp2: tuple[str, LLM]) -> None:
     c = load_config(folder)
     # Rank 0 holds half the heads, half the KV heads (its cache too) and half the MLP.
     assert runner.kv_cache.shape[-2] == c.num_kv_heads // 2
-    assert runner.model.layers[0].mlp.gate_up_proj.weight.shape[0] == c.intermediate_size  # 2 halves of i/2
+    assert runner.model.local_config.intermediate_size == c.intermediate_size // 2
+    assert runner.model.local_config.num_heads == c.num_heads // 2
     assert runner.num_blocks == SETTINGS["num_kvcache_blocks"]
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
 
 from optimized import LLM, SamplingParams
 from optimized.parallel import launch
@@ -94,14 +94,14 @@ def _spec(family: str, **changes: Any) -> launch.RunnerSpec:
 
 def _check_pair(spec0: launch.RunnerSpec, spec1: launch.RunnerSpec) -> list[BaseException | None]:
     """check_same run by two ranks (threads of this process) over a real gloo group; each rank's exception."""
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    store = TCPStore("127.0.0.1", 0, 2, True, COLLECTIVE_TIMEOUT, wait_for_workers=False)
     errors: list[BaseException | None] = [None, None]
 
     def rank(r: int, spec: launch.RunnerSpec) -> None:
-        client = store if r == 0 else dist.TCPStore("127.0.0.1", store.port, 2, False, COLLECTIVE_TIMEOUT)
+        client = store if r == 0 else TCPStore("127.0.0.1", store.port, 2, False, COLLECTIVE_TIMEOUT)
         try:
             launch.check_same(Group(client, r, 2, torch.device("cpu")), spec)
-        except BaseException as e:  # noqa: BLE001 (handed to the test)
+        except BaseException as e:  # handed to the test
             errors[r] = e
 
     threads = [threading.Thread(target=rank, args=(r, s)) for r, s in enumerate((spec0, spec1))]

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
 
 from optimized.parallel.sharding import Shard
 
@@ -60,8 +61,8 @@ class Group:
         self.device = device
         self.workers = list(workers)  # rank i + 1 is workers[i]
         self.failure: str | None = None
-        self.compute = _process_group(dist.PrefixStore("compute/", store), rank, size, device, COLLECTIVE_TIMEOUT)
-        self.control = _process_group(dist.PrefixStore("control/", store), rank, size, device, IDLE_TIMEOUT)
+        self.compute = _process_group(PrefixStore("compute/", store), rank, size, device, COLLECTIVE_TIMEOUT)
+        self.control = _process_group(PrefixStore("control/", store), rank, size, device, IDLE_TIMEOUT)
 
     @property
     def rank(self) -> int:
@@ -82,7 +83,7 @@ class Group:
 
     def all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM if op is None else op
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM if op is None else op)
         self._wait(self.compute.allreduce([t], opts))
         return t
 

@@ -12,6 +12,7 @@ every worker alike, so their collectives pair up. A worker exits when rank 0 say
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -24,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
+from torch.distributed.rendezvous import rendezvous
 
 from optimized.engine.model_runner import ModelRunner
 from optimized.models.config import ModelConfig
@@ -162,10 +164,8 @@ def close(runner: ModelRunner) -> None:
     group = runner.tp
     if group is None or group.failure is not None:
         return
-    try:
+    with contextlib.suppress(TensorParallelError):  # a worker already gone: the join below finds it
         send_stop(group)
-    except TensorParallelError:
-        pass
     group.failure = "the LLM was closed"
     group.join_workers(timeout=10)
 
@@ -176,7 +176,7 @@ def close(runner: ModelRunner) -> None:
 def _spawn(spec: RunnerSpec) -> Group:
     import multiprocessing
 
-    store = dist.TCPStore("127.0.0.1", 0, spec.size, True, COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    store = TCPStore("127.0.0.1", 0, spec.size, True, COLLECTIVE_TIMEOUT, wait_for_workers=False)
     ctx = multiprocessing.get_context("spawn")
     procs: list[BaseProcess] = [
         ctx.Process(target=spawned_worker, args=(spec, rank, store.port, os.getpid()), daemon=True,
@@ -231,7 +231,7 @@ def spawned_worker(spec: RunnerSpec, rank: int, port: int, parent: int) -> None:
     """The entry of a spawned worker process: join rank 0's store, serve, exit."""
     _watch_parent(parent)
     torch.set_num_threads(spec.threads)
-    store = dist.TCPStore("127.0.0.1", port, spec.size, False, COLLECTIVE_TIMEOUT)
+    store = TCPStore("127.0.0.1", port, spec.size, False, COLLECTIVE_TIMEOUT)
     try:
         store.set(f"{_JOINED}{rank}", "1")
         group = Group(store, rank, spec.size, _device(spec, rank))
@@ -242,10 +242,8 @@ def spawned_worker(spec: RunnerSpec, rank: int, port: int, parent: int) -> None:
 
 
 def _report(store: Any, rank: int, error: BaseException) -> None:
-    try:
+    with contextlib.suppress(RuntimeError):  # rank 0 is gone: nobody to tell
         store.set(f"{ERROR_KEY}{rank}", f"{type(error).__name__}: {error}")
-    except RuntimeError:
-        pass  # rank 0 is gone: nobody to tell
 
 
 def serve(group: Group, spec: RunnerSpec) -> int:
@@ -270,5 +268,5 @@ def _join_torchrun(spec: RunnerSpec, rank: int) -> Group:
     if rank != 0:
         _watch_parent(os.getppid())
         torch.set_num_threads(spec.threads)
-    store, rank, size = next(dist.rendezvous("env://", timeout=COLLECTIVE_TIMEOUT))
+    store, rank, size = next(rendezvous("env://", timeout=COLLECTIVE_TIMEOUT))
     return Group(store, rank, size, _device(spec, rank))
