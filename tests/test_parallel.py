@@ -107,3 +107,21 @@ def test_one_kv_head_is_replicated_and_odd_vocabulary_padded(tmp_path: Path) -> 
         assert group is not None
     assert got == hf_greedy(folder, PROMPTS, MAX_TOKENS)
     assert [w.exitcode for w in group.workers] == [0]
+
+
+@pytest.mark.clause("TP-10")
+def test_bench_prints_tp1_and_tp2_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    """TP-10: ``bench throughput --tensor-parallel-size 2`` runs the engine at TP=1 and TP=2 on one workload and
+    prints both, rank 0's communication per step and how many requests got the same tokens."""
+    import argparse
+
+    from optimized.benchmarks import throughput
+
+    args = argparse.Namespace(model=str(checkpoint("qwen3")), num_requests=3, max_input_len=8, max_output_len=4,
+                              dtype="float64", device="cpu", tensor_parallel_size=2, threads=1, seed=0,
+                              hf_batch_size=None)
+    assert throughput.main(args) == 0
+    out = capsys.readouterr().out
+    assert "nanoverify engine TP=1:" in out and "nanoverify engine TP=2:" in out
+    assert "all-reduces of" in out and "logits gathered" in out
+    assert "requests with identical tokens on both sides: 3/3" in out

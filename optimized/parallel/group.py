@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -34,6 +35,21 @@ ERROR_KEY = "nanoverify/error/"  # + rank: a worker's exception text
 
 class TensorParallelError(RuntimeError):
     """A rank failed (died, raised or timed out); the message names it when known."""
+
+
+@dataclass
+class CommStats:
+    """What this rank's collectives moved and how long it waited in them (wall seconds, skew included)."""
+
+    all_reduces: int = 0
+    all_reduce_bytes: int = 0
+    all_reduce_seconds: float = 0.0
+    gathers: int = 0
+    gather_bytes: int = 0
+    gather_seconds: float = 0.0
+    broadcasts: int = 0
+    broadcast_bytes: int = 0
+    broadcast_seconds: float = 0.0
 
 
 def _process_group(store: Any, rank: int, size: int, device: torch.device, timeout: timedelta) -> Any:
@@ -61,6 +77,7 @@ class Group:
         self.device = device
         self.workers = list(workers)  # rank i + 1 is workers[i]
         self.failure: str | None = None
+        self.stats = CommStats()
         self.compute = _process_group(PrefixStore("compute/", store), rank, size, device, COLLECTIVE_TIMEOUT)
         self.control = _process_group(PrefixStore("control/", store), rank, size, device, IDLE_TIMEOUT)
 
@@ -74,35 +91,48 @@ class Group:
 
     # Collectives -----------------------------------------------------------------------------------------------
 
-    def _wait(self, work: Any) -> None:
+    def _wait(self, issue: Callable[[], Any]) -> float:
+        """Issue a collective and wait for it; the seconds it took (a failure raises TensorParallelError)."""
         self.check_alive()
+        start = time.perf_counter()
         try:
-            work.wait()
+            issue().wait()
         except RuntimeError as e:
             raise self.fail(e) from None
+        return time.perf_counter() - start
 
     def all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM if op is None else op)
-        self._wait(self.compute.allreduce([t], opts))
+        seconds = self._wait(lambda: self.compute.allreduce([t], opts))
+        self.stats.all_reduces += 1
+        self.stats.all_reduce_bytes += t.numel() * t.element_size()
+        self.stats.all_reduce_seconds += seconds
         return t
 
     def gather_columns(self, t: torch.Tensor) -> torch.Tensor:
         opts = dist.GatherOptions()
         opts.rootRank = 0
         t = t.contiguous()
+        self.stats.gathers += 1
+        self.stats.gather_bytes += t.numel() * t.element_size()
         if self.rank != 0:
-            self._wait(self.compute.gather([], [t], opts))
+            self.stats.gather_seconds += self._wait(lambda: self.compute.gather([], [t], opts))
             return t
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        self._wait(self.compute.gather([parts], [t], opts))
+        self.stats.gather_seconds += self._wait(lambda: self.compute.gather([parts], [t], opts))
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, t: torch.Tensor, idle: bool = False) -> torch.Tensor:
         """``t`` of rank 0 on every rank; ``idle``: over the control group (a worker waiting for a step)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self._wait((self.control if idle else self.compute).broadcast([t], opts))
+        group = self.control if idle else self.compute
+        seconds = self._wait(lambda: group.broadcast([t], opts))
+        if not idle or self.rank == 0:  # a worker's wait for the next step is idle time, not communication
+            self.stats.broadcasts += 1
+            self.stats.broadcast_bytes += t.numel() * t.element_size()
+            self.stats.broadcast_seconds += seconds
         return t
 
     def agree_min(self, value: int) -> int:
@@ -114,7 +144,7 @@ class Group:
         """Every rank's ``data`` (each the same length), in rank order."""
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        self._wait(self.compute.allgather([parts], [t]))
+        self._wait(lambda: self.compute.allgather([parts], [t]))
         return [bytes(p.cpu().tolist()) for p in parts]
 
     # Faults ----------------------------------------------------------------------------------------------------
