@@ -163,12 +163,13 @@ def _tp_line(llm: LLM, timing: Timing, w: Workload, size: int, threads: int, ste
     c = runner.tp.stats
     steps = max(1, steps)
     per = c.all_reduce_seconds / max(1, c.all_reduces) * 1e6
+    gathered = c.gather_bytes / max(1, c.gathers) / 1024
     return (
         f"nanoverify engine TP={size}:     {w.output_tokens / timing.wall:10.1f} output tok/s ({timing.wall:.2f} s, "
         f"{timing.cpu:.2f} rank-0 CPU s, {threads} thread(s) per rank); per step on rank 0: "
         f"{c.all_reduces / steps:.1f} all-reduces of {c.all_reduce_bytes / max(1, c.all_reduces) / 1024:.1f} KiB "
         f"on average, {per:.0f} us each as rank 0 waits (skew included; "
-        f"{c.all_reduce_seconds / timing.wall:.0%} of the wall time), logits gathered {c.gather_bytes / max(1, c.gathers) / 1024:.1f} KiB per step"
+        f"{c.all_reduce_seconds / timing.wall:.0%} of the wall time), logits gathered {gathered:.1f} KiB per step"
     )
 
 
