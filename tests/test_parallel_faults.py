@@ -87,6 +87,17 @@ def test_torchrun_world_of_another_size_refused(no_spawn: None, monkeypatch: pyt
         LLM(str(checkpoint("qwen3")), tensor_parallel_size=2, **SMALL)
 
 
+@pytest.mark.clause("TP-6")
+def test_size_one_under_torchrun_joins_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP-6: tensor_parallel_size=1 under torchrun is a single-process engine in each process: no group is joined."""
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(launch, "_join_torchrun", _refuse_join)
+    llm = LLM(str(checkpoint("qwen3")), **SMALL)
+    assert llm.engine.runner.tp is None
+    assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].token_ids) == 6
+
+
 def _spec(family: str, **changes: Any) -> launch.RunnerSpec:
     base = launch.RunnerSpec(str(checkpoint(family)), "float64", "cpu", "torch", 4, 32, 0.9, 0.5, 64, 8, True, 2, 1)
     return launch.RunnerSpec(**{**base.__dict__, **changes})

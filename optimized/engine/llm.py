@@ -228,7 +228,7 @@ class LLM:
         self.enforce_eager = enforce_eager
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
-        if tp_size > 1 or launch.torchrun_rank() is not None:
+        if tp_size > 1:
             dtype_name = next(k for k, v in DTYPES.items() if v == torch_dtype)
             spec = launch.RunnerSpec(
                 str(model_dir), dtype_name, dev.type, backend.name, block_size, num_kvcache_blocks,
