@@ -16,6 +16,7 @@ import torch
 
 from optimized import LLM, SamplingParams
 from optimized.models.config import load_config
+from optimized.parallel.group import TensorParallelError
 from optimized.parallel.sharding import Shard
 from tests.engine_fixtures import FAMILIES, checkpoint, hf_greedy
 from tests.test_engine_exact import MAX_TOKENS, PROMPTS
@@ -89,10 +90,11 @@ def _one_kv_head_checkpoint(folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.clause("TP-2", "TP-3")
+@pytest.mark.clause("TP-2", "TP-3", "TP-9")
 def test_one_kv_head_is_replicated_and_odd_vocabulary_padded(tmp_path: Path) -> None:
     """TP-2, TP-3: one KV head over two ranks is replicated (each rank holds it, its cache too), and a vocabulary of
-    255 is cut into two pieces of 128 (the last padded): output is still transformers' token for token."""
+    255 is cut into two pieces of 128 (the last padded): output is still transformers' token for token. TP-9:
+    leaving the ``with`` block stops the worker (exit status 0), and the closed LLM refuses to step."""
     folder = _one_kv_head_checkpoint(tmp_path / "kv1")
     c = load_config(folder)
     assert [Shard(r, 2).kv_rows(c) for r in (0, 1)] == [(0, 16), (0, 16)]
@@ -106,7 +108,10 @@ def test_one_kv_head_is_replicated_and_odd_vocabulary_padded(tmp_path: Path) -> 
         group = llm.engine.runner.tp
         assert group is not None
     assert got == hf_greedy(folder, PROMPTS, MAX_TOKENS)
-    assert [w.exitcode for w in group.workers] == [0]
+    assert [w.exitcode for w in group.workers] == [0]  # TP-9: leaving the with block stopped the worker
+    with pytest.raises(TensorParallelError, match="the LLM was closed"):
+        llm.generate(PROMPTS[:1], params[:1], use_tqdm=False)
+    llm.close()  # idempotent
 
 
 @pytest.mark.clause("TP-10")
