@@ -235,3 +235,28 @@ def test_torchrun_two_ranks_generate_what_one_process_does() -> None:
     expected = "".join(f"--- {p!r} -> ({len(o.token_ids)} tokens, {o.finish_reason})\n{o.text}\n"
                        for p, o in zip(prompts, outs, strict=True))
     assert out.stdout == expected  # printed once: rank 1 served and printed nothing
+
+
+@pytest.mark.clause("TP-2")
+def test_memory_check_counts_only_the_ranks_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP-2: a model too large for the device whole, but whose half fits, is admitted on each of two ranks; the
+    refusal, when even the piece does not fit, says it is the rank's piece."""
+    from types import SimpleNamespace
+
+    from optimized.models import loader
+    from optimized.models.config import load_config
+    from optimized.parallel.sharding import Shard
+
+    c = load_config(checkpoint("llama"))
+    cpu = torch.device("cpu")
+    whole = loader._bytes_needed(c, torch.float64)
+    half = loader._bytes_needed(Shard(0, 2).local_config(c), torch.float64)
+    assert half < whole
+    monkeypatch.setattr(loader, "_device_memory", lambda device: half)
+    with pytest.raises(ValueError, match="need"):
+        loader.check_fits(c, torch.float64, cpu)
+    for rank in (0, 1):
+        loader.check_fits(c, torch.float64, cpu, SimpleNamespace(shard=Shard(rank, 2)))  # type: ignore[arg-type]
+    monkeypatch.setattr(loader, "_device_memory", lambda device: half - 1)
+    with pytest.raises(ValueError, match="for rank 1's piece of 2, more than this machine's"):
+        loader.check_fits(c, torch.float64, cpu, SimpleNamespace(shard=Shard(1, 2)))  # type: ignore[arg-type]

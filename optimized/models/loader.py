@@ -169,16 +169,19 @@ def _device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_fits(c: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse, naming the sizes, a config whose model would not fit in the device's memory (CKPT-2)."""
-    needed, available = _bytes_needed(c, dtype), _device_memory(device)
+def check_fits(c: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None) -> None:
+    """Refuse, naming the sizes, a config whose model (under ``tp``: this rank's piece of it, TP-2) would not fit
+    in the device's memory (CKPT-2)."""
+    held = c if tp is None else tp.shard.local_config(c)
+    needed, available = _bytes_needed(held, dtype), _device_memory(device)
     if needed > available:
+        piece = "" if tp is None else f" for rank {tp.shard.rank}'s piece of {tp.shard.size}"
         raise ValueError(
             f"config.json: vocab_size={c.vocab_size}, hidden_size={c.hidden_size}, "
             f"intermediate_size={c.intermediate_size}, num_hidden_layers={c.num_layers}, "
             f"num_attention_heads={c.num_heads}, num_key_value_heads={c.num_kv_heads}, head_dim={c.head_dim}, "
             f"max_position_embeddings={c.max_position_embeddings} need {needed} bytes in {dtype} "
-            f"(weights and rotary table), more than this machine's {available}"
+            f"(weights and rotary table){piece}, more than this machine's {available}"
         )
 
 
@@ -306,7 +309,7 @@ def load_model(
     """Config, then weights, then the model (this rank's piece under ``tp``) in ``dtype`` on ``device``, in
     inference mode."""
     config = load_config(model_dir)
-    check_fits(config, dtype, device)
+    check_fits(config, dtype, device, tp)
     files = _safetensors_files(model_dir)
     check_headers(config, model_dir, files)
     # Built on the meta device and materialised uninitialised: the loader fills every parameter.
