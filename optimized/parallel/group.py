@@ -52,12 +52,22 @@ class CommStats:
     broadcast_seconds: float = 0.0
 
 
-def _process_group(store: Any, rank: int, size: int, device: torch.device, timeout: timedelta) -> Any:
+def _process_group(
+    store: Any, rank: int, size: int, device: torch.device, timeout: timedelta, loopback: bool
+) -> Any:
+    """NCCL on CUDA, else gloo; ``loopback``: every rank on this machine, so gloo talks over 127.0.0.1 (no
+    hostname to resolve)."""
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if not loopback:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    gloo_class: Any = dist.ProcessGroupGloo  # its _Options (devices and timeout) is missing from torch's stubs
+    options = gloo_class._Options()
+    options._devices = [gloo_class.create_device(hostname="127.0.0.1")]
+    options._timeout = timeout
+    return gloo_class(store, rank, size, options)
 
 
 def _exit_text(code: int | None) -> str:
@@ -70,16 +80,23 @@ class Group:
     """Rank ``rank`` of ``size`` over ``store``; rank 0 also holds the worker processes it spawned."""
 
     def __init__(
-        self, store: Any, rank: int, size: int, device: torch.device, workers: Sequence[BaseProcess] = ()
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        device: torch.device,
+        workers: Sequence[BaseProcess] = (),
+        loopback: bool = True,
     ) -> None:
+        """``loopback``: every rank runs on this machine (spawned); torchrun's ranks may not."""
         self.shard = Shard(rank, size)
         self.store = store
         self.device = device
         self.workers = list(workers)  # rank i + 1 is workers[i]
         self.failure: str | None = None
         self.stats = CommStats()
-        self.compute = _process_group(PrefixStore("compute/", store), rank, size, device, COLLECTIVE_TIMEOUT)
-        self.control = _process_group(PrefixStore("control/", store), rank, size, device, IDLE_TIMEOUT)
+        self.compute = _process_group(PrefixStore("compute/", store), rank, size, device, COLLECTIVE_TIMEOUT, loopback)
+        self.control = _process_group(PrefixStore("control/", store), rank, size, device, IDLE_TIMEOUT, loopback)
 
     @property
     def rank(self) -> int:

@@ -269,4 +269,4 @@ def _join_torchrun(spec: RunnerSpec, rank: int) -> Group:
         _watch_parent(os.getppid())
         torch.set_num_threads(spec.threads)
     store, rank, size = next(rendezvous("env://", timeout=COLLECTIVE_TIMEOUT))
-    return Group(store, rank, size, _device(spec, rank))
+    return Group(store, rank, size, _device(spec, rank), loopback=False)
