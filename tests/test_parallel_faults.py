@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch._C._distributed_c10d import TCPStore
@@ -20,6 +21,7 @@ from torch._C._distributed_c10d import TCPStore
 from optimized import LLM, SamplingParams
 from optimized.parallel import launch
 from optimized.parallel.group import COLLECTIVE_TIMEOUT, Group, TensorParallelError
+from optimized.parallel.step import StepMessage, send_step
 from tests.engine_fixtures import checkpoint, with_config
 
 pytestmark = pytest.mark.usefixtures("engine_env")
@@ -256,7 +258,39 @@ def test_memory_check_counts_only_the_ranks_piece(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ValueError, match="need"):
         loader.check_fits(c, torch.float64, cpu)
     for rank in (0, 1):
-        loader.check_fits(c, torch.float64, cpu, SimpleNamespace(shard=Shard(rank, 2)))  # type: ignore[arg-type]
+        loader.check_fits(c, torch.float64, cpu, SimpleNamespace(shard=Shard(rank, 2)))
     monkeypatch.setattr(loader, "_device_memory", lambda device: half - 1)
     with pytest.raises(ValueError, match="for rank 1's piece of 2, more than this machine's"):
-        loader.check_fits(c, torch.float64, cpu, SimpleNamespace(shard=Shard(1, 2)))  # type: ignore[arg-type]
+        loader.check_fits(c, torch.float64, cpu, SimpleNamespace(shard=Shard(1, 2)))
+
+
+class _FailingRunner:
+    def forward(self, step: StepMessage) -> None:
+        raise ValueError(f"no forward for {len(step.input_ids)} tokens")
+
+
+@pytest.mark.clause("TP-5", "TP-8")
+def test_worker_that_raises_in_a_step_sends_its_exception_to_rank_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP-5, TP-8: a worker (here a thread of this process running the real serve loop over a real gloo group)
+    receives rank 0's step, raises in its forward, and rank 0's next collective fails at once with that exception's
+    text, naming rank 1; the worker's loop ends with status 1."""
+    monkeypatch.setattr(launch, "build_runner", lambda spec, group: _FailingRunner())
+    store = TCPStore("127.0.0.1", 0, 2, True, COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    status: list[int] = []
+
+    def worker() -> None:
+        client = TCPStore("127.0.0.1", store.port, 2, False, COLLECTIVE_TIMEOUT)
+        status.append(launch.serve(Group(client, 1, 2, torch.device("cpu")), _spec("qwen3")))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    rank0 = Group(store, 0, 2, torch.device("cpu"))
+    ids = np.array([5, 6, 7], dtype=np.int64)
+    send_step(rank0, StepMessage(True, False, ids, ids, ids, np.array([0, 3]), np.array([3]),
+                                 np.zeros((1, 1), dtype=np.int64), np.array([2])))
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="tensor-parallel rank 1 raised ValueError: no forward for 3 tokens"):
+        rank0.gather_columns(torch.zeros(1, 4))
+    assert time.monotonic() - start < 10
+    thread.join(timeout=30)
+    assert status == [1]
