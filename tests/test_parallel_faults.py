@@ -294,3 +294,18 @@ def test_worker_that_raises_in_a_step_sends_its_exception_to_rank_0(monkeypatch:
     assert time.monotonic() - start < 10
     thread.join(timeout=30)
     assert status == [1]
+
+
+@pytest.mark.clause("TP-9")
+def test_dropped_llm_stops_its_worker() -> None:
+    """TP-9: an LLM dropped without close() (garbage collected) still stops its worker, which exits with 0."""
+    import gc
+
+    llm = LLM(str(checkpoint("qwen3")), tensor_parallel_size=2, **SMALL)
+    group = llm.engine.runner.tp
+    assert group is not None
+    worker = group.workers[0]
+    del llm, group
+    gc.collect()
+    worker.join(timeout=15)
+    assert worker.exitcode == 0
