@@ -24,10 +24,10 @@ TOKENS = (1, 16, 64, 256, 1024)
 REPEATS = 200
 
 
-def _rank(rank: int, port: int, hidden: int) -> list[float]:
+def _timings(store: TCPStore, rank: int, hidden: int) -> list[float]:
+    """This rank's median seconds per all-reduce at each size in TOKENS."""
     torch.set_num_threads(1)
-    store = TCPStore("127.0.0.1", port, 2, False, COLLECTIVE_TIMEOUT) if rank else None
-    group = Group(store if store is not None else _MASTER[0], rank, 2, torch.device("cpu"))
+    group = Group(store, rank, 2, torch.device("cpu"))
     medians = []
     for tokens in TOKENS:
         t = torch.ones(tokens, hidden)
@@ -40,18 +40,15 @@ def _rank(rank: int, port: int, hidden: int) -> list[float]:
     return medians
 
 
-_MASTER: list[TCPStore] = []
-
-
 def _worker(port: int, hidden: int) -> None:
-    _rank(1, port, hidden)
+    _timings(TCPStore("127.0.0.1", port, 2, False, COLLECTIVE_TIMEOUT), 1, hidden)
 
 
 def main(hidden: int = HIDDEN) -> None:
-    _MASTER.append(TCPStore("127.0.0.1", 0, 2, True, COLLECTIVE_TIMEOUT, wait_for_workers=False))
-    proc = multiprocessing.get_context("spawn").Process(target=_worker, args=(_MASTER[0].port, hidden))
+    store = TCPStore("127.0.0.1", 0, 2, True, COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    proc = multiprocessing.get_context("spawn").Process(target=_worker, args=(store.port, hidden))
     proc.start()
-    medians = _rank(0, _MASTER[0].port, hidden)
+    medians = _timings(store, 0, hidden)
     proc.join()
     print(f"gloo all-reduce between 2 processes on this machine, float32 [tokens, {hidden}], median of {REPEATS}:")
     for tokens, seconds in zip(TOKENS, medians, strict=True):
