@@ -12,6 +12,10 @@ untimed. Wall-clock time is the measure; each side's process CPU time is printed
 machine a neighbour's load moves wall time between the two runs. As a check that both did the same work, the run
 reports how many requests got the same tokens from both (float32 rounding differs between the engine's attention and
 transformers' SDPA, so a near-tie can rarely flip a greedy choice).
+
+With ``--tensor-parallel-size N`` (N > 1) the two sides are the engine at TP=1 and at TP=N instead (spec/parallel.md,
+TP-10): TP=1 with the run's thread count, each of the N ranks with that count divided by N (at least one), so both
+use the same cores; the TP=N line adds rank 0's communication per step (all-reduces, their bytes and time).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from optimized.cli.arguments import MAX_COUNT, MAX_THREADS
 from optimized.core.errors import is_strict_int
 from optimized.engine.llm import DTYPES, LLM
 from optimized.engine.sampling_params import SamplingParams
+from optimized.parallel.group import CommStats
 
 DEFAULTS: dict[str, Any] = {
     "model": None,
@@ -40,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "device": None,
     "hf_batch_size": 32,
     "threads": None,
+    "tensor_parallel_size": 1,
 }
 
 
@@ -139,7 +145,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     The command line refuses these at parse time already (optimized/cli/bench.py); this is the same rule for
     a caller that builds the Namespace itself.
     """
-    for name in ("num_requests", "max_input_len", "max_output_len", "hf_batch_size", "threads"):
+    for name in ("num_requests", "max_input_len", "max_output_len", "hf_batch_size", "threads", "tensor_parallel_size"):
         value = _arg(args, name)
         if value is None and name == "threads":
             continue
@@ -151,10 +157,61 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--seed must be an integer, got {seed!r}")
 
 
+def _tp_line(llm: LLM, timing: Timing, w: Workload, size: int, threads: int, steps: int) -> str:
+    runner = llm.engine.runner
+    assert runner.tp is not None
+    c = runner.tp.stats
+    steps = max(1, steps)
+    per = c.all_reduce_seconds / max(1, c.all_reduces) * 1e6
+    gathered = c.gather_bytes / max(1, c.gathers) / 1024
+    return (
+        f"nanoverify engine TP={size}:     {w.output_tokens / timing.wall:10.1f} output tok/s ({timing.wall:.2f} s, "
+        f"{timing.cpu:.2f} rank-0 CPU s, {threads} thread(s) per rank); per step on rank 0: "
+        f"{c.all_reduces / steps:.1f} all-reduces of {c.all_reduce_bytes / max(1, c.all_reduces) / 1024:.1f} KiB "
+        f"on average, {per:.0f} us each as rank 0 waits (skew included; "
+        f"{c.all_reduce_seconds / timing.wall:.0%} of the wall time), logits gathered {gathered:.1f} KiB per step"
+    )
+
+
+def compare_tensor_parallel(args: argparse.Namespace, size: int, threads: int) -> int:
+    """TP-10: the engine at TP=1 and at TP=``size`` on one workload, side by side."""
+    model, dtype, device = _arg(args, "model"), _arg(args, "dtype"), _arg(args, "device")
+    num, max_in, max_out, seed = (_arg(args, k) for k in ("num_requests", "max_input_len", "max_output_len", "seed"))
+    one = LLM(model, dtype=dtype, device=device)
+    if max_in + max_out > one.engine.limits.max_model_len:
+        raise ValueError(f"--max-input-len {max_in} + --max-output-len {max_out} exceeds the model's "
+                         f"max_model_len={one.engine.limits.max_model_len}")
+    w = make_workload(num, max_in, max_out, one.engine.limits.vocab_size, seed)
+    warmup = make_workload(4, max_in, 4, one.engine.limits.vocab_size, seed + 1)
+    print(f"workload: {num} requests, prompts 1..{max_in}, outputs 1..{max_out} tokens ({w.output_tokens} output "
+          f"tokens, greedy, eos ignored), model {one.model_dir}, {one.engine.runner.dtype} on "
+          f"{one.engine.runner.device}; untimed warm-up of {len(warmup.prompts)} requests on both sides")
+    single, single_out = run_engine(one, w, warmup)
+    print(f"nanoverify engine TP=1:     {w.output_tokens / single.wall:10.1f} output tok/s ({single.wall:.2f} s, "
+          f"{single.cpu:.2f} CPU s, {threads} thread(s))")
+    del one
+    per_rank = max(1, threads // size)
+    with LLM(model, dtype=dtype, device=device, tensor_parallel_size=size) as many:  # workers: threads // size
+        torch.set_num_threads(per_rank)
+        many.generate(warmup.prompts, _params(warmup), use_tqdm=False)
+        assert many.engine.runner.tp is not None
+        many.engine.runner.tp.stats = CommStats()  # the timed run's communication only
+        steps = many.engine.stats.steps
+        split, split_out = run_engine(many, w, Workload([], []))
+        print(_tp_line(many, split, w, size, per_rank, many.engine.stats.steps - steps))
+    same = sum(a == b for a, b in zip(single_out, split_out, strict=True))
+    print(f"requests with identical tokens on both sides: {same}/{len(w.prompts)}")
+    print(f"ratio (TP={size} / TP=1): {single.wall / split.wall:.2f}x")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     check_arguments(args)
     threads = int(_arg(args, "threads") or torch.get_num_threads())
     torch.set_num_threads(threads)  # both sides run under this one setting
+    size = int(_arg(args, "tensor_parallel_size"))
+    if size > 1:
+        return compare_tensor_parallel(args, size, threads)
     hf_batch_size = int(_arg(args, "hf_batch_size"))
     llm = LLM(_arg(args, "model"), dtype=_arg(args, "dtype"), device=_arg(args, "device"))
     runner = llm.engine.runner

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from optimized.cli.arguments import any_int, checkpoint_folder, utf8_text
+from optimized.cli.arguments import any_int, bounded_int, checkpoint_folder, utf8_text
 
 HELP = "generate completions for the given prompts"
 
@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=any_int, default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16", "float16"])
     p.add_argument("--device", default=None)
+    p.add_argument("--tensor-parallel-size", type=bounded_int(1), default=1,
+                   help="split the model over this many processes (under torchrun: its WORLD_SIZE)")
     p.add_argument("--check", action="store_true", help="shadow the scheduler with the reference")
 
 
@@ -39,9 +41,11 @@ def main(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
     )
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, check=args.check, num_kvcache_blocks=None)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, check=args.check, num_kvcache_blocks=None,
+              tensor_parallel_size=args.tensor_parallel_size)
     outs = llm.generate(list(args.prompts), params, use_tqdm=False)
     for prompt, out in zip(args.prompts, outs, strict=True):
         print(f"--- {prompt!r} -> ({len(out.token_ids)} tokens, {out.finish_reason})")
         print(out.text)
+    llm.close()
     return 0

@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=bounded_int(2), default=16)
     p.add_argument("--max-num-seqs", type=bounded_int(1), default=128)
     p.add_argument("--seed", type=any_int, default=0)
+    p.add_argument("--tensor-parallel-size", type=bounded_int(1), default=1,
+                   help="split the model over this many processes (under torchrun: its WORLD_SIZE)")
     p.add_argument("--no-check", action="store_true", help="skip the reference shadow (check mode is on by default)")
 
 
@@ -55,6 +57,7 @@ def main(args: argparse.Namespace) -> int:
         kvcache_block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     longest = llm.engine.limits.max_model_len
     if args.max_input_len + args.max_output_len > longest:
@@ -89,4 +92,5 @@ def main(args: argparse.Namespace) -> int:
         print("decisions identical to the reference: not checked (--no-check)")
     else:
         print(f"decisions identical to the reference: {st.compared_steps}/{st.steps} steps")
+    llm.close()
     return 0

@@ -34,6 +34,7 @@ import math
 import os
 import random
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ from optimized.engine import cpu_defaults
 from optimized.engine.engine import Engine, EngineLimits, Request, SchedulerConfig, describe, validate_request
 from optimized.engine.model_runner import ModelRunner
 from optimized.engine.sampling_params import SamplingParams
+from optimized.models.config import load_config
 from optimized.models.loader import load_model
 from optimized.models.tokenizer import load_tokenizer
 
@@ -93,6 +95,32 @@ def _dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def _budget_blocks(dev: torch.device, per_block: int, utilization: float, cpu_gib: float) -> int:
+    if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+        # What is not free now (weights, other processes) stays taken; a tenth of the rest is left for
+        # activations, which the engine does not measure.
+        budget = int((total * utilization - (total - free)) * 0.9)
+    else:
+        budget = int(cpu_gib * (1 << 30))
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ValueError(f"the KV-cache memory budget ({budget} bytes) holds no block of {per_block} bytes")
+    return blocks
+
+
+def kv_cache_blocks(
+    dev: torch.device, per_block: int, requested: int | None, utilization: float, cpu_gib: float
+) -> int:
+    """``requested`` KV blocks (refused when they cannot fit this machine's memory), or the memory budget's."""
+    if requested is None:
+        return _budget_blocks(dev, per_block, utilization, cpu_gib)
+    if dev.type == "cpu" and requested * per_block > _physical_memory():
+        raise ValueError(f"num_kvcache_blocks={requested} needs {requested * per_block} bytes, "
+                         f"more than this machine's {_physical_memory()}")
+    return requested
 
 
 def _valid_text(prompt: str) -> str:
@@ -148,12 +176,16 @@ class LLM:
         check: bool = False,
         attention_backend: str | None = None,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """Load ``model`` (a checkpoint folder; None: the embedded default model) and size the KV cache.
 
         ``num_kvcache_blocks`` defaults to what fits a memory budget: ``gpu_memory_utilization`` of the GPU
         (less what weights and activations take) or ``cpu_kvcache_gib`` GiB on the CPU. ``enforce_eager``
         None means CUDA-graph decode on CUDA with a capturable backend, eager everywhere else (ENG-21).
+        ``tensor_parallel_size`` N > 1 splits the model over N processes (spec/parallel.md): N - 1 spawned
+        workers, or the ranks torchrun started (on a torchrun rank other than 0 this serves rank 0 and then exits
+        the process). ``close()`` (or leaving a ``with`` block) stops them.
         """
         for name, flag in (("enforce_eager", enforce_eager), ("check", check)):
             if not isinstance(flag, bool) and not (name == "enforce_eager" and flag is None):
@@ -169,6 +201,7 @@ class LLM:
             raise ValueError(f"cpu_kvcache_gib must be a positive finite number, got {cpu_kvcache_gib!r}")
         if not is_strict_int(seed):
             raise ValueError(f"seed must be an integer, got {seed!r}")
+        tp_size = _positive("tensor_parallel_size", tensor_parallel_size)
         dev = _device(device)
         torch_dtype = _dtype(dtype, dev)
         model_dir = self._model_dir(model)
@@ -181,33 +214,44 @@ class LLM:
             raise ValueError(f"attention_backend: {e}") from None
         if enforce_eager is False and dev.type == "cuda" and not backend.capturable:
             raise ValueError("enforce_eager=False on CUDA needs attention_backend 'triton' or 'flash-attn'")
-        net = load_model(model_dir, torch_dtype, dev)
-        c = net.config
+        from optimized.parallel import launch
+
+        c = load_config(model_dir)
+        launch.check_plan(tp_size, c, dev)  # TP-1: refused before any process starts
         if max_model_len is None:
             max_model_len = c.max_position_embeddings
         _positive("max_model_len", max_model_len, 2)
         if max_model_len > c.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {c.max_position_embeddings}")
-        per_block = ModelRunner.kv_bytes_per_block(net, block_size)
-        if num_kvcache_blocks is None:
-            num_kvcache_blocks = self._budget_blocks(dev, per_block, gpu_memory_utilization, cpu_kvcache_gib)
-        elif dev.type == "cpu" and num_kvcache_blocks * per_block > _physical_memory():
-            raise ValueError(f"num_kvcache_blocks={num_kvcache_blocks} needs {num_kvcache_blocks * per_block} bytes, "
-                             f"more than this machine's {_physical_memory()}")
-        self.model_dir = model_dir
-        self.tokenizer = load_tokenizer(model_dir)
         if enforce_eager is None:
             enforce_eager = dev.type != "cuda" or not backend.capturable
         self.enforce_eager = enforce_eager
-        runner = ModelRunner(
-            net,
-            backend,
-            num_kvcache_blocks,
-            block_size,
-            max_model_len,
-            max_num_seqs=max_num_seqs,
-            enforce_eager=enforce_eager,
-        )
+        self.model_dir = model_dir
+        self.tokenizer = load_tokenizer(model_dir)
+        if tp_size > 1:
+            dtype_name = next(k for k, v in DTYPES.items() if v == torch_dtype)
+            spec = launch.RunnerSpec(
+                str(model_dir), dtype_name, dev.type, backend.name, block_size, num_kvcache_blocks,
+                gpu_memory_utilization, cpu_kvcache_gib, max_model_len, max_num_seqs, enforce_eager, tp_size,
+                max(1, torch.get_num_threads() // tp_size),
+            )
+            runner = launch.engine_runner(spec)
+            weakref.finalize(self, launch.close, runner)  # TP-9: an LLM dropped unclosed still stops its workers
+            num_kvcache_blocks = runner.num_blocks
+        else:
+            net = load_model(model_dir, torch_dtype, dev)
+            per_block = ModelRunner.kv_bytes_per_block(net, block_size)
+            num_kvcache_blocks = kv_cache_blocks(dev, per_block, num_kvcache_blocks, gpu_memory_utilization,
+                                                 cpu_kvcache_gib)
+            runner = ModelRunner(
+                net,
+                backend,
+                num_kvcache_blocks,
+                block_size,
+                max_model_len,
+                max_num_seqs=max_num_seqs,
+                enforce_eager=enforce_eager,
+            )
         config = SchedulerConfig(
             num_blocks=num_kvcache_blocks,
             block_size=block_size,
@@ -240,19 +284,19 @@ class LLM:
             raise ValueError(f"model must be a checkpoint folder, got {str(model)!r}")
         return path
 
-    @staticmethod
-    def _budget_blocks(dev: torch.device, per_block: int, utilization: float, cpu_gib: float) -> int:
-        if dev.type == "cuda":
-            free, total = torch.cuda.mem_get_info(dev)
-            # What is not free now (weights, other processes) stays taken; a tenth of the rest is left for
-            # activations, which the engine does not measure.
-            budget = int((total * utilization - (total - free)) * 0.9)
-        else:
-            budget = int(cpu_gib * (1 << 30))
-        blocks = budget // per_block
-        if blocks < 1:
-            raise ValueError(f"the KV-cache memory budget ({budget} bytes) holds no block of {per_block} bytes")
-        return blocks
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any, and wait for them (TP-9); the LLM is unusable afterwards
+        under tensor parallelism. Idempotent; a single-process LLM has nothing to stop."""
+        from optimized.parallel import launch
+
+        with self._lock:
+            launch.close(self.engine.runner)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
+        self.close()
 
     def _tokens(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

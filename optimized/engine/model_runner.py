@@ -20,7 +20,8 @@ decode step and gets it back in every layer (ENG-23); greedy rows never touch
 the random draw (ENG-20). With ``enforce_eager=False`` a decode step of at most
 ``max_num_seqs`` sequences runs through ``GraphRunner``'s bucketed static
 buffers instead (ENG-21): a CUDA graph on CUDA, which needs a ``capturable``
-backend, the eager stand-in on the CPU.
+backend, the eager stand-in on the CPU. Under tensor parallelism (spec/parallel.md) rank 0's runner sends each
+step's inputs to the workers, whose runners call ``forward`` with them; only rank 0 samples (TP-4, TP-5).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from kernels.rotary import rotary_cos_sin
 from kernels.sampling import sample
 from optimized.engine.graph_runner import DecodeMetadata, GraphFactory, GraphRunner, cuda_graph_factory
 from optimized.models.decoder import AttentionContext, CausalLM
+from optimized.parallel.group import Group
+from optimized.parallel.step import StepMessage, send_step
 
 PLACEHOLDER = -1  # the token handed to postprocess for an unfinished prefill chunk
 # On the CPU a step of more tokens than this runs its row-wise work (norms, projections, rotary, MLP) in slices of
@@ -140,9 +143,12 @@ class ModelRunner:
         max_num_seqs: int = 256,
         enforce_eager: bool = True,
         graph_factory: GraphFactory | None = None,
+        tp: Group | None = None,
     ) -> None:
-        """``graph_factory`` makes the decode graphs (default: CUDA graphs on CUDA, eager stand-ins elsewhere)."""
-        c = model.config
+        """``graph_factory`` makes the decode graphs (default: CUDA graphs on CUDA, eager stand-ins elsewhere);
+        ``tp``: this rank's tensor-parallel group (the model is then its shard and the cache holds its KV heads)."""
+        c = model.local_config
+        self.tp = tp
         param = model.embed_tokens.weight
         self.model = model
         self.backend = backend
@@ -192,7 +198,7 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(model: CausalLM, block_size: int) -> int:
-        c = model.config
+        c = model.local_config  # under tensor parallelism, this rank's KV heads
         return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * model.embed_tokens.weight.element_size()
 
     def _tensor(self, a: I64, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -221,39 +227,52 @@ class ModelRunner:
     ) -> list[int]:
         """One forward, rows in the order given; ``graphed`` decode steps run through the graph runner."""
         inp = prepare(seqs, is_prefill, self.block_size)
-        input_ids, positions = self._tensor(inp.input_ids), self._tensor(inp.positions)
-        if graphed:
+        step = StepMessage(is_prefill, graphed, inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q,
+                           inp.context_lens, inp.block_tables, inp.logit_rows)
+        if self.tp is not None:
+            send_step(self.tp, step)  # TP-5: the workers run this very forward on their shards
+        logits = self.forward(step)
+        tokens = [PLACEHOLDER] * len(seqs)
+        if logits is None:
+            return tokens
+        drawn = self._sample(logits.float(), [draws[i] for i in inp.sample_rows], inp.context_lens[inp.sample_rows])
+        for i, t in zip(inp.sample_rows.tolist(), drawn, strict=True):
+            tokens[i] = t
+        return tokens
+
+    @torch.inference_mode()
+    def forward(self, step: StepMessage) -> torch.Tensor | None:
+        """The step's forward; the logits of its ``logit_rows`` (None when there are none). Under tensor
+        parallelism every rank calls this with the same step, and rank 0 gets the whole logits (TP-5)."""
+        input_ids, positions = self._tensor(step.input_ids), self._tensor(step.positions)
+        if step.graphed:
             assert self.graphs is not None
             hidden = self.graphs.run(
                 input_ids,
                 positions,
-                self._tensor(inp.slot_mapping),
-                self._tensor(inp.context_lens, torch.int32),
-                self._tensor(inp.block_tables, torch.int32),
+                self._tensor(step.slot_mapping),
+                self._tensor(step.context_lens, torch.int32),
+                self._tensor(step.block_tables, torch.int32),
             )
             self.graph_steps += 1
         else:
             ctx = AttentionContext(
                 backend=self.backend,
-                is_prefill=is_prefill,
-                slot_mapping=self._tensor(inp.slot_mapping),
-                cu_seqlens_q=self._tensor(inp.cu_seqlens_q, torch.int32),
-                context_lens=self._tensor(inp.context_lens, torch.int32),
-                block_tables=self._tensor(inp.block_tables, torch.int32),
+                is_prefill=step.is_prefill,
+                slot_mapping=self._tensor(step.slot_mapping),
+                cu_seqlens_q=self._tensor(step.cu_seqlens_q, torch.int32),
+                context_lens=self._tensor(step.context_lens, torch.int32),
+                block_tables=self._tensor(step.block_tables, torch.int32),
                 cos_sin=self.cos_sin,
             )
-            if not is_prefill and self.backend.needs_decode_plan:
+            if not step.is_prefill and self.backend.needs_decode_plan:
                 ctx.decode_plan = self.backend.plan_decode(ctx.context_lens, ctx.block_tables, self.block_size)
             row_chunk = self.row_chunk if self.device.type == "cpu" else 0
             hidden = self.model(input_ids, positions, ctx, self.kv_views, row_chunk)
-        tokens = [PLACEHOLDER] * len(seqs)
-        if len(inp.sample_rows) == 0:
-            return tokens
-        logits = self.model.logits(hidden[self._tensor(inp.logit_rows)]).float()
-        drawn = self._sample(logits, [draws[i] for i in inp.sample_rows], inp.context_lens[inp.sample_rows])
-        for i, t in zip(inp.sample_rows.tolist(), drawn, strict=True):
-            tokens[i] = t
-        return tokens
+        if len(step.logit_rows) == 0:
+            return None
+        out: torch.Tensor = self.model.logits(hidden[self._tensor(step.logit_rows)])
+        return out
 
     def _sample(self, logits: torch.Tensor, rows: list[DrawParams], positions: I64) -> list[int]:
         """``kernels.sampling.sample`` per row; greedy rows take the argmax directly (sample's greedy branch)."""

@@ -10,12 +10,18 @@ own plan for the step): no attention kernel is called past it. q/k/v and gate/up
 one matrix each (the loader fills the packed rows from the checkpoint's
 separate tensors), in the order q, k, v and gate, up. The arithmetic follows
 transformers' modeling code op for op so that float64 greedy output matches it.
+
+Under tensor parallelism (spec/parallel.md, TP-2) a model is one rank's piece: its modules are built from the
+shard's local config, o_proj and down_proj all-reduce their partial sums before adding their bias, the embedding
+looks up only its vocabulary slice (other ids give zeros) and all-reduces, and ``logits`` gathers the vocabulary
+slices to rank 0. With no ``tp`` every module is the plain one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +31,9 @@ from kernels.backend import AttentionBackend, DecodePlan
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.rotary import rotary_rows, rotate
 from optimized.models.config import ModelConfig
+
+if TYPE_CHECKING:  # optimized.parallel imports this package's config: a runtime import would be circular
+    from optimized.parallel.sharding import Shard
 
 Rows = tuple[tuple[int, int], ...]
 
@@ -42,6 +51,53 @@ class AttentionContext:
     block_tables: torch.Tensor  # int32 [B, W], -1 padded
     cos_sin: torch.Tensor  # [max_position, head_dim]
     decode_plan: DecodePlan | None = None
+
+
+class TensorParallel(Protocol):
+    """The collectives a sharded model calls (optimized/parallel/group.py), over the ranks of ``shard.size``."""
+
+    shard: Shard
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum of every rank's ``t``, on every rank."""
+        ...
+
+    def gather_columns(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` side by side along the last dimension, in rank order, on rank 0 (``t`` elsewhere)."""
+        ...
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear layer over this rank's input columns: partial sums all-reduced, then the (whole) bias added."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return super().forward(x)
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """An embedding of this rank's vocabulary slice ``[start, end)`` (its first ``end - start`` rows; the rest is
+    padding): ids outside it give zeros, and the all-reduce gives every rank every id's row (exactly: the other
+    ranks add zeros)."""
+
+    def __init__(self, rows: int, hidden: int, held: tuple[int, int], tp: TensorParallel | None) -> None:
+        super().__init__(rows, hidden)
+        self.start, self.end = held
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return super().forward(ids)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.end - self.start)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
 
 
 def row_slices(n: int, chunk: int) -> Rows:
@@ -63,7 +119,7 @@ def _by_rows(
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.num_heads = c.num_heads
         self.num_kv_heads = c.num_kv_heads
@@ -73,7 +129,7 @@ class Attention(nn.Module):
         self.scale = c.head_dim**-0.5
         self.eps = c.rms_norm_eps
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, c.hidden_size, c.o_bias, tp)
         self.q_norm: nn.Parameter | None = None
         self.k_norm: nn.Parameter | None = None
         if c.qk_norm:
@@ -118,11 +174,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.intermediate_size = c.intermediate_size
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, c.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -131,11 +187,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.eps = c.rms_norm_eps
-        self.self_attn = Attention(c)
-        self.mlp = MLP(c)
+        self.self_attn = Attention(c, tp)
+        self.mlp = MLP(c, tp)
         self.input_layernorm = nn.Parameter(torch.ones(c.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(c.hidden_size))
 
@@ -169,15 +225,21 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Embeddings, decoder layers, final norm and the LM head (``lm_head`` shares the embedding when tied)."""
+    """Embeddings, decoder layers, final norm and the LM head (``lm_head`` shares the embedding when tied).
 
-    def __init__(self, c: ModelConfig) -> None:
+    ``config`` is the whole model's; ``local_config`` that of this rank's piece (the same without ``tp``)."""
+
+    def __init__(self, c: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = c
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(c) for _ in range(c.num_layers)])
+        self.tp = tp
+        local = c if tp is None else tp.shard.local_config(c)
+        self.local_config = local
+        held = (0, c.vocab_size) if tp is None else tp.shard.vocab_range(c)
+        self.embed_tokens = VocabParallelEmbedding(local.vocab_size, c.hidden_size, held, tp)
+        self.layers = nn.ModuleList([DecoderLayer(local, tp) for _ in range(c.num_layers)])
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = nn.Linear(c.hidden_size, local.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -202,5 +264,8 @@ class CausalLM(nn.Module):
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of rows ``hidden``; under tensor parallelism, whole on rank 0 only (its slice elsewhere)."""
         out: torch.Tensor = self.lm_head(hidden)
-        return out
+        if self.tp is None:
+            return out
+        return self.tp.gather_columns(out)[..., : self.config.vocab_size]  # the padding's columns dropped

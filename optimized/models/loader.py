@@ -13,6 +13,10 @@ dtypes, shapes) must hold every tensor the config requires, each of a floating d
 and the model the config describes (weights plus the rotary table) must fit in the device's memory. Each weight
 is checked finite in the engine's dtype as it lands (CKPT-6). Any file the safetensors library still cannot read
 is a ValueError naming it (CKPT-5).
+
+A tensor-parallel rank (spec/parallel.md, TP-2) reads only its own piece of each split tensor from the file
+(``safe_open(...).get_slice``), so no rank ever holds the whole model; the checks above stay on the whole
+checkpoint's headers.
 """
 
 from __future__ import annotations
@@ -22,13 +26,15 @@ import os
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from optimized.models.checkpoint_files import FLOAT_DTYPES, TensorInfo, read_safetensors_header, regular_file
 from optimized.models.config import ModelConfig, load_config
-from optimized.models.decoder import CausalLM
+from optimized.models.decoder import CausalLM, TensorParallel
+from optimized.parallel.sharding import source_slice
 
 # Checkpoint name suffix -> (packed parameter suffix, shard index) within a layer.
 _PACKED = {
@@ -105,7 +111,7 @@ def _checkpoint_name(pname: str, packed_module: str | None = None) -> str:
 
 def _expected_pieces(model: CausalLM) -> dict[Piece, str]:
     """Every piece the checkpoint must fill, with the checkpoint tensor that fills it (named in refusals)."""
-    c = model.config
+    c = model.local_config
     pieces: dict[Piece, str] = {}
     for pname, _ in model.named_parameters():  # tied lm_head is listed once, as embed_tokens
         kind_free = pname.rpartition(".")[0]
@@ -163,16 +169,19 @@ def _device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_fits(c: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse, naming the sizes, a config whose model would not fit in the device's memory (CKPT-2)."""
-    needed, available = _bytes_needed(c, dtype), _device_memory(device)
+def check_fits(c: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None) -> None:
+    """Refuse, naming the sizes, a config whose model (under ``tp``: this rank's piece of it, TP-2) would not fit
+    in the device's memory (CKPT-2)."""
+    held = c if tp is None else tp.shard.local_config(c)
+    needed, available = _bytes_needed(held, dtype), _device_memory(device)
     if needed > available:
+        piece = "" if tp is None else f" for rank {tp.shard.rank}'s piece of {tp.shard.size}"
         raise ValueError(
             f"config.json: vocab_size={c.vocab_size}, hidden_size={c.hidden_size}, "
             f"intermediate_size={c.intermediate_size}, num_hidden_layers={c.num_layers}, "
             f"num_attention_heads={c.num_heads}, num_key_value_heads={c.num_kv_heads}, head_dim={c.head_dim}, "
             f"max_position_embeddings={c.max_position_embeddings} need {needed} bytes in {dtype} "
-            f"(weights and rotary table), more than this machine's {available}"
+            f"(weights and rotary table){piece}, more than this machine's {available}"
         )
 
 
@@ -230,19 +239,47 @@ def _all_finite(t: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(flat[a : a + _FINITE_CHUNK]).all()) for a in range(0, flat.numel(), _FINITE_CHUNK))
 
 
+def _read(f: Any, name: str, model: CausalLM) -> torch.Tensor:
+    """Checkpoint tensor ``name``, or only this rank's piece of it under tensor parallelism (TP-2)."""
+    if model.tp is None:
+        return f.get_tensor(name)  # type: ignore[no-any-return]
+    part = source_slice(model.tp.shard, model.config, name)
+    if part is None:
+        return f.get_tensor(name)  # type: ignore[no-any-return]
+    dim, a, b = part
+    piece = f.get_slice(name)
+    return piece[a:b] if dim == 0 else piece[:, a:b]  # type: ignore[no-any-return]
+
+
+def _vocab_rows(model: CausalLM, name: str) -> tuple[int, int] | None:
+    """The rows a rank's padded vocabulary piece fills from ``name`` (None: all of them, or not a vocabulary)."""
+    if model.tp is None or name not in ("model.embed_tokens.weight", "lm_head.weight"):
+        return None
+    start, end = model.tp.shard.vocab_range(model.config)
+    return (0, end - start)
+
+
+def _zero_padding(model: CausalLM) -> None:
+    """A padded vocabulary piece's rows past the checkpoint's: zeros, never the allocation's garbage."""
+    rows = _vocab_rows(model, "lm_head.weight")
+    if rows is not None:
+        model.embed_tokens.weight[rows[1] :].zero_()
+        model.lm_head.weight[rows[1] :].zero_()
+
+
 def _load_file(model: CausalLM, path: Path, expected: dict[Piece, str], loaded: set[Piece]) -> None:
     """Each tensor of ``path`` into its parameter piece, checked finite in the model's dtype there (CKPT-6)."""
     params = dict(model.named_parameters())
     with safe_open(str(path), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-            target = _target(model.config, name)
+            target = _target(model.local_config, name)
             if target is None:
                 continue
             if target not in expected:
                 raise ValueError(f"checkpoint tensor {name!r} is not part of a {model.config.family} model")
             if target in loaded:
                 raise ValueError(f"checkpoint tensor {name!r} appears twice")
-            dest = _copy(params[target[0]].data, f.get_tensor(name), target[1], name)
+            dest = _copy(params[target[0]].data, _read(f, name, model), target[1] or _vocab_rows(model, name), name)
             if not _all_finite(dest):
                 raise ValueError(f"checkpoint tensor {name!r} in {path} holds non-finite values (NaN or Inf) "
                                  f"as {dest.dtype}")
@@ -263,17 +300,21 @@ def load_weights(model: CausalLM, model_dir: Path, files: list[Path] | None = No
     missing = sorted(name for piece, name in expected.items() if piece not in loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors for: {', '.join(missing[:8])}")
+    _zero_padding(model)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Config, then weights, then the model in ``dtype`` on ``device``, in inference mode."""
+def load_model(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
+) -> CausalLM:
+    """Config, then weights, then the model (this rank's piece under ``tp``) in ``dtype`` on ``device``, in
+    inference mode."""
     config = load_config(model_dir)
-    check_fits(config, dtype, device)
+    check_fits(config, dtype, device, tp)
     files = _safetensors_files(model_dir)
     check_headers(config, model_dir, files)
     # Built on the meta device and materialised uninitialised: the loader fills every parameter.
     with torch.device("meta"):
-        model = CausalLM(config).to(dtype)
+        model = CausalLM(config, tp).to(dtype)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -1,0 +1,272 @@
+"""Starting a tensor-parallel engine: refusals first, then the workers, then each rank's runner (TP-1, TP-6, TP-7).
+
+Invariant: everything that can be refused by name (the size, the model's divisibility, the device count, a torchrun
+world of another size) is refused before any process starts or any group is joined. Then either rank 0 spawns
+``size - 1`` workers (multiprocessing spawn) around a rendezvous store on a free port the OS picks, or, when
+torchrun set ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, every rank joins torchrun's ``env://``
+store. Every rank then checks that all ranks agree on the checkpoint and the settings, loads its shard and sizes
+its KV cache, the same number of blocks on every rank; ``build_runner`` is that one sequence, run by rank 0 and by
+every worker alike, so their collectives pair up. A worker exits when rank 0 says stop, when a collective with rank
+0 fails (rank 0 died: its sockets closed), or when its parent process is gone (a watchdog thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._C._distributed_c10d import TCPStore
+from torch.distributed.rendezvous import rendezvous
+
+from optimized.engine.model_runner import ModelRunner
+from optimized.models.config import ModelConfig
+from optimized.parallel.group import COLLECTIVE_TIMEOUT, ERROR_KEY, Group, TensorParallelError
+from optimized.parallel.sharding import check_divisible
+from optimized.parallel.step import receive_step, send_stop
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_JOINED = "nanoverify/joined/"
+_SETUP = "nanoverify/setup/"
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """Everything a rank needs to build its runner; rank 0 resolves it, spawned workers receive it."""
+
+    model_dir: str
+    dtype: str  # a key of optimized.engine.llm.DTYPES
+    device: str  # "cpu" or "cuda"
+    backend: str  # the attention backend's resolved name
+    block_size: int
+    num_kvcache_blocks: int | None  # None: what each rank's memory budget holds, the least of them
+    gpu_memory_utilization: float
+    cpu_kvcache_gib: float
+    max_model_len: int
+    max_num_seqs: int
+    enforce_eager: bool
+    size: int
+    threads: int  # torch CPU threads of a spawned worker
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun (``env://``) launched it, else None."""
+    if not all(os.environ.get(k) for k in TORCHRUN_VARIABLES):
+        return None
+    return int(os.environ["RANK"])
+
+
+def check_plan(size: int, c: ModelConfig, device: torch.device) -> None:
+    """The refusals that need no process (TP-1): divisibility, the device count, torchrun's world size."""
+    if size == 1:
+        return
+    check_divisible(c, size)
+    if device.type == "cuda" and torchrun_rank() is None and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, this machine has "
+                         f"{torch.cuda.device_count()}")
+    if torchrun_rank() is not None:
+        world = os.environ["WORLD_SIZE"]
+        if world != str(size):
+            raise ValueError(f"tensor_parallel_size={size}, but torchrun started WORLD_SIZE={world} processes")
+
+
+def _device(spec: RunnerSpec, rank: int) -> torch.device:
+    if spec.device != "cuda":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+# Agreement across ranks (TP-7) ---------------------------------------------------------------------------------
+
+
+def _setup(spec: RunnerSpec) -> dict[str, Any]:
+    """What every rank must agree on: the checkpoint (config bytes, file names and sizes) and the settings."""
+    folder = Path(spec.model_dir)
+    config = (folder / "config.json").read_bytes()
+    files = sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors"))
+    settings = {k: v for k, v in asdict(spec).items() if k not in ("model_dir", "threads")}
+    return {"config.json sha256": hashlib.sha256(config).hexdigest(), "checkpoint files": files, **settings}
+
+
+def check_same(group: Group, spec: RunnerSpec) -> None:
+    """Every rank's setup is rank 0's, or a ValueError on every rank naming a rank and the field that differs."""
+    mine = _setup(spec)
+    text = json.dumps(mine, sort_keys=True)
+    group.store.set(f"{_SETUP}{group.rank}", text)
+    digests = group.all_gather_bytes(hashlib.sha256(text.encode()).digest())
+    for rank, digest in enumerate(digests):
+        if digest != digests[0]:
+            first = json.loads(bytes(group.store.get(f"{_SETUP}0")).decode())
+            other = json.loads(bytes(group.store.get(f"{_SETUP}{rank}")).decode())
+            field = next(k for k in first if first[k] != other.get(k))
+            raise ValueError(f"tensor-parallel rank {rank} has {field} {other.get(field)!r} where rank 0 has "
+                             f"{first[field]!r}: every rank must load the same checkpoint with the same settings")
+
+
+# Each rank's runner ---------------------------------------------------------------------------------------------
+
+
+def build_runner(spec: RunnerSpec, group: Group) -> ModelRunner:
+    """This rank's shard, its KV cache (the same block count on every rank) and its runner."""
+    from kernels.backend import get_backend
+    from optimized.engine.llm import DTYPES, kv_cache_blocks
+    from optimized.models.loader import load_model
+
+    check_same(group, spec)
+    net = load_model(Path(spec.model_dir), DTYPES[spec.dtype], group.device, group)
+    per_block = ModelRunner.kv_bytes_per_block(net, spec.block_size)
+    blocks = kv_cache_blocks(group.device, per_block, spec.num_kvcache_blocks, spec.gpu_memory_utilization,
+                             spec.cpu_kvcache_gib)
+    blocks = group.agree_min(blocks)
+    return ModelRunner(
+        net,
+        get_backend(spec.backend, group.device),
+        blocks,
+        spec.block_size,
+        spec.max_model_len,
+        max_num_seqs=spec.max_num_seqs,
+        enforce_eager=spec.enforce_eager,
+        tp=group,
+    )
+
+
+def engine_runner(spec: RunnerSpec) -> ModelRunner:
+    """Rank 0's runner, its workers started (spawned, or joined under torchrun). On a torchrun rank other than 0
+    this serves rank 0 until it stops and then exits the process (TP-6): it never returns there."""
+    rank = torchrun_rank()
+    group = _join_torchrun(spec, rank) if rank is not None else _spawn(spec)
+    if group.rank != 0:
+        code = serve(group, spec)
+        sys.stdout.flush()
+        os._exit(code)
+    try:
+        return build_runner(spec, group)
+    except TensorParallelError:
+        raise
+    except BaseException:
+        group.kill_workers()
+        raise
+
+
+def close(runner: ModelRunner) -> None:
+    """Rank 0: tell the workers to stop and wait for them (killed if they do not exit in time). Idempotent."""
+    group = runner.tp
+    if group is None or group.failure is not None:
+        return
+    with contextlib.suppress(TensorParallelError):  # a worker already gone: the join below finds it
+        send_stop(group)
+    group.failure = "the LLM was closed"
+    group.join_workers(timeout=10)
+
+
+# Rank 0 spawns the workers --------------------------------------------------------------------------------------
+
+
+def _spawn(spec: RunnerSpec) -> Group:
+    import multiprocessing
+
+    store = TCPStore("127.0.0.1", 0, spec.size, True, COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    ctx = multiprocessing.get_context("spawn")
+    procs: list[BaseProcess] = [
+        ctx.Process(target=spawned_worker, args=(spec, rank, store.port, os.getpid()), daemon=True,
+                    name=f"nanoverify-tp-rank{rank}")
+        for rank in range(1, spec.size)
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        _wait_joined(store, procs)
+        return Group(store, 0, spec.size, _device(spec, 0), procs)
+    except BaseException:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+        raise
+
+
+def _wait_joined(store: Any, procs: list[BaseProcess]) -> None:
+    """Every worker connected to the store, or TensorParallelError naming the first that died or raised first."""
+    deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+    waiting = dict(enumerate(procs, start=1))
+    while waiting:
+        for rank, proc in list(waiting.items()):
+            if store.check([f"{ERROR_KEY}{rank}"]):
+                text = bytes(store.get(f"{ERROR_KEY}{rank}")).decode("utf-8", "replace")
+                raise TensorParallelError(f"tensor-parallel rank {rank} raised {text}")
+            if store.check([f"{_JOINED}{rank}"]):
+                del waiting[rank]
+            elif not proc.is_alive():
+                raise TensorParallelError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status "
+                                          f"{proc.exitcode} before joining")
+        if time.monotonic() > deadline:
+            raise TensorParallelError(f"tensor-parallel ranks {sorted(waiting)} did not join within "
+                                      f"{COLLECTIVE_TIMEOUT.total_seconds():.0f} s")
+        time.sleep(0.02)
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit this process as soon as ``parent`` is no longer its parent (it died; we were re-parented)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="nanoverify-parent-watchdog", daemon=True).start()
+
+
+def spawned_worker(spec: RunnerSpec, rank: int, port: int, parent: int) -> None:
+    """The entry of a spawned worker process: join rank 0's store, serve, exit."""
+    _watch_parent(parent)
+    torch.set_num_threads(spec.threads)
+    store = TCPStore("127.0.0.1", port, spec.size, False, COLLECTIVE_TIMEOUT)
+    try:
+        store.set(f"{_JOINED}{rank}", "1")
+        group = Group(store, rank, spec.size, _device(spec, rank))
+    except BaseException as e:
+        _report(store, rank, e)
+        os._exit(1)
+    os._exit(serve(group, spec))
+
+
+def _report(store: Any, rank: int, error: BaseException) -> None:
+    with contextlib.suppress(RuntimeError):  # rank 0 is gone: nobody to tell
+        store.set(f"{ERROR_KEY}{rank}", f"{type(error).__name__}: {error}")
+
+
+def serve(group: Group, spec: RunnerSpec) -> int:
+    """A worker: build this rank's runner and run rank 0's steps until told to stop; the exit status. An exception
+    is left in the store for rank 0 (TP-8) and ends the worker."""
+    try:
+        runner = build_runner(spec, group)
+        while (step := receive_step(group)) is not None:
+            runner.forward(step)
+    except BaseException as e:
+        if not isinstance(e, TensorParallelError):
+            _report(group.store, group.rank, e)
+        return 1
+    return 0
+
+
+# torchrun -------------------------------------------------------------------------------------------------------
+
+
+def _join_torchrun(spec: RunnerSpec, rank: int) -> Group:
+    """Join the group torchrun set up (``env://``); a worker rank also watches its parent (torchrun's agent)."""
+    if rank != 0:
+        _watch_parent(os.getppid())
+        torch.set_num_threads(spec.threads)
+    store, rank, size = next(rendezvous("env://", timeout=COLLECTIVE_TIMEOUT))
+    return Group(store, rank, size, _device(spec, rank), loopback=False)
