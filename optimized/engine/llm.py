@@ -47,6 +47,7 @@ from optimized.engine.model_runner import ModelRunner
 from optimized.engine.sampling_params import SamplingParams
 from optimized.models.loader import load_model
 from optimized.models.tokenizer import load_tokenizer
+from optimized.trace.recorder import Recorder, trace_file
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -148,13 +149,18 @@ class LLM:
         check: bool = False,
         attention_backend: str | None = None,
         seed: int = 0,
+        trace: str | Path | None = None,
+        trace_wall_times: bool = False,
     ) -> None:
         """Load ``model`` (a checkpoint folder; None: the embedded default model) and size the KV cache.
 
         ``num_kvcache_blocks`` defaults to what fits a memory budget: ``gpu_memory_utilization`` of the GPU
         (less what weights and activations take) or ``cpu_kvcache_gib`` GiB on the CPU. ``enforce_eager``
         None means CUDA-graph decode on CUDA with a capturable backend, eager everywhere else (ENG-21).
+        ``trace``: a file the run is recorded in as it happens (spec/trace.md, TRACE-1), each step's wall
+        times too when ``trace_wall_times``.
         """
+        trace_path = trace_file(trace, trace_wall_times)
         for name, flag in (("enforce_eager", enforce_eager), ("check", check)):
             if not isinstance(flag, bool) and not (name == "enforce_eager" and flag is None):
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
@@ -216,7 +222,9 @@ class LLM:
             eos=c.eos,
         )
         limits = EngineLimits(c.vocab_size, max_model_len, num_kvcache_blocks, block_size, c.eos_token_ids)
-        self.engine = Engine(runner, config, limits, check)
+        recorder = None if trace_path is None else Recorder(trace_path, config, c.eos_token_ids, trace_wall_times,
+                                                             max_model_len=max_model_len)
+        self.engine = Engine(runner, config, limits, check, recorder)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()  # THREAD-1: held for one engine operation at a time
         self._changes = 0  # steps and aborts so far: a generate call that sees it move rescans its requests

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -138,7 +138,7 @@ def _entries(out: Any, requests: Sequence[Tracked]) -> list[Entry]:
     return [(r.arrival, s.num_scheduled_tokens, s.block_table) for r, s in zip(requests, out.batch, strict=True)]
 
 
-def record_schedule(recorder: Recorder, out: Any, requests: Sequence[Tracked], live: dict[int, Tracked]) -> str:
+def record_schedule(recorder: Recorder, out: Any, requests: Sequence[Tracked], live: Mapping[int, Tracked]) -> str:
     """The engine's ``schedule()`` output ``out`` (its batch's requests: ``requests``), serialized at once."""
     return recorder.decided(out.is_prefill, _entries(out, requests), [live[s.seq_id].arrival for s in out.preempted])
 
@@ -175,3 +175,14 @@ def record_engine_failure(recorder: Recorder, decided: str, fault: BaseException
 def _describe(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def trace_file(path: object, wall_times: object) -> Path | None:
+    """``LLM(trace=..., trace_wall_times=...)`` checked before anything loads: a path or None, and a bool."""
+    if not isinstance(wall_times, bool):
+        raise ValueError(f"trace_wall_times must be a bool, got {wall_times!r}")
+    if path is None:
+        return None
+    if not isinstance(path, (str, Path)) or str(path) == "":
+        raise ValueError(f"trace must be a file path or None, got {path!r}")
+    return Path(path)

@@ -24,6 +24,7 @@ from optimized.verify.conformance import _json_line as json_line
 VERSION = 1
 # A trace is a whole run: allowed longer than a workload file (CLI-7's 64 MiB); each line still at most 1 MiB.
 MAX_TRACE_BYTES = 1 << 30
+INT64_MIN = -(1 << 63)
 STEP_KEYS = ("step", "prefill", "batch", "preempted")
 
 
@@ -105,14 +106,15 @@ def _fail(where: str, message: str) -> TraceError:
 
 def _int(value: Any, where: str, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < (1 << 63):
-        raise _fail(where, f"must be an integer in [{minimum}, 2**63), got {value!r}"[:200])
+        shown = "-2**63" if minimum == INT64_MIN else str(minimum)
+        raise _fail(where, f"must be an integer in [{shown}, 2**63), got {value!r}"[:200])
     return value
 
 
-def _ints(value: Any, where: str) -> list[int]:
+def _ints(value: Any, where: str, minimum: int = 0) -> list[int]:
     if not isinstance(value, list):
         raise _fail(where, "must be a list of integers")
-    return [_int(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return [_int(v, f"{where}[{i}]", minimum) for i, v in enumerate(value)]
 
 
 def _key(obj: dict[str, Any], key: str, where: str) -> Any:
@@ -190,7 +192,8 @@ def _step(obj: dict[str, Any], expected: int, num_blocks: int) -> Step:
         if not isinstance(obj["failed"], str):
             raise _fail("failed", "must be a string (why the step failed)")
         return Step(number, obj["prefill"], batch, preempted, failed=obj["failed"], wall=wall)
-    tokens = _ints(_key(obj, "tokens", "step record"), "tokens")
+    # A discarded sample (an unfinished chunk's) may be the runner's placeholder: any int64.
+    tokens = _ints(_key(obj, "tokens", "step record"), "tokens", INT64_MIN)
     if len(tokens) != len(batch):
         raise _fail("tokens", f"has {len(tokens)} tokens for a batch of {len(batch)}")
     finished = _ints(_key(obj, "finished", "step record"), "finished")

@@ -1,0 +1,252 @@
+"""Record and replay (spec/trace.md): a run recorded with ``LLM(trace=...)`` replays identically through both
+schedulers, whatever happened in it; a trace changed at one step is caught at that step; bad files are refused
+by line and field, and a last line cut short is reported while everything before it replays."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from optimized import LLM, SamplingParams
+from optimized.cli import main
+from optimized.trace.replay import replay_trace
+from optimized.trace.schema import Step, Trace, TraceError, read_trace
+from tests.engine_fixtures import make_llm
+
+pytestmark = pytest.mark.usefixtures("engine_env")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+SHARED = list(range(10, 22))  # three 4-token blocks: later prompts opening with it hit the prefix cache
+make = partial(make_llm, num_kvcache_blocks=12, max_num_batched_tokens=10, max_num_seqs=4)
+
+
+class ModelFault(RuntimeError):
+    pass
+
+
+def fail_call(monkeypatch: pytest.MonkeyPatch, llm: LLM, k: int) -> None:
+    """The runner's k-th call (1-based) raises."""
+    real, calls = llm.engine.runner.run, [0]
+
+    def run(seqs: Sequence[Any], is_prefill: bool, draws: Sequence[Any]) -> list[int]:
+        calls[0] += 1
+        if calls[0] == k:
+            raise ModelFault(f"injected on call {k}")
+        tokens: list[int] = real(seqs, is_prefill, draws)
+        return tokens
+
+    monkeypatch.setattr(llm.engine.runner, "run", run)
+
+
+def drain(llm: LLM) -> None:
+    while llm.has_unfinished_requests():
+        with contextlib.suppress(ModelFault):
+            llm.step()
+
+
+def eventful_run(path: Path, monkeypatch: pytest.MonkeyPatch, wall_times: bool = False) -> LLM:
+    """A checked run (the shadow agrees at every step) with prefix hits, chunks, preemption, an abort, a stop
+    cut and a failed step, recorded in ``path``."""
+    llm = make(trace=path, trace_wall_times=wall_times)
+    first = llm.generate([[*SHARED, 1, 2], [*SHARED, 3]], GREEDY, use_tqdm=False)[0]
+    stop_at = first.token_ids[2]  # request 2 draws this token third: a stop token cuts it there
+    llm.add_request([*SHARED, 1, 2], SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=(stop_at,)))
+    doomed = llm.add_request(list(range(40, 47)), GREEDY)
+    llm.step()
+    llm.abort(doomed)
+    fail_call(monkeypatch, llm, 10)  # a decode after the preemption fails its batch
+    for p in ([5, 6, 7, 8, 9, 10, 11, 12, 13], [60, 61, 62, 63, 64], list(range(70, 79)), [90, 91, 92]):
+        llm.add_request(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    drain(llm)
+    return llm
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    path = tmp_path_factory.mktemp("trace") / "run.jsonl"
+    with pytest.MonkeyPatch.context() as mp:
+        llm = eventful_run(path, mp)
+    return path, llm.engine.stats
+
+
+def load(path: Path) -> Trace:
+    return read_trace(path.read_bytes().splitlines(keepends=True))
+
+
+def replay_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str], list[str]]:
+    code = main(["replay", *argv])
+    out, err = capsys.readouterr()
+    return code, out.splitlines(), err.splitlines()
+
+
+@pytest.mark.clause("TRACE-1", "TRACE-2", "TRACE-3", "TRACE-5")
+def test_an_eventful_run_replays_identically_through_both(recorded: tuple[Path, Any]) -> None:
+    """TRACE-1..3, TRACE-5: the run had every kind of event, and each scheduler reproduces every step."""
+    path, stats = recorded
+    trace = load(path)
+    steps = trace.steps
+    assert stats.prefix_cache_hit_tokens > 0 and stats.chunked_prefills > 0 and stats.preemptions > 0
+    assert any(s.preempted for s in steps) and any(s.failed for s in steps)
+    assert len(steps) == stats.steps + stats.failed_steps == stats.compared_steps + 1
+    assert {type(e).__name__ for e in trace.events} == {"Added", "Aborted", "Step"}
+    assert list(trace.cuts.values()) == [3]  # the stop cut: max_tokens lowered to the three tokens drawn
+    assert trace.config["num_blocks"] == 12 and trace.truncated is None
+    for impl in ("reference", "optimized"):
+        outcome = replay_trace(trace, impl)
+        assert (outcome.identical, outcome.steps, outcome.difference) == (len(steps), len(steps), None)
+
+
+@pytest.mark.clause("TRACE-6")
+def test_replay_command_says_identical(recorded: tuple[Path, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    """TRACE-6: `nanoverify replay --impl NAME TRACE` prints identical: N/N steps and exits 0."""
+    n = len(load(recorded[0]).steps)
+    for impl in ("reference", "optimized"):
+        assert replay_cli(capsys, "--impl", impl, str(recorded[0])) == (0, [f"identical: {n}/{n} steps"], [])
+
+
+def rewrite(path: Path, out: Path, step: int, change: Any) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        obj = json.loads(line)
+        if obj.get("step") == step and "batch" in obj:
+            change(obj)
+            lines[i] = json.dumps(obj) + "\n"
+    out.write_text("".join(lines))
+
+
+def other_block(obj: dict[str, Any]) -> None:
+    table = obj["batch"][-1][2]
+    table[-1] = (table[-1] + 1) % 12
+
+
+def fewer_tokens(obj: dict[str, Any]) -> None:
+    obj["batch"][0][1] += 1
+
+
+def flip_prefill(obj: dict[str, Any]) -> None:
+    obj["prefill"] = not obj["prefill"]
+
+
+def nobody_finished(obj: dict[str, Any]) -> None:
+    obj["finished"] = []
+
+
+def someone_preempted(obj: dict[str, Any]) -> None:
+    obj["preempted"] = [obj["batch"][0][0]]
+
+
+@pytest.mark.clause("TRACE-5", "TRACE-6")
+@pytest.mark.parametrize(("change", "field"), [(other_block, "batch"), (fewer_tokens, "batch[0]"),
+                                               (flip_prefill, "prefill"), (nobody_finished, "finished"),
+                                               (someone_preempted, "preempted")])
+def test_a_trace_changed_at_one_step_is_caught_at_that_step(
+        recorded: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str], change: Any,
+        field: str) -> None:
+    """TRACE-5, TRACE-6: the first differing step and field are named, exit 1, on both schedulers."""
+    steps = load(recorded[0]).steps
+    k = next(s.step for s in steps if s.finished and s.step > 2)
+    bad = tmp_path / "bad.jsonl"
+    rewrite(recorded[0], bad, k, change)
+    for impl in ("reference", "optimized"):
+        code, out, err = replay_cli(capsys, "--impl", impl, str(bad))
+        assert code == 1 and err == [] and len(out) == 2
+        assert out[0] == f"identical: {k}/{len(steps)} steps"
+        assert out[1].startswith(f"first difference: step {k}: {field}"), out[1]
+
+
+@pytest.mark.clause("TRACE-4")
+def test_a_last_line_cut_short_is_reported_and_the_rest_replays(
+        recorded: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """TRACE-4: a crash mid-write leaves a last line without its end: reported as such, everything before replays."""
+    text = recorded[0].read_bytes()
+    cut = tmp_path / "crashed.jsonl"
+    cut.write_bytes(text[: len(text) - 25])
+    lines = text.count(b"\n")
+    trace = load(cut)
+    assert trace.truncated is not None and f"line {lines} is cut short" in trace.truncated
+    n = len(trace.steps)
+    assert n == len(load(recorded[0]).steps) - 1
+    code, out, err = replay_cli(capsys, str(cut))
+    assert (code, out) == (0, [f"identical: {n}/{n} steps"])
+    assert err == [f"nanoverify replay: warning: {trace.truncated}"]
+
+
+def header_line(**changes: Any) -> str:
+    config = {"block_size": 4, "num_blocks": 8, "max_num_seqs": 2, "max_num_batched_tokens": 8, "eos": 0}
+    return json.dumps({"version": 1, "config": config, **changes})
+
+
+ADD = json.dumps({"add": {"id": 0, "prompt": [1, 2, 3], "max_tokens": 1, "ignore_eos": False, "arrive": 0}})
+STEP = {"step": 0, "prefill": True, "batch": [[0, 3, [0]]], "preempted": [], "tokens": [5], "finished": [0]}
+
+
+def variant(**changes: Any) -> str:
+    return json.dumps({k: v for k, v in {**STEP, **changes}.items() if v is not None})
+
+
+@pytest.mark.clause("TRACE-4")
+@pytest.mark.parametrize(("lines", "message"), [
+    ([header_line(version=2), ADD, variant()], "line 1: version: must be 1, got 2"),
+    ([header_line(), ADD, variant(tokens=None)], "line 3: step record: missing field 'tokens'"),
+    ([header_line(), ADD, variant(tokens=[5, 6])], "line 3: tokens: has 2 tokens for a batch of 1"),
+    ([header_line(), ADD, variant(batch=[[0, 3, [8]]])], "line 3: batch[0][2]: holds a block id past num_blocks=8"),
+    ([header_line(), "{not json", variant()], "line 2: not JSON"),
+    ([header_line(), ADD, ADD], "line 3: add.id: 0 was added before"),
+    ([header_line(), ADD, variant(), json.dumps({"abort": 7, "before": 1})], "line 4: abort: request 7 was never"),
+    ([header_line(), ADD, variant(step=0), variant(step=0)], "line 4: step: is 0, expected at least 1"),
+    ([header_line(), ADD], "the trace holds no step: nothing to replay"),
+    ([ADD, variant()], "line 1: header: the first record must be the header"),
+])
+def test_a_bad_trace_is_refused_by_line_and_field(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  lines: list[str], message: str) -> None:
+    """TRACE-4: a malformed record is one line naming the line and field, exit 2, nothing replayed."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TraceError, match="^" + message.replace("[", r"\[").replace("]", r"\]").replace("{", r"\{")):
+        load(path)
+    code, out, err = replay_cli(capsys, str(path))
+    assert (code, out) == (2, []) and len(err) == 1
+    assert message in err[0] or (lines[0] == ADD and "nothing to replay" in err[0])  # headerless: not a trace
+
+
+@pytest.mark.clause("TRACE-6")
+def test_a_file_with_nothing_to_replay_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """TRACE-6: lines, none of them a workload or a trace header: exit 2, not a silent success."""
+    path = tmp_path / "nothing.jsonl"
+    path.write_text(json.dumps({"comment": "no workload here"}) + "\n[1, 2]\n")
+    assert replay_cli(capsys, str(path)) == (2, [], ["nanoverify replay: no line holds a workload, and the first is "
+                                                     "no trace header: nothing to replay"])
+
+
+@pytest.mark.clause("TRACE-1", "TRACE-7")
+def test_wall_times_are_recorded_on_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRACE-7: with trace_wall_times each step holds its [start, end] seconds, increasing; the replay ignores them."""
+    path = tmp_path / "timed.jsonl"
+    eventful_run(path, monkeypatch, wall_times=True)
+    trace = load(path)
+    walls = [s.wall for s in trace.steps]
+    assert all(w is not None for w in walls)
+    ends = [w[1] for w in walls if w is not None]
+    assert ends == sorted(ends) and all(w[0] <= w[1] for w in walls if w is not None)
+    assert replay_trace(trace, "optimized").ok
+
+
+@pytest.mark.clause("TRACE-1")
+def test_trace_arguments_are_checked_before_loading() -> None:
+    """TRACE-1: a bad trace argument is a ValueError naming it."""
+    with pytest.raises(ValueError, match="trace must be a file path"):
+        LLM(trace=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="trace_wall_times must be a bool"):
+        LLM(trace="x.jsonl", trace_wall_times=1)  # type: ignore[arg-type]
+
+
+def test_step_decisions_are_conf_3_records() -> None:
+    """A replayed step compares as CONF-3 writes it."""
+    assert Step(3, True, [(1, 2, [0])], [], [9], [1]).decisions() == {
+        "step": 3, "prefill": True, "batch": [[1, 2, [0]]], "preempted": [], "finished": [1]}
