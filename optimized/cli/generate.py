@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from optimized.cli.arguments import any_int, checkpoint_folder, utf8_text
+from optimized.trace.options import add_trace_arguments, trace_options
 
 HELP = "generate completions for the given prompts"
 
@@ -26,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16", "float16"])
     p.add_argument("--device", default=None)
     p.add_argument("--check", action="store_true", help="shadow the scheduler with the reference")
+    add_trace_arguments(p)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -39,7 +41,8 @@ def main(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
     )
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, check=args.check, num_kvcache_blocks=None)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, check=args.check, num_kvcache_blocks=None,
+              **trace_options(args))
     outs = llm.generate(list(args.prompts), params, use_tqdm=False)
     for prompt, out in zip(args.prompts, outs, strict=True):
         print(f"--- {prompt!r} -> ({len(out.token_ids)} tokens, {out.finish_reason})")

@@ -15,6 +15,7 @@ import argparse
 import random
 
 from optimized.cli.arguments import any_int, bounded_int, checkpoint_folder
+from optimized.trace.options import add_trace_arguments, trace_options
 
 HELP = "serve a few hundred requests on the default model in check mode and report"
 
@@ -30,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=bounded_int(1), default=128)
     p.add_argument("--seed", type=any_int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the reference shadow (check mode is on by default)")
+    add_trace_arguments(p)
 
 
 def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -55,6 +57,7 @@ def main(args: argparse.Namespace) -> int:
         kvcache_block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
+        **trace_options(args),
     )
     longest = llm.engine.limits.max_model_len
     if args.max_input_len + args.max_output_len > longest:

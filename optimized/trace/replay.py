@@ -15,10 +15,9 @@ difference ends the replay and is named by step and field.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import reference
 from invariants import check_batch, check_state, seq_view, snapshot
@@ -27,8 +26,14 @@ from optimized.trace.schema import Aborted, Added, Step, Trace
 from optimized.verify.conformance import implementation
 from reference import extensions
 
-# Called after each step replayed identically: (the record, the scheduler, its batch, request id by seq_id).
-Observer = Callable[[Step, Any, list[Any], dict[int, int]], None]
+
+class Observer(Protocol):
+    """Watches a replay: ``scheduled`` right after each ``schedule()`` returned a batch, ``stepped`` after each
+    step replayed identically (with the record, the scheduler, its batch and the request id of each seq_id)."""
+
+    def scheduled(self, scheduler: Any) -> None: ...
+
+    def stepped(self, record: Step, scheduler: Any, batch: list[Any], id_of: dict[int, int]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -60,8 +65,9 @@ def first_difference(field: str, recorded: Any, replayed: Any) -> str | None:
 
 
 class _Driver:
-    def __init__(self, trace: Trace, impl: ModuleType) -> None:
+    def __init__(self, trace: Trace, impl: ModuleType, observer: Observer | None) -> None:
         self.trace = trace
+        self.observer = observer
         self.impl = impl
         self.scheduler = impl.Scheduler(impl.SchedulerConfig(**trace.config))
         self.is_reference = isinstance(self.scheduler, reference.Scheduler)
@@ -99,6 +105,8 @@ class _Driver:
                     "the trace records a batch"), []
         if record.empty_decode:
             return f"step {n}: the trace records the empty decode, the replay scheduled a batch", batch
+        if self.observer is not None:
+            self.observer.scheduled(sched)
         waiting_after = {s.seq_id for s in sched.waiting}
         ids = self.id_of
         replayed = [(ids[s.seq_id], s.num_scheduled_tokens, list(s.block_table)) for s in batch]
@@ -133,7 +141,7 @@ class _Driver:
 
 def replay_trace(trace: Trace, impl_name: str, observe: Observer | None = None) -> Outcome:
     """Replay ``trace`` through 'reference' or 'optimized'; how many steps were identical, and the first difference."""
-    driver = _Driver(trace, implementation(impl_name))
+    driver = _Driver(trace, implementation(impl_name), observe)
     total, identical = len(trace.steps), 0
     for event in trace.events:
         if isinstance(event, Added):
@@ -146,7 +154,7 @@ def replay_trace(trace: Trace, impl_name: str, observe: Observer | None = None) 
             if difference is None:
                 identical += 1
                 if observe is not None:
-                    observe(event, driver.scheduler, batch, driver.id_of)
+                    observe.stepped(event, driver.scheduler, batch, driver.id_of)
         if difference is not None:
             return Outcome(total, identical, difference)
     return Outcome(total, identical)
