@@ -5,6 +5,7 @@ the spec's figures that are what the current reference produces."""
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import re
 import sys
@@ -20,7 +21,7 @@ from optimized.cli import main
 from optimized.trace.figures import FIGURES
 from optimized.trace.recorder import Recorder
 from optimized.trace.replay import replay_trace
-from optimized.trace.schema import Trace, read_trace
+from optimized.trace.schema import Added, Trace, read_trace
 from optimized.trace.timeline import build_timeline, perfetto, png, shown_rows
 from optimized.trace.workload import record_workload, workload_trace
 from optimized.verify.conformance import parse_workload
@@ -93,7 +94,7 @@ def check_trace_events(doc: dict[str, Any]) -> dict[tuple[int, int], list[dict[s
             assert event["name"] in ("process_name", "thread_name", "thread_sort_index")
     for slices in tracks.values():
         slices.sort(key=lambda e: e["ts"])
-        for before, after in zip(slices, slices[1:], strict=False):
+        for before, after in itertools.pairwise(slices):
             assert before["ts"] + before["dur"] <= after["ts"] + 1e-6, (before, after)
     return tracks
 
@@ -246,5 +247,5 @@ def _blocked_behind_the_head(trace: Trace) -> bool:
 
 def _hit(trace: Trace) -> bool:
     """A prefill granted fewer tokens than its prompt holds, all at once: the rest came from the cache."""
-    prompts = {e.id: len(e.prompt) for e in trace.events if hasattr(e, "prompt")}
+    prompts = {e.id: len(e.prompt) for e in trace.events if isinstance(e, Added)}
     return any(s.prefill and n < prompts[rid] and rid > 0 for s in trace.steps for rid, n, _ in s.batch)

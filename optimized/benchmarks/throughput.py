@@ -164,6 +164,12 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-input-len {max_in} + --max-output-len {max_out} exceeds the model's "
                          f"max_model_len={llm.engine.limits.max_model_len}")
     w = make_workload(num, max_in, max_out, vocab, seed)
+    if getattr(args, "trace", False):  # TRACE-12: the engine with and without a trace, instead of transformers
+        from optimized.trace.cost import measure
+
+        print(f"workload: {num} requests, prompts 1..{max_in}, outputs 1..{max_out} tokens, {threads} torch threads")
+        measure(llm, [len(p) for p in w.prompts], w.output_lens, seed)
+        return 0
     warmup = make_workload(4, max_in, 4, vocab, seed + 1)
     dtype, device = runner.dtype, runner.device
     print(

@@ -65,6 +65,7 @@ class Recorder:
         self.wall_times = wall_times
         self.broken: str | None = None  # why an earlier write failed: the file is no longer the whole run
         self.steps = 0  # schedule() calls recorded: the number the next step gets
+        self._tables: dict[int, tuple[list[int], str]] = {}  # request id -> its last block table and its JSON
         self._origin = time.perf_counter()
         self._write(json.dumps(header(config, eos_token_ids, **extra)) + "\n")
 
@@ -86,26 +87,44 @@ class Recorder:
         self.file.write(json.dumps({"add": record}) + "\n")
 
     def abort(self, request_id: int) -> None:
+        self._forget([request_id])
         self.file.write(f'{{"abort": {request_id}, "before": {self.steps}}}\n')
 
     # --- steps ------------------------------------------------------------------------------------------
     def decided(self, prefill: bool, batch: Sequence[Entry], preempted: Iterable[int]) -> str:
         """What ``schedule()`` decided, serialized now (block tables change when the step finishes sequences);
         hand it to ``step`` or ``failed`` once the step has run."""
-        entries = json.dumps([[i, n, list(t)] for i, n, t in batch], separators=(",", ":"))
-        return (f'{{"step":{self.steps},"prefill":{"true" if prefill else "false"},"batch":{entries},'
+        table = self._table_json
+        entries = ",".join([f"[{i},{n},{table(i, t)}]" for i, n, t in batch])
+        return (f'{{"step":{self.steps},"prefill":{"true" if prefill else "false"},"batch":[{entries}],'
                 f'"preempted":{json.dumps(sorted(preempted))}')
+
+    def _table_json(self, request_id: int, table: Sequence[int]) -> str:
+        """A block table as JSON. A decode step mostly repeats last step's tables: the text is reused when the table
+        equals the copy it was made from (one C-speed comparison, never trusting that tables only grow)."""
+        cached = self._tables.get(request_id)
+        if cached is not None and cached[0] == table:
+            return cached[1]
+        copy = list(table)
+        text = json.dumps(copy, separators=(",", ":"))
+        self._tables[request_id] = (copy, text)
+        return text
 
     def step(self, decided: str, tokens: Sequence[int], finished: Sequence[int],
              cuts: Sequence[tuple[int, int]] = (), start: float | None = None) -> None:
         """A step that ran: the model's token per batch entry, who finished, the stop cuts (TRACE-2, TRACE-3)."""
         head = "".join(f'{{"cut": {rid}, "max_tokens": {n}}}\n' for rid, n in cuts)
+        self._forget(finished)
         self._end_step(head, f'{decided},"tokens":{json.dumps(list(tokens))},"finished":{json.dumps(list(finished))}',
                        start)
 
     def failed(self, decided: str, reason: str, start: float | None = None) -> None:
         """A step whose model run raised: its batch was aborted (FAULT-2), nothing it computed kept."""
         self._end_step("", f'{decided},"failed":{json.dumps(reason)}', start)
+
+    def _forget(self, request_ids: Iterable[int]) -> None:
+        for rid in request_ids:
+            self._tables.pop(rid, None)
 
     def empty_decode(self) -> None:
         self._end_step("", f'{{"step":{self.steps},"error":"empty decode"', None)
