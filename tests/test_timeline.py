@@ -22,7 +22,7 @@ from optimized.trace.figures import FIGURES
 from optimized.trace.recorder import Recorder
 from optimized.trace.replay import replay_trace
 from optimized.trace.schema import Added, Trace, read_trace
-from optimized.trace.timeline import build_timeline, perfetto, png, shown_rows
+from optimized.trace.timeline import build_timeline, ordinal, perfetto, png, shown_rows
 from optimized.trace.workload import record_workload, workload_trace
 from optimized.verify.conformance import parse_workload
 from reference.extensions import abort, abort_step
@@ -180,7 +180,9 @@ def test_png_at_256_requests_samples_rows_and_says_so(tmp_path: Path) -> None:
         mp.setattr(matplotlib.axes.Axes, "set_title", spy)
         png(timeline, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert titles == ["showing every 2th of 256 requests (128 rows)"]
+    assert titles == ["showing every 2nd of 256 requests (128 rows)"]
+    assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st"]
 
 
 @pytest.mark.clause("TRACE-8", "TRACE-10")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -15,8 +16,10 @@ import pytest
 
 from optimized import LLM, SamplingParams
 from optimized.cli import main
+from optimized.trace.figures import FIGURES
 from optimized.trace.replay import replay_trace
 from optimized.trace.schema import Step, Trace, TraceError, read_trace
+from optimized.trace.workload import record_workload, workload_trace
 from tests.engine_fixtures import make_llm
 
 pytestmark = pytest.mark.usefixtures("engine_env")
@@ -250,3 +253,50 @@ def test_step_decisions_are_conf_3_records() -> None:
     """A replayed step compares as CONF-3 writes it."""
     assert Step(3, True, [(1, 2, [0])], [], [9], [1]).decisions() == {
         "step": 3, "prefill": True, "batch": [[1, 2, [0]]], "preempted": [], "finished": [1]}
+
+
+class BreakARefCount:
+    """An observer that corrupts the replayed scheduler right after its schedule() at one step."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.calls = step, 0
+
+    def scheduled(self, scheduler: Any) -> None:
+        if self.calls == self.step:
+            bm = scheduler.block_manager
+            used = min(bm.used_block_ids)
+            if hasattr(bm, "blocks"):
+                bm.blocks[used].ref_count += 1
+            else:  # the optimized pool keeps a used block's references past the first
+                bm.pool._extra[used] += 1
+        self.calls += 1
+
+    def stepped(self, record: Step, scheduler: Any, batch: list[Any], id_of: dict[int, int]) -> None:
+        pass
+
+
+@pytest.mark.clause("TRACE-5")
+@pytest.mark.parametrize("impl", ["reference", "optimized"])
+def test_invariants_are_checked_at_every_step(impl: str) -> None:
+    """TRACE-5: a state that breaks an invariant right after schedule() ends the replay at that step, naming the
+    clause, although every recorded decision still matches."""
+    trace = workload_trace(FIGURES["preemption"].workload())
+    outcome = replay_trace(trace, impl, BreakARefCount(3))
+    assert outcome.identical == 3 and outcome.difference is not None
+    assert re.match(r"step 3: invariant INV-\d+ after schedule\(\): ", outcome.difference), outcome.difference
+
+
+@pytest.mark.clause("TRACE-5")
+def test_an_abort_of_a_request_the_replay_finished_is_a_difference(tmp_path: Path) -> None:
+    """TRACE-5: the record aborts a request that, replayed, has already finished: named, before its step."""
+    text = record_workload(FIGURES["preemption"].workload())
+    lines = text.splitlines(keepends=True)
+    first_finish = next(i for i, line in enumerate(lines) if json.loads(line).get("finished"))
+    done = json.loads(lines[first_finish])
+    lines.insert(first_finish + 1, json.dumps({"abort": done["finished"][0], "before": done["step"] + 1}) + "\n")
+    trace = read_trace([line.encode() for line in lines])
+    for impl in ("reference", "optimized"):
+        outcome = replay_trace(trace, impl)
+        assert outcome.difference == (f"before step {done['step'] + 1}: abort of request {done['finished'][0]}, "
+                                      "which the replay has finished")
+        assert outcome.identical == done["step"] + 1

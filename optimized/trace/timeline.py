@@ -225,6 +225,12 @@ def shown_rows(requests: list[int], limit: int = MAX_ROWS) -> tuple[list[int], i
     return requests[::stride], stride
 
 
+def ordinal(n: int) -> str:
+    """2 -> '2nd', 3 -> '3rd', 11 -> '11th'."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def png(timeline: Timeline, path: str, title: str = "") -> None:
     """Requests down, steps across, coloured by state; KV blocks and batch size underneath on the same axis."""
     plt = _matplotlib()
@@ -248,14 +254,14 @@ def png(timeline: Timeline, path: str, title: str = "") -> None:
     _mark_ends(top, timeline, rows)
     top.set_ylim(len(rows), 0)
     step_label = "step" if timeline.axis == "steps" else "seconds"
-    top.set_ylabel("request" if stride == 1 else f"request (every {stride}th)")
+    top.set_ylabel("request" if stride == 1 else f"request (every {ordinal(stride)})")
     ticks = list(range(0, len(rows), max(1, len(rows) // 16)))
     top.set_yticks([t + 0.5 for t in ticks], [str(rows[t]) for t in ticks], fontsize=7)
     handles = [Patch(color=COLOURS[s], label=LABELS[s]) for s in STATES]
     handles.append(Patch(color="black", label="finished"))
     top.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     note = f"{len(timeline.requests)} requests" if stride == 1 else (
-        f"showing every {stride}th of {len(timeline.requests)} requests ({len(rows)} rows)")
+        f"showing every {ordinal(stride)} of {len(timeline.requests)} requests ({len(rows)} rows)")
     if timeline.difference is not None:
         note += f"; stopped early: {timeline.difference}"
     if timeline.empty_decode is not None:
