@@ -258,7 +258,9 @@ def png(timeline: Timeline, path: str, title: str = "") -> None:
     ticks = list(range(0, len(rows), max(1, len(rows) // 16)))
     top.set_yticks([t + 0.5 for t in ticks], [str(rows[t]) for t in ticks], fontsize=7)
     handles = [Patch(color=COLOURS[s], label=LABELS[s]) for s in STATES]
-    handles.append(Patch(color="black", label="finished"))
+    from matplotlib.lines import Line2D
+
+    handles += [Line2D([], [], marker=m, color=c, linestyle="", label=how) for how, (m, c) in ENDS.items()]
     top.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     note = f"{len(timeline.requests)} requests" if stride == 1 else (
         f"showing every {ordinal(stride)} of {len(timeline.requests)} requests ({len(rows)} rows)")
@@ -302,15 +304,21 @@ def _label_grants(ax: Any, timeline: Timeline, rows: list[int]) -> None:
                         fontsize=7)
 
 
+ENDS = {"finished": ("|", "black"), "failed": ("x", "#cc2936"), "aborted": ("x", "black")}
+
+
 def _mark_ends(ax: Any, timeline: Timeline, rows: list[int]) -> None:
+    """A tick where a request finished, a cross where it failed (red) or was aborted (black)."""
     row_of = {rid: k for k, rid in enumerate(rows)}
-    xs, ys = [], []
-    for frame in timeline.frames:
-        for rid in frame.ended:
-            if rid in row_of:
-                xs.append(frame.end)
-                ys.append(row_of[rid] + 0.5)
-    ax.scatter(xs, ys, marker="|", color="black", s=40, linewidths=1.5)
+    points: dict[str, tuple[list[float], list[float]]] = {how: ([], []) for how in ENDS}
+    ends = [(rid, frame.end, how) for frame in timeline.frames for rid, how in frame.ended.items()]
+    for rid, at, how in [*ends, *((rid, at, "aborted") for rid, at in timeline.aborts)]:
+        if rid in row_of:
+            points[how][0].append(at)
+            points[how][1].append(row_of[rid] + 0.5)
+    for how, (xs, ys) in points.items():
+        marker, colour = ENDS[how]
+        ax.scatter(xs, ys, marker=marker, color=colour, s=40, linewidths=1.5, zorder=3)
 
 
 def _usage(ax: Any, timeline: Timeline) -> None:
