@@ -235,6 +235,7 @@ def png(timeline: Timeline, path: str, title: str = "") -> None:
     """Requests down, steps across, coloured by state; KV blocks and batch size underneath on the same axis."""
     plt = _matplotlib()
     from matplotlib.colors import ListedColormap
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     frames = timeline.frames
@@ -257,9 +258,7 @@ def png(timeline: Timeline, path: str, title: str = "") -> None:
     top.set_ylabel("request" if stride == 1 else f"request (every {ordinal(stride)})")
     ticks = list(range(0, len(rows), max(1, len(rows) // 16)))
     top.set_yticks([t + 0.5 for t in ticks], [str(rows[t]) for t in ticks], fontsize=7)
-    handles = [Patch(color=COLOURS[s], label=LABELS[s]) for s in STATES]
-    from matplotlib.lines import Line2D
-
+    handles: list[Any] = [Patch(color=COLOURS[s], label=LABELS[s]) for s in STATES]
     handles += [Line2D([], [], marker=m, color=c, linestyle="", label=how) for how, (m, c) in ENDS.items()]
     top.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     note = f"{len(timeline.requests)} requests" if stride == 1 else (
