@@ -5,6 +5,7 @@ by line and field, and a last line cut short is reported while everything before
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import re
 from collections.abc import Sequence
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from optimized import LLM, SamplingParams
 from optimized.cli import main
@@ -300,3 +303,69 @@ def test_an_abort_of_a_request_the_replay_finished_is_a_difference(tmp_path: Pat
         assert outcome.difference == (f"before step {done['step'] + 1}: abort of request {done['finished'][0]}, "
                                       "which the replay has finished")
         assert outcome.identical == done["step"] + 1
+
+
+@pytest.mark.clause("TRACE-4")
+def test_a_hostile_max_tokens_reserves_nothing_and_nothing_follows_the_empty_decode(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """TRACE-4: max_tokens 2**62 replays (capped at one past the steps left: same decisions, bounded memory); a
+    record after the empty decode is refused by line."""
+    path = tmp_path / "huge.jsonl"
+    path.write_text("\n".join([header_line(), ADD.replace('"max_tokens": 1', f'"max_tokens": {1 << 62}'),
+                               variant(finished=[])]) + "\n")
+    for impl in ("reference", "optimized"):
+        assert replay_cli(capsys, "--impl", impl, str(path)) == (0, ["identical: 1/1 steps"], [])
+    path.write_text("\n".join([header_line(), ADD, json.dumps({"step": 0, "error": "empty decode"}), variant()]))
+    code, out, err = replay_cli(capsys, str(path))
+    assert (code, out) == (2, []) and err == ["nanoverify replay: line 4: record: follows the empty decode, which "
+                                              "ends a trace (CONF-4)"]
+
+
+EDGE_VALUES = st.sampled_from([1 << 63, (1 << 63) - 1, -(1 << 63) - 1, -1, 0, 1, 2, 3, 11, 12, 1 << 62, None, True,
+                               "x", [], [0], {}, 1.5])
+FIGURE_RECORDS = [[json.loads(line) for line in record_workload(f.workload()).splitlines()]
+                  for f in FIGURES.values()]
+
+
+def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else []
+    return [prefix, *(p for key, child in children for p in _paths(child, (*prefix, key)))]
+
+
+@st.composite
+def mutated_trace(draw: st.DrawFn) -> bytes:
+    """A figure's trace with a few values replaced, keys dropped or lines dropped, maybe a byte changed."""
+    records = copy.deepcopy(draw(st.sampled_from(FIGURE_RECORDS)))
+    for _ in range(draw(st.integers(1, 3))):
+        how = draw(st.sampled_from(["value", "value", "drop key", "drop line"]))
+        if how == "drop line":
+            del records[draw(st.integers(0, len(records) - 1))]
+            continue
+        path = draw(st.sampled_from([p for p in _paths(records) if len(p) > 1]))
+        parent: Any = records
+        for key in path[:-1]:
+            parent = parent[key]
+        if how == "drop key" and isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = draw(EDGE_VALUES)
+    data = bytearray("".join(json.dumps(r) + "\n" for r in records).encode())
+    if data and draw(st.integers(0, 3)) == 0:
+        data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+    return bytes(data)
+
+
+@pytest.mark.clause("TRACE-4", "TRACE-5")
+@settings(max_examples=60)
+@given(mutated_trace())
+def test_fuzz_a_mutated_trace_is_refused_or_replays_without_an_exception(data: bytes) -> None:
+    """TRACE-4, TRACE-5: whatever is changed, the reader refuses it with a TraceError naming a line, or both
+    schedulers replay it to an outcome (identical, or a named difference): no other exception."""
+    try:
+        trace = read_trace(data.splitlines(keepends=True))
+    except TraceError as e:
+        assert "\n" not in str(e) and str(e).startswith(("line ", "the trace")), str(e)
+        return
+    for impl in ("reference", "optimized"):
+        outcome = replay_trace(trace, impl)
+        assert outcome.difference is None or outcome.difference.startswith(("step ", "before step "))

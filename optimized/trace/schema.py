@@ -15,6 +15,8 @@ conformance step records of CONF-3, extended with the model's ``tokens`` or a
 
 from __future__ import annotations
 
+import bisect
+import functools
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -91,9 +93,19 @@ class Trace:
     def steps(self) -> list[Step]:
         return [e for e in self.events if isinstance(e, Step)]
 
+    @functools.cached_property
+    def _step_numbers(self) -> list[int]:
+        """The step numbers, increasing (read once the trace is whole)."""
+        return [s.step for s in self.steps]
+
     def max_tokens(self, added: Added) -> int:
-        """The ``max_tokens`` a replay gives the request: lowered by its cut, if it has one."""
-        return self.cuts.get(added.id, added.max_tokens)
+        """The ``max_tokens`` a replay gives the request: lowered by its cut, if it has one, and to one past the
+        number of steps from its arrival on. A step appends at most one token, so within the trace the count never
+        reaches that bound and the decisions are the same; a hostile ``max_tokens`` cannot make the replay reserve
+        room for more tokens than the trace can produce (TRACE-4)."""
+        numbers = self._step_numbers
+        steps_from_arrival = len(numbers) - bisect.bisect_left(numbers, added.arrive)
+        return min(self.cuts.get(added.id, added.max_tokens), steps_from_arrival + 1)
 
 
 def is_trace_header(obj: Any) -> bool:
@@ -221,6 +233,8 @@ class _Builder:
     def take(self, obj: Any) -> None:
         if not isinstance(obj, dict):
             raise _fail("record", "must be an object")
+        if self.trace.events and isinstance(self.trace.events[-1], Step) and self.trace.events[-1].empty_decode:
+            raise _fail("record", "follows the empty decode, which ends a trace (CONF-4)")
         if "add" in obj:
             self._add(_added(obj["add"], self.next))
         elif "abort" in obj:
