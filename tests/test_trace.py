@@ -321,8 +321,8 @@ def test_a_hostile_max_tokens_reserves_nothing_and_nothing_follows_the_empty_dec
                                               "ends a trace (CONF-4)"]
 
 
-EDGE_VALUES = st.sampled_from([1 << 63, (1 << 63) - 1, -(1 << 63) - 1, -1, 0, 1, 2, 3, 11, 12, 1 << 62, None, True,
-                               "x", [], [0], {}, 1.5])
+EDGE_VALUES: st.SearchStrategy[Any] = st.sampled_from([1 << 63, (1 << 63) - 1, -(1 << 63) - 1, -1, 0, 1, 2, 3, 11,
+                                                       12, 1 << 62, None, True, "x", [], [0], {}, 1.5])
 FIGURE_RECORDS = [[json.loads(line) for line in record_workload(f.workload()).splitlines()]
                   for f in FIGURES.values()]
 
