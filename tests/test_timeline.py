@@ -251,3 +251,23 @@ def _hit(trace: Trace) -> bool:
     """A prefill granted fewer tokens than its prompt holds, all at once: the rest came from the cache."""
     prompts = {e.id: len(e.prompt) for e in trace.events if isinstance(e, Added)}
     return any(s.prefill and n < prompts[rid] and rid > 0 for s in trace.steps for rid, n, _ in s.batch)
+
+
+@pytest.mark.clause("TRACE-9")
+def test_a_trace_that_stops_replaying_is_drawn_up_to_its_first_difference(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """TRACE-9: the picture ends before the first difference, and the command warns, naming it."""
+    lines = record_workload(FIGURES["preemption"].workload()).splitlines(keepends=True)
+    k = next(i for i, line in enumerate(lines) if json.loads(line).get("step") == 3)
+    record = json.loads(lines[k])
+    record["batch"][0][2][0] += 1
+    lines[k] = json.dumps(record) + "\n"
+    timeline = build_timeline(text_trace("".join(lines)))
+    assert [f.step for f in timeline.frames] == [0, 1, 2]
+    assert timeline.difference is not None and timeline.difference.startswith("step 3: batch[0]")
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(lines))
+    assert main(["timeline", str(path), "--format", "perfetto"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("nanoverify timeline: warning: drawn up to the first difference from the reference (step 3")
+    assert json.loads((tmp_path / "bad.timeline.json").read_text())["otherData"]["stopped_early"].startswith("step 3")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import json
 import re
 from collections.abc import Sequence
@@ -369,3 +370,12 @@ def test_fuzz_a_mutated_trace_is_refused_or_replays_without_an_exception(data: b
     for impl in ("reference", "optimized"):
         outcome = replay_trace(trace, impl)
         assert outcome.difference is None or outcome.difference.startswith(("step ", "before step "))
+
+
+@pytest.mark.clause("TRACE-6")
+def test_a_trace_on_standard_input_replays(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """TRACE-6: `-` reads the trace from standard input, blank lines before the header included."""
+    text = "\n\n" + record_workload(FIGURES["chunked-prefill"].workload())
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text.encode()), encoding="utf-8"))
+    n = len(workload_trace(FIGURES["chunked-prefill"].workload()).steps)
+    assert replay_cli(capsys, "--impl", "optimized", "-") == (0, [f"identical: {n}/{n} steps"], [])
