@@ -271,3 +271,20 @@ def test_a_trace_that_stops_replaying_is_drawn_up_to_its_first_difference(
     err = capsys.readouterr().err
     assert err.startswith("nanoverify timeline: warning: drawn up to the first difference from the reference (step 3")
     assert json.loads((tmp_path / "bad.timeline.json").read_text())["otherData"]["stopped_early"].startswith("step 3")
+
+
+@pytest.mark.clause("TRACE-9")
+def test_timeline_garbage_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """TRACE-9: a missing file, a folder, garbage bytes, a bad flag or a wall axis without wall times: exit 2, one
+    line on standard error, nothing written."""
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_bytes(b'{"version": 1, "config": \xff}\n')
+    figure = tmp_path / "figure.jsonl"
+    figure.write_text(record_workload(FIGURES["preemption"].workload()))
+    written = {garbage, figure}
+    for args in ([str(tmp_path / "missing")], [str(tmp_path)], [str(garbage)], [str(figure), "--format", "svg"],
+                 [str(figure), "--axis", "wall"], [str(figure), "--index", "-1"], [str(figure), "--nope"]):
+        assert main(["timeline", *args]) == 2, args
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1 and err.startswith("nanoverify timeline: "), (args, err)
+    assert set(tmp_path.iterdir()) == written
