@@ -39,6 +39,7 @@ def test_run_records_with_trace_flag(tmp_path: Path) -> None:
                            str(path), "--trace-wall-times"], env=env, capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode == 0, done.stderr
+    assert f"trace: {path} (judge it anywhere: nanoverify replay --impl reference {path})" in done.stdout
     identical_ref, identical_opt, steps = load(path)
     assert steps > 0 and identical_ref == identical_opt == steps
     assert '"wall":' in path.read_text()

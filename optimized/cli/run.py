@@ -92,4 +92,6 @@ def main(args: argparse.Namespace) -> int:
         print("decisions identical to the reference: not checked (--no-check)")
     else:
         print(f"decisions identical to the reference: {st.compared_steps}/{st.steps} steps")
+    if args.trace is not None:
+        print(f"trace: {args.trace} (judge it anywhere: nanoverify replay --impl reference {args.trace})")
     return 0
