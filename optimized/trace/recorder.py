@@ -69,12 +69,14 @@ class Recorder:
         self._origin = time.perf_counter()
         self._write(json.dumps(header(config, eos_token_ids, **extra)) + "\n")
 
-    def _write(self, text: str) -> None:
+    def _write(self, text: str, flush: bool = True) -> None:
+        """Append ``text`` (flushed unless told not to); after a failed write, every later one raises (TRACE-4)."""
         if self.broken is not None:
             raise OSError(f"the trace is incomplete since an earlier write failed ({self.broken})")
         try:
             self.file.write(text)
-            self.file.flush()
+            if flush:
+                self.file.flush()
         except OSError as error:
             self.broken = _describe(error)
             raise
@@ -84,11 +86,11 @@ class Recorder:
         """A request arrived (it is scheduled from the next step on); written with that step."""
         record = {"id": request_id, "prompt": [int(t) for t in prompt], "max_tokens": max_tokens,
                   "ignore_eos": ignore_eos, "arrive": self.steps}
-        self.file.write(json.dumps({"add": record}) + "\n")
+        self._write(json.dumps({"add": record}) + "\n", flush=False)
 
     def abort(self, request_id: int) -> None:
         self._forget([request_id])
-        self.file.write(f'{{"abort": {request_id}, "before": {self.steps}}}\n')
+        self._write(f'{{"abort": {request_id}, "before": {self.steps}}}\n', flush=False)
 
     # --- steps ------------------------------------------------------------------------------------------
     def decided(self, prefill: bool, batch: Sequence[Entry], preempted: Iterable[int]) -> str:
