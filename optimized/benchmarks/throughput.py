@@ -210,6 +210,8 @@ def main(args: argparse.Namespace) -> int:
     threads = int(_arg(args, "threads") or torch.get_num_threads())
     torch.set_num_threads(threads)  # both sides run under this one setting
     size = int(_arg(args, "tensor_parallel_size"))
+    if size > 1 and getattr(args, "trace", False):
+        raise ValueError("--trace and --tensor-parallel-size each replace the transformers side: give one at a time")
     if size > 1:
         return compare_tensor_parallel(args, size, threads)
     hf_batch_size = int(_arg(args, "hf_batch_size"))
@@ -221,6 +223,12 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-input-len {max_in} + --max-output-len {max_out} exceeds the model's "
                          f"max_model_len={llm.engine.limits.max_model_len}")
     w = make_workload(num, max_in, max_out, vocab, seed)
+    if getattr(args, "trace", False):  # TRACE-12: the engine with and without a trace, instead of transformers
+        from optimized.trace.cost import measure
+
+        print(f"workload: {num} requests, prompts 1..{max_in}, outputs 1..{max_out} tokens, {threads} torch threads")
+        measure(llm, [len(p) for p in w.prompts], w.output_lens, seed)
+        return 0
     warmup = make_workload(4, max_in, 4, vocab, seed + 1)
     dtype, device = runner.dtype, runner.device
     print(

@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="batch size of the transformers baseline")
     tp.add_argument("--tensor-parallel-size", type=bounded_int(1), default=None,
                     help="N > 1: the engine at TP=1 and at TP=N side by side (instead of transformers)")
+    tp.add_argument("--trace", action="store_true", help="instead of transformers: the engine with and without "
+                    "a trace (spec/trace.md), alternating, and the cost")
     threads = sub.add_parser("threads", help="the engine under each thread count and OpenMP wait policy, "
                              "idle and with another process spinning on one core")
     from optimized.benchmarks import busy_core

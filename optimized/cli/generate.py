@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from optimized.cli.arguments import any_int, bounded_int, checkpoint_folder, utf8_text
+from optimized.trace.options import add_trace_arguments, trace_options
 
 HELP = "generate completions for the given prompts"
 
@@ -28,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=bounded_int(1), default=1,
                    help="split the model over this many processes (under torchrun: its WORLD_SIZE)")
     p.add_argument("--check", action="store_true", help="shadow the scheduler with the reference")
+    add_trace_arguments(p)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -42,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     llm = LLM(args.model, dtype=args.dtype, device=args.device, check=args.check, num_kvcache_blocks=None,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, **trace_options(args))
     outs = llm.generate(list(args.prompts), params, use_tqdm=False)
     for prompt, out in zip(args.prompts, outs, strict=True):
         print(f"--- {prompt!r} -> ({len(out.token_ids)} tokens, {out.finish_reason})")

@@ -15,6 +15,7 @@ import argparse
 import random
 
 from optimized.cli.arguments import any_int, bounded_int, checkpoint_folder
+from optimized.trace.options import add_trace_arguments, trace_options
 
 HELP = "serve a few hundred requests on the default model in check mode and report"
 
@@ -32,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=bounded_int(1), default=1,
                    help="split the model over this many processes (under torchrun: its WORLD_SIZE)")
     p.add_argument("--no-check", action="store_true", help="skip the reference shadow (check mode is on by default)")
+    add_trace_arguments(p)
 
 
 def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -58,6 +60,7 @@ def main(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        **trace_options(args),
     )
     longest = llm.engine.limits.max_model_len
     if args.max_input_len + args.max_output_len > longest:
@@ -92,5 +95,7 @@ def main(args: argparse.Namespace) -> int:
         print("decisions identical to the reference: not checked (--no-check)")
     else:
         print(f"decisions identical to the reference: {st.compared_steps}/{st.steps} steps")
+    if args.trace is not None:
+        print(f"trace: {args.trace} (judge it anywhere: nanoverify replay --impl reference {args.trace})")
     llm.close()
     return 0

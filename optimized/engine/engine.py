@@ -38,6 +38,7 @@ from optimized.core.errors import is_strict_int
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
 from optimized.engine.model_runner import DrawParams, ModelRunner
 from optimized.engine.sampling_params import SamplingParams, token_id
+from optimized.trace.recorder import Recorder, record_engine_failure, record_engine_step, record_schedule
 from optimized.verify.shadow import Shadow
 
 __all__ = ["Engine", "EngineLimits", "EngineStats", "Request", "SchedulerConfig", "describe", "validate_request"]
@@ -149,8 +150,10 @@ class _Change:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig, limits: EngineLimits, check: bool) -> None:
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig, limits: EngineLimits, check: bool,
+                 recorder: Recorder | None = None) -> None:
         self.runner = runner
+        self.recorder = recorder  # TRACE-1: the run written down as it happens
         self.limits = limits
         self.scheduler = Scheduler(config)
         self.shadow = Shadow(config) if check else None
@@ -200,6 +203,8 @@ class Engine:
             self.live[request.seq.seq_id] = request
             self.by_arrival[request.arrival] = request
             self._arrivals += 1
+            if self.recorder is not None:
+                self.recorder.add(request.arrival, token_ids, params.max_tokens, params.ignore_eos)
         return request
 
     def _request(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
@@ -231,6 +236,8 @@ class Engine:
             self._forget(request)
             if self.shadow is not None:
                 self.shadow.abort(self.scheduler, arrival, self._live_arrivals())
+            if self.recorder is not None:
+                self.recorder.abort(arrival)
             self.stats.aborted_requests += 1
         return request
 
@@ -263,10 +270,14 @@ class Engine:
         if self.shadow is not None:
             preempted = [live[s.seq_id].arrival for s in out.preempted]
             self.shadow.after_schedule(self.scheduler, requests, is_prefill, preempted)
+        recorder = self.recorder
+        decided = "" if recorder is None else record_schedule(recorder, out, requests, live)
         start = time.perf_counter()
         try:
             tokens = self.runner.run(seqs, is_prefill, [r.draw for r in requests])
         except BaseException as fault:
+            if recorder is not None:
+                record_engine_failure(recorder, decided, fault, start)
             self._fail_batch_under(fault, seqs, requests)
             raise
         self._count(out, time.perf_counter() - start)
@@ -274,6 +285,8 @@ class Engine:
         for r in finished:
             r.finish_reason = self._finish_reason(r)
             self._forget(r)
+        if recorder is not None:
+            record_engine_step(recorder, decided, tokens, finished, self._eos, start)
         if self.shadow is not None:
             self.shadow.after_postprocess(self.scheduler, tokens, [r.arrival for r in finished])
             self.stats.compared_steps += 1

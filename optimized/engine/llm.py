@@ -49,6 +49,7 @@ from optimized.engine.sampling_params import SamplingParams
 from optimized.models.config import load_config
 from optimized.models.loader import load_model
 from optimized.models.tokenizer import load_tokenizer
+from optimized.trace.recorder import Recorder, trace_file
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -177,6 +178,8 @@ class LLM:
         attention_backend: str | None = None,
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        trace: str | Path | None = None,
+        trace_wall_times: bool = False,
     ) -> None:
         """Load ``model`` (a checkpoint folder; None: the embedded default model) and size the KV cache.
 
@@ -186,7 +189,10 @@ class LLM:
         ``tensor_parallel_size`` N > 1 splits the model over N processes (spec/parallel.md): N - 1 spawned
         workers, or the ranks torchrun started (on a torchrun rank other than 0 this serves rank 0 and then exits
         the process). ``close()`` (or leaving a ``with`` block) stops them.
+        ``trace``: a file the run is recorded in as it happens (spec/trace.md, TRACE-1), each step's wall
+        times too when ``trace_wall_times``.
         """
+        trace_path = trace_file(trace, trace_wall_times)
         for name, flag in (("enforce_eager", enforce_eager), ("check", check)):
             if not isinstance(flag, bool) and not (name == "enforce_eager" and flag is None):
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
@@ -260,7 +266,9 @@ class LLM:
             eos=c.eos,
         )
         limits = EngineLimits(c.vocab_size, max_model_len, num_kvcache_blocks, block_size, c.eos_token_ids)
-        self.engine = Engine(runner, config, limits, check)
+        recorder = None if trace_path is None else Recorder(trace_path, config, c.eos_token_ids, trace_wall_times,
+                                                             max_model_len=max_model_len)
+        self.engine = Engine(runner, config, limits, check, recorder)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()  # THREAD-1: held for one engine operation at a time
         self._changes = 0  # steps and aborts so far: a generate call that sees it move rescans its requests
@@ -286,11 +294,14 @@ class LLM:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any, and wait for them (TP-9); the LLM is unusable afterwards
-        under tensor parallelism. Idempotent; a single-process LLM has nothing to stop."""
+        under tensor parallelism. Idempotent; a single-process LLM has nothing to stop. A trace is flushed and
+        closed (TRACE-1)."""
         from optimized.parallel import launch
 
         with self._lock:
             launch.close(self.engine.runner)
+            if self.engine.recorder is not None:
+                self.engine.recorder.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -1,0 +1,117 @@
+"""What tracing costs the engine: the same workload served with and without a trace, alternating (TRACE-12).
+
+Invariant: both sides do the same work. Every run serves requests of the same
+lengths (greedy, EOS ignored, so every request produces exactly its length)
+on the same ``LLM``; each run draws fresh prompt tokens, so no run hits blocks
+an earlier run left in the prefix cache; runs alternate in the order
+U T T U U T ..., so a drift of the machine's speed falls on both sides alike.
+Each side's throughput is the median of its runs. On a shared machine the
+runs' spread can exceed the cost itself, so the traced runs also time the
+recorder directly (every call the engine makes into it, by a stopwatch around
+each): that time over the untraced runs' median time is the cost that no
+neighbour's load moves.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import optimized.engine.engine as engine_module
+from optimized.engine.sampling_params import SamplingParams
+from optimized.trace.recorder import Recorder
+
+ROUNDS = 3  # runs per side
+
+
+def _prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return run
+
+
+HOOKS = ("record_schedule", "record_engine_step")
+
+
+@contextmanager
+def _timing(watch: Stopwatch, recorder: Recorder) -> Iterator[None]:
+    """Every call the engine makes into the recorder, timed: its two step hooks and ``add``."""
+    saved = {name: getattr(engine_module, name) for name in HOOKS}
+    for name, fn in saved.items():
+        setattr(engine_module, name, watch.timed(fn))
+    setattr(recorder, "add", watch.timed(recorder.add))  # noqa: B010 (an instance attribute shadows the method)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(engine_module, name, fn)
+
+
+def _serve(llm: Any, prompts: list[list[int]], outputs: list[int], trace: Path | None) -> tuple[float, float]:
+    """Seconds to serve the requests, recording them in ``trace`` when given; and the seconds spent recording."""
+    engine = llm.engine
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
+    watch = Stopwatch()
+    if trace is None:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start, 0.0
+    recorder = Recorder(trace, engine.scheduler.config, engine.limits.eos_token_ids)
+    engine.recorder = recorder
+    try:
+        with _timing(watch, recorder):
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            return time.perf_counter() - start, watch.seconds
+    finally:
+        engine.recorder = None
+        recorder.close()
+
+
+def order(rounds: int) -> list[bool]:
+    """Whether each run is traced: U T T U U T ... (each pair mirrors the last)."""
+    return [(k % 2 == 1) != (k // 2 % 2 == 1) for k in range(2 * rounds)]
+
+
+def measure(llm: Any, input_lens: list[int], output_lens: list[int], seed: int, rounds: int = ROUNDS) -> None:
+    """Print each run, both sides' median throughput and the cost of tracing."""
+    vocab, tokens = llm.engine.limits.vocab_size, sum(output_lens)
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    recording: list[float] = []
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "bench.trace.jsonl"
+        _serve(llm, _prompts(input_lens[:4], vocab, seed - 1), output_lens[:4], trace)  # warm-up, both paths
+        _serve(llm, _prompts(input_lens[:4], vocab, seed - 2), output_lens[:4], None)
+        for k, traced in enumerate(order(rounds)):
+            took, spent = _serve(llm, _prompts(input_lens, vocab, seed + k), output_lens, trace if traced else None)
+            seconds[traced].append(took)
+            recording += [spent] if traced else []
+            size = f", trace {trace.stat().st_size / 1e6:.1f} MB, {spent:.3f} s recording" if traced else ""
+            print(f"run {k + 1}: {'traced  ' if traced else 'untraced'} {tokens / took:10.1f} output tok/s "
+                  f"({took:.2f} s{size})")
+    plain, traced_rate = (tokens / statistics.median(seconds[side]) for side in (False, True))
+    print(f"without trace: {plain:10.1f} output tok/s (median of {rounds})")
+    print(f"with trace:    {traced_rate:10.1f} output tok/s (median of {rounds})")
+    print(f"cost of tracing: {100 * (plain - traced_rate) / plain:+.1f}% by throughput; "
+          f"{100 * statistics.median(recording) / statistics.median(seconds[False]):.2f}% by the recorder's own time "
+          "(target: at most 3%)")

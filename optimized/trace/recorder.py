@@ -1,0 +1,212 @@
+"""The recorder: writes a run as it happens, one JSON line per event, flushed once per step (TRACE-1..4).
+
+Invariant: after each ``step``, ``failed`` or ``empty_decode`` call returns,
+every event so far is on disk, in the order it happened, so a crash loses at
+most the step in flight (and the adds and aborts since the last step). The
+recorder knows nothing of the engine: a caller hands it request ids, the
+schedule's decisions and the model's tokens; ``record_engine_step`` and
+``record_engine_failure`` adapt the engine's own objects (and a server
+adding requests between steps calls ``add`` as ``LLM`` does). Arrivals are
+stamped with the number of the next step, so a request added while the engine
+idles arrives before the step that follows.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+from optimized.trace.schema import VERSION
+
+Entry = tuple[int, int, Sequence[int]]  # request id, tokens scheduled, block table
+
+
+class SchedulerKnobs(Protocol):
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def eos(self) -> int: ...
+
+
+def header(config: SchedulerKnobs, eos_token_ids: Iterable[int] = (), **extra: Any) -> dict[str, Any]:
+    """The first record: the format's version and the configuration the run used (TRACE-1)."""
+    cfg: dict[str, Any] = {
+        "block_size": config.block_size,
+        "num_blocks": config.num_blocks,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "eos": config.eos,
+        "eos_token_ids": [int(t) for t in eos_token_ids],
+        **extra,
+    }
+    return {"version": VERSION, "config": cfg}
+
+
+class Recorder:
+    """Appends a run's records to ``out`` (a path, opened for writing, or an open text stream)."""
+
+    def __init__(self, out: str | Path | TextIO, config: SchedulerKnobs, eos_token_ids: Iterable[int] = (),
+                 wall_times: bool = False, **extra: Any) -> None:
+        if isinstance(out, (str, Path)):
+            self.file: TextIO = open(out, "w", encoding="utf-8")  # noqa: SIM115 (closed by close() or finalize)
+            self._closer = weakref.finalize(self, self.file.close)
+        else:
+            self.file = out
+        self.wall_times = wall_times
+        self.broken: str | None = None  # why an earlier write failed: the file is no longer the whole run
+        self.steps = 0  # schedule() calls recorded: the number the next step gets
+        self._tables: dict[int, tuple[list[int], str]] = {}  # request id -> its last block table and its JSON
+        self._origin = time.perf_counter()
+        self._write(json.dumps(header(config, eos_token_ids, **extra)) + "\n")
+
+    def _write(self, text: str, flush: bool = True) -> None:
+        """Append ``text`` (flushed unless told not to); after a failed write, every later one raises (TRACE-4)."""
+        if self.broken is not None:
+            raise OSError(f"the trace is incomplete since an earlier write failed ({self.broken})")
+        try:
+            self.file.write(text)
+            if flush:
+                self.file.flush()
+        except OSError as error:
+            self.broken = _describe(error)
+            raise
+
+    # --- between steps ----------------------------------------------------------------------------------
+    def add(self, request_id: int, prompt: Sequence[int], max_tokens: int, ignore_eos: bool) -> None:
+        """A request arrived (it is scheduled from the next step on); written with that step."""
+        record = {"id": request_id, "prompt": [int(t) for t in prompt], "max_tokens": max_tokens,
+                  "ignore_eos": ignore_eos, "arrive": self.steps}
+        self._write(json.dumps({"add": record}) + "\n", flush=False)
+
+    def abort(self, request_id: int) -> None:
+        self._forget([request_id])
+        self._write(f'{{"abort": {request_id}, "before": {self.steps}}}\n', flush=False)
+
+    # --- steps ------------------------------------------------------------------------------------------
+    def decided(self, prefill: bool, batch: Sequence[Entry], preempted: Iterable[int]) -> str:
+        """What ``schedule()`` decided, serialized now (block tables change when the step finishes sequences);
+        hand it to ``step`` or ``failed`` once the step has run."""
+        table = self._table_json
+        entries = ",".join([f"[{i},{n},{table(i, t)}]" for i, n, t in batch])
+        return (f'{{"step":{self.steps},"prefill":{"true" if prefill else "false"},"batch":[{entries}],'
+                f'"preempted":{json.dumps(sorted(preempted))}')
+
+    def _table_json(self, request_id: int, table: Sequence[int]) -> str:
+        """A block table as JSON. A decode step mostly repeats last step's tables: the text is reused when the table
+        equals the copy it was made from (one C-speed comparison, never trusting that tables only grow)."""
+        cached = self._tables.get(request_id)
+        if cached is not None and cached[0] == table:
+            return cached[1]
+        copy = list(table)
+        text = json.dumps(copy, separators=(",", ":"))
+        self._tables[request_id] = (copy, text)
+        return text
+
+    def step(self, decided: str, tokens: Sequence[int], finished: Sequence[int],
+             cuts: Sequence[tuple[int, int]] = (), start: float | None = None) -> None:
+        """A step that ran: the model's token per batch entry, who finished, the stop cuts (TRACE-2, TRACE-3)."""
+        head = "".join(f'{{"cut": {rid}, "max_tokens": {n}}}\n' for rid, n in cuts)
+        self._forget(finished)
+        self._end_step(head, f'{decided},"tokens":{json.dumps(list(tokens))},"finished":{json.dumps(list(finished))}',
+                       start)
+
+    def failed(self, decided: str, reason: str, start: float | None = None) -> None:
+        """A step whose model run raised: its batch was aborted (FAULT-2), nothing it computed kept."""
+        self._end_step("", f'{decided},"failed":{json.dumps(reason)}', start)
+
+    def _forget(self, request_ids: Iterable[int]) -> None:
+        for rid in request_ids:
+            self._tables.pop(rid, None)
+
+    def empty_decode(self) -> None:
+        self._end_step("", f'{{"step":{self.steps},"error":"empty decode"', None)
+
+    def _end_step(self, head: str, body: str, start: float | None) -> None:
+        if self.wall_times:
+            end = time.perf_counter() - self._origin
+            begin = end if start is None else start - self._origin
+            body += f',"wall":[{begin:.6f},{end:.6f}]'
+        self._write(f"{head}{body}}}\n")
+        self.steps += 1
+
+    def close(self) -> None:
+        """Flush, and close a file this recorder opened; again is a no-op."""
+        if self.file.closed:
+            return
+        self.file.flush()
+        closer = getattr(self, "_closer", None)
+        if closer is not None:
+            closer()
+
+
+# --- the engine's side ---------------------------------------------------------------------------------------
+class Tracked(Protocol):
+    """What the recorder reads of an engine request."""
+
+    arrival: int
+    seq: Any
+    params: Any
+
+
+def _entries(out: Any, requests: Sequence[Tracked]) -> list[Entry]:
+    return [(r.arrival, s.num_scheduled_tokens, s.block_table) for r, s in zip(requests, out.batch, strict=True)]
+
+
+def record_schedule(recorder: Recorder, out: Any, requests: Sequence[Tracked], live: Mapping[int, Tracked]) -> str:
+    """The engine's ``schedule()`` output ``out`` (its batch's requests: ``requests``), serialized at once."""
+    return recorder.decided(out.is_prefill, _entries(out, requests), [live[s.seq_id].arrival for s in out.preempted])
+
+
+def stop_cut(request: Tracked, eos: int) -> int | None:
+    """The lowered ``max_tokens`` when a stop token (not EOS, not the length) finished ``request``; else None."""
+    seq = request.seq
+    produced = seq.num_completion_tokens
+    by_eos = not request.params.ignore_eos and seq.last_token == eos
+    return produced if produced < request.params.max_tokens and not by_eos else None
+
+
+def record_engine_step(recorder: Recorder, decided: str, tokens: Any, finished: Sequence[Tracked], eos: int,
+                       start: float) -> None:
+    """The engine's step that ran, after postprocess: ``finished`` the requests it finished."""
+    cuts = [(r.arrival, n) for r in finished if (n := stop_cut(r, eos)) is not None]
+    listed = tokens.tolist() if hasattr(tokens, "tolist") else tokens
+    recorder.step(decided, listed, [r.arrival for r in finished], cuts, start)
+
+
+def record_engine_failure(recorder: Recorder, decided: str, fault: BaseException, start: float) -> None:
+    """The engine's step whose model run raised ``fault``.
+
+    Never raises (FAULT-5: ``fault`` is what propagates): a failure to write is noted on ``fault``, and the
+    recorder refuses every later write, so the next step raises instead of leaving a gap in the file (TRACE-4).
+    """
+    try:
+        recorder.failed(decided, _describe(fault), start)
+    except Exception as error:
+        recorder.broken = recorder.broken or _describe(error)
+        fault.add_note(f"recording the failed step in the trace then raised {_describe(error)}")
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def trace_file(path: object, wall_times: object) -> Path | None:
+    """``LLM(trace=..., trace_wall_times=...)`` checked before anything loads: a path or None, and a bool."""
+    if not isinstance(wall_times, bool):
+        raise ValueError(f"trace_wall_times must be a bool, got {wall_times!r}")
+    if path is None:
+        return None
+    if not isinstance(path, (str, Path)) or str(path) == "":
+        raise ValueError(f"trace must be a file path or None, got {path!r}")
+    return Path(path)

@@ -1,0 +1,160 @@
+"""Replay a recorded trace through a scheduler and compare every decision (TRACE-5, TRACE-6).
+
+Invariant: the replay drives the scheduler exactly as the recorded run drove
+its own: adds, aborts and steps in file order; each step's recorded tokens are
+handed to ``postprocess`` (a failed step's batch is withdrawn with
+``abort_step`` instead, FAULT-2); a request cut by a stop token is added with
+its ``max_tokens`` lowered to what it produced, which finishes it in the same
+postprocess, in the same batch position (TRACE-3). The reference is driven
+through ``reference.extensions`` for aborts, as check mode's shadow drives it.
+After every ``schedule()`` the batch, prefill flag and preemptions are compared
+with the record and the batch invariants checked; after every postprocess the
+finished ids are compared and the state invariants checked. The first
+difference ends the replay and is named by step and field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Protocol
+
+import reference
+from invariants import check_batch, check_state, seq_view, snapshot
+from optimized.core.errors import EmptyDecodeError
+from optimized.trace.schema import Aborted, Added, Step, Trace
+from optimized.verify.conformance import implementation
+from reference import extensions
+
+
+class Observer(Protocol):
+    """Watches a replay: ``scheduled`` right after each ``schedule()`` returned a batch, ``stepped`` after each
+    step replayed identically (with the record, the scheduler, its batch and the request id of each seq_id)."""
+
+    def scheduled(self, scheduler: Any) -> None: ...
+
+    def stepped(self, record: Step, scheduler: Any, batch: list[Any], id_of: dict[int, int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Outcome:
+    steps: int  # step records in the trace
+    identical: int  # steps replayed identically, before the first difference
+    difference: str | None = None  # the first difference, named by step and field
+
+    @property
+    def ok(self) -> bool:
+        return self.difference is None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:120] + "..."
+
+
+def first_difference(field: str, recorded: Any, replayed: Any) -> str | None:
+    """``None`` when equal; else the field (and, in a list, the first differing index) and both values."""
+    if recorded == replayed:
+        return None
+    if isinstance(recorded, list) and isinstance(replayed, list):
+        for i, (a, b) in enumerate(zip(recorded, replayed, strict=False)):
+            if a != b:
+                return f"{field}[{i}]: recorded {_shown(a)}, replayed {_shown(b)}"
+        return f"{field}: recorded {len(recorded)} entries, replayed {len(replayed)}"
+    return f"{field}: recorded {_shown(recorded)}, replayed {_shown(replayed)}"
+
+
+class _Driver:
+    def __init__(self, trace: Trace, impl: ModuleType, observer: Observer | None) -> None:
+        self.trace = trace
+        self.observer = observer
+        self.impl = impl
+        self.scheduler = impl.Scheduler(impl.SchedulerConfig(**trace.config))
+        self.is_reference = isinstance(self.scheduler, reference.Scheduler)
+        self.seq_of: dict[int, Any] = {}  # request id -> sequence
+        self.id_of: dict[int, int] = {}  # seq_id -> request id
+
+    def add(self, added: Added) -> None:
+        impl = self.impl
+        params = impl.SamplingParams(max_tokens=self.trace.max_tokens(added), ignore_eos=added.ignore_eos)
+        seq = impl.Sequence(added.prompt, params, self.trace.config["block_size"])
+        self.seq_of[added.id] = seq
+        self.id_of[seq.seq_id] = added.id
+        self.scheduler.add(seq)
+
+    def abort(self, aborted: Aborted) -> str | None:
+        seq = self.seq_of[aborted.id]
+        try:
+            if self.is_reference:
+                extensions.abort(self.scheduler, seq)
+            else:
+                self.scheduler.abort(seq)
+        except ValueError:
+            return f"before step {aborted.before}: abort of request {aborted.id}, which the replay has finished"
+        return self._violations(f"after the abort of request {aborted.id}", between_steps=True)
+
+    def step(self, record: Step) -> tuple[str | None, list[Any]]:
+        """The first difference of this step (None: identical) and the replayed batch."""
+        sched, n = self.scheduler, record.step
+        running_before = {s.seq_id for s in sched.running}
+        empty: type[Exception] = AssertionError if self.is_reference else EmptyDecodeError
+        try:
+            batch, prefill = sched.schedule()
+        except empty:
+            return (None if record.empty_decode else f"step {n}: the replay hit the empty decode (EDGE-2), "
+                    "the trace records a batch"), []
+        if record.empty_decode:
+            return f"step {n}: the trace records the empty decode, the replay scheduled a batch", batch
+        if self.observer is not None:
+            self.observer.scheduled(sched)
+        waiting_after = {s.seq_id for s in sched.waiting}
+        ids = self.id_of
+        replayed = [(ids[s.seq_id], s.num_scheduled_tokens, list(s.block_table)) for s in batch]
+        preempted = sorted(ids[i] for i in running_before & waiting_after)
+        difference = (first_difference("prefill", record.prefill, prefill)
+                      or first_difference("batch", [list(e) for e in record.batch], [list(e) for e in replayed])
+                      or first_difference("preempted", record.preempted, preempted)
+                      or self._batch_violations(batch, prefill))
+        if difference is None:
+            difference = self._finish_step(record, batch, prefill)
+        return (None if difference is None else f"step {n}: {difference}"), batch
+
+    def _finish_step(self, record: Step, batch: list[Any], prefill: bool) -> str | None:
+        sched = self.scheduler
+        if record.failed is not None:
+            (extensions.abort_step(sched, batch) if self.is_reference else sched.abort_step(batch))
+            return self._violations("after the failed step", between_steps=True)
+        sched.postprocess(batch, record.tokens, prefill)
+        finished = [self.id_of[s.seq_id] for s in batch if s.status.name == "FINISHED"]
+        return first_difference("finished", record.finished, finished) or self._violations(
+            "after postprocess", between_steps=True)
+
+    def _batch_violations(self, batch: list[Any], prefill: bool) -> str | None:
+        state = snapshot(self.scheduler)
+        found = check_state(state, between_steps=False) + check_batch(state, [seq_view(s) for s in batch], prefill)
+        return f"invariant {found[0].clause} after schedule(): {found[0].message}" if found else None
+
+    def _violations(self, when: str, between_steps: bool) -> str | None:
+        found = check_state(snapshot(self.scheduler), between_steps=between_steps)
+        return f"invariant {found[0].clause} {when}: {found[0].message}" if found else None
+
+
+def replay_trace(trace: Trace, impl_name: str, observe: Observer | None = None) -> Outcome:
+    """Replay ``trace`` through 'reference' or 'optimized'; how many steps were identical, and the first difference."""
+    driver = _Driver(trace, implementation(impl_name), observe)
+    total, identical = len(trace.steps), 0
+    for event in trace.events:
+        if isinstance(event, Added):
+            driver.add(event)
+            continue
+        if isinstance(event, Aborted):
+            difference = driver.abort(event)
+        else:
+            difference, batch = driver.step(event)
+            if difference is None:
+                identical += 1
+                if observe is not None:
+                    observe.stepped(event, driver.scheduler, batch, driver.id_of)
+        if difference is not None:
+            return Outcome(total, identical, difference)
+    return Outcome(total, identical)

@@ -1,0 +1,328 @@
+"""The trace format (spec/trace.md, TRACE-1..6) and its reader.
+
+Invariant: ``read_trace`` returns a ``Trace`` whose events replay in file order
+without a malformed field anywhere: every record is validated (by line and
+field) before anything is replayed, so a bad file changes nothing and never
+half-replays. A last line cut short (the recording process died mid-write) is
+not an error: it is reported in ``Trace.truncated`` and every line before it
+replays. A trace is JSON lines: a header ``{"version": 1, "config": {...}}``,
+then, in the order they happened, ``add`` records (a request arrived before
+step ``arrive``), ``abort`` records, ``cut`` records (a stop token ended a
+request early: its ``max_tokens`` lowered to what it produced) and the
+conformance step records of CONF-3, extended with the model's ``tokens`` or a
+``failed`` reason.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from optimized.verify.conformance import CONFIG_FIELDS, MAX_LINE_BYTES, parse_workload
+from optimized.verify.conformance import _json_line as json_line
+
+VERSION = 1
+# A trace is a whole run: allowed longer than a workload file (CLI-7's 64 MiB); each line still at most 1 MiB.
+MAX_TRACE_BYTES = 1 << 30
+INT64_MIN = -(1 << 63)
+STEP_KEYS = ("step", "prefill", "batch", "preempted")
+
+
+class TraceError(ValueError):
+    """A trace file is malformed; the message names the line and the field."""
+
+
+@dataclass(frozen=True)
+class Added:
+    """A request arrived before step ``arrive`` (``max_tokens`` as asked; a later ``cut`` may lower it)."""
+
+    id: int
+    prompt: list[int]
+    max_tokens: int
+    ignore_eos: bool
+    arrive: int
+
+
+@dataclass(frozen=True)
+class Aborted:
+    id: int
+    before: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ``schedule()`` call: what it decided and how the step ended (tokens, a failure, an empty decode)."""
+
+    step: int
+    prefill: bool = False
+    batch: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+    failed: str | None = None
+    empty_decode: bool = False
+    wall: tuple[float, float] | None = None
+
+    def decisions(self) -> dict[str, Any]:
+        """The record as CONF-3 writes it (what a replay must reproduce)."""
+        if self.empty_decode:
+            return {"step": self.step, "error": "empty decode"}
+        record: dict[str, Any] = {"step": self.step, "prefill": self.prefill,
+                                  "batch": [[i, n, list(t)] for i, n, t in self.batch], "preempted": self.preempted}
+        if self.failed is not None:
+            record["failed"] = self.failed
+        else:
+            record["finished"] = self.finished
+        return record
+
+
+Event = Added | Aborted | Step
+
+
+@dataclass
+class Trace:
+    config: dict[str, int]
+    events: list[Event]
+    eos_token_ids: list[int] = field(default_factory=list)
+    cuts: dict[int, int] = field(default_factory=dict)  # request id -> lowered max_tokens
+    truncated: str | None = None  # why the last line was dropped, when it was cut short
+
+    @property
+    def steps(self) -> list[Step]:
+        return [e for e in self.events if isinstance(e, Step)]
+
+    @functools.cached_property
+    def _step_numbers(self) -> list[int]:
+        """The step numbers, increasing (read once the trace is whole)."""
+        return [s.step for s in self.steps]
+
+    def max_tokens(self, added: Added) -> int:
+        """The ``max_tokens`` a replay gives the request: lowered by its cut, if it has one, and to one past the
+        number of steps from its arrival on. A step appends at most one token, so within the trace the count never
+        reaches that bound and the decisions are the same; a hostile ``max_tokens`` cannot make the replay reserve
+        room for more tokens than the trace can produce (TRACE-4)."""
+        numbers = self._step_numbers
+        steps_from_arrival = len(numbers) - bisect.bisect_left(numbers, added.arrive)
+        return min(self.cuts.get(added.id, added.max_tokens), steps_from_arrival + 1)
+
+
+def is_trace_header(obj: Any) -> bool:
+    return isinstance(obj, dict) and "version" in obj
+
+
+def _fail(where: str, message: str) -> TraceError:
+    return TraceError(f"{where}: {message}")
+
+
+def _int(value: Any, where: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < (1 << 63):
+        shown = "-2**63" if minimum == INT64_MIN else str(minimum)
+        raise _fail(where, f"must be an integer in [{shown}, 2**63), got {value!r}"[:200])
+    return value
+
+
+def _ints(value: Any, where: str, minimum: int = 0) -> list[int]:
+    if not isinstance(value, list):
+        raise _fail(where, "must be a list of integers")
+    return [_int(v, f"{where}[{i}]", minimum) for i, v in enumerate(value)]
+
+
+def _key(obj: dict[str, Any], key: str, where: str) -> Any:
+    if key not in obj:
+        raise _fail(where, f"missing field {key!r}")
+    return obj[key]
+
+
+def parse_header(obj: Any) -> tuple[dict[str, int], list[int]]:
+    """The header's scheduler config (CONF-1's fields and bounds) and EOS ids; TraceError naming the field."""
+    if not is_trace_header(obj):
+        raise _fail("header", "the first record must be the header {\"version\": 1, \"config\": {...}}")
+    if obj["version"] != VERSION:
+        raise _fail("version", f"must be {VERSION}, got {obj['version']!r}"[:200])
+    cfg = _key(obj, "config", "header")
+    try:
+        config = parse_workload({"config": cfg, "requests": []}).config
+    except ValueError as e:
+        raise _fail("header", str(e)) from None
+    eos_ids = _ints(cfg.get("eos_token_ids", []), "config.eos_token_ids")
+    return {f: config[f] for f in CONFIG_FIELDS}, eos_ids
+
+
+def _added(obj: Any, first: int) -> Added:
+    """An ``add`` record: CONF-1's request fields less ``output`` (the step records hold the tokens)."""
+    if not isinstance(obj, dict):
+        raise _fail("add", "must be an object")
+    rid = _int(_key(obj, "id", "add"), "add.id")
+    prompt = _ints(_key(obj, "prompt", "add"), "add.prompt")
+    if not prompt:
+        raise _fail("add.prompt", "must not be empty")
+    max_tokens = _int(_key(obj, "max_tokens", "add"), "add.max_tokens", 1)
+    ignore_eos = _key(obj, "ignore_eos", "add")
+    if not isinstance(ignore_eos, bool):
+        raise _fail("add.ignore_eos", "must be true or false")
+    arrive = _int(_key(obj, "arrive", "add"), "add.arrive")
+    if arrive < first:
+        raise _fail("add.arrive", f"is {arrive}, but step {first - 1} precedes this record")
+    return Added(rid, prompt, max_tokens, ignore_eos, arrive)
+
+
+def _batch(value: Any, block_limit: int) -> list[tuple[int, int, list[int]]]:
+    if not isinstance(value, list):
+        raise _fail("batch", "must be a list of [request id, tokens, block table]")
+    batch = []
+    for i, entry in enumerate(value):
+        where = f"batch[{i}]"
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise _fail(where, "must be [request id, tokens, block table]")
+        table = _ints(entry[2], f"{where}[2]")
+        if any(b >= block_limit for b in table):
+            raise _fail(f"{where}[2]", f"holds a block id past num_blocks={block_limit}")
+        batch.append((_int(entry[0], f"{where}[0]"), _int(entry[1], f"{where}[1]", 1), table))
+    return batch
+
+
+def _step(obj: dict[str, Any], expected: int, num_blocks: int) -> Step:
+    number = _int(obj["step"], "step")
+    if number < expected:
+        raise _fail("step", f"is {number}, expected at least {expected} (step numbers increase, and a step "
+                    "follows the arrivals recorded before it)")
+    if obj.get("error") is not None:
+        if obj["error"] != "empty decode":
+            raise _fail("error", f"must be 'empty decode', got {obj['error']!r}"[:200])
+        return Step(number, empty_decode=True)
+    for key in STEP_KEYS:
+        _key(obj, key, "step record")
+    if not isinstance(obj["prefill"], bool):
+        raise _fail("prefill", "must be true or false")
+    batch = _batch(obj["batch"], num_blocks)
+    if not batch:
+        raise _fail("batch", "must not be empty (a step with nothing to run is the empty decode)")
+    preempted, wall = _ints(obj["preempted"], "preempted"), _wall(obj.get("wall"))
+    if "failed" in obj:
+        if not isinstance(obj["failed"], str):
+            raise _fail("failed", "must be a string (why the step failed)")
+        return Step(number, obj["prefill"], batch, preempted, failed=obj["failed"], wall=wall)
+    # A discarded sample (an unfinished chunk's) may be the runner's placeholder: any int64.
+    tokens = _ints(_key(obj, "tokens", "step record"), "tokens", INT64_MIN)
+    if len(tokens) != len(batch):
+        raise _fail("tokens", f"has {len(tokens)} tokens for a batch of {len(batch)}")
+    finished = _ints(_key(obj, "finished", "step record"), "finished")
+    return Step(number, obj["prefill"], batch, preempted, tokens, finished, wall=wall)
+
+
+def _wall(value: Any) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+            or not 0 <= value[0] <= value[1]):
+        raise _fail("wall", "must be [start, end] seconds with 0 <= start <= end")
+    return float(value[0]), float(value[1])
+
+
+class _Builder:
+    """Collects a trace's events, validating each record against what came before it."""
+
+    def __init__(self, config: dict[str, int], eos_ids: list[int]) -> None:
+        self.trace = Trace(config, [], eos_ids)
+        self.next = 0  # the least number the next step record may have
+        self.ids: dict[int, Added] = {}
+
+    def take(self, obj: Any) -> None:
+        if not isinstance(obj, dict):
+            raise _fail("record", "must be an object")
+        if self.trace.events and isinstance(self.trace.events[-1], Step) and self.trace.events[-1].empty_decode:
+            raise _fail("record", "follows the empty decode, which ends a trace (CONF-4)")
+        if "add" in obj:
+            self._add(_added(obj["add"], self.next))
+        elif "abort" in obj:
+            self._abort(obj)
+        elif "cut" in obj:
+            self._cut(obj)
+        elif "step" in obj:
+            step = _step(obj, self.next, self.trace.config["num_blocks"])
+            self.trace.events.append(step)
+            self.next = step.step + 1
+        else:
+            raise _fail("record", "must hold one of 'add', 'abort', 'cut', 'step'")
+
+    def _add(self, added: Added) -> None:
+        if added.id in self.ids:
+            raise _fail("add.id", f"{added.id} was added before")
+        self.ids[added.id] = added
+        self.trace.events.append(added)
+        self.next = added.arrive
+
+    def _abort(self, obj: dict[str, Any]) -> None:
+        rid = self._known(obj["abort"], "abort")
+        before = _int(_key(obj, "before", "abort"), "abort.before")
+        if before < self.next:
+            raise _fail("abort.before", f"is {before}, but step {self.next - 1} precedes this record")
+        self.trace.events.append(Aborted(rid, before))
+        self.next = before
+
+    def _cut(self, obj: dict[str, Any]) -> None:
+        rid = self._known(obj["cut"], "cut")
+        asked = self.ids[rid].max_tokens
+        lowered = _int(_key(obj, "max_tokens", "cut"), "cut.max_tokens", 1)
+        if lowered > asked or rid in self.trace.cuts:
+            raise _fail("cut.max_tokens", f"{lowered} must not exceed the asked {asked}, once per request")
+        self.trace.cuts[rid] = lowered
+
+    def _known(self, value: Any, what: str) -> int:
+        rid = _int(value, what)
+        if rid not in self.ids:
+            raise _fail(what, f"request {rid} was never added")
+        return rid
+
+
+def read_trace(lines: list[bytes]) -> Trace:
+    """The trace these lines hold (blank lines skipped); TraceError naming the line and field.
+
+    A last line without its newline that is not JSON is a write cut short: it is dropped and reported in
+    ``Trace.truncated``.
+    """
+    numbered = [(n, raw) for n, raw in enumerate(lines, start=1) if raw.strip()]
+    if not numbered:
+        raise TraceError("the trace is empty")
+    builder: _Builder | None = None
+    for index, (number, raw) in enumerate(numbered):
+        try:
+            obj = json_line(raw)
+        except ValueError as e:
+            if index == len(numbered) - 1 and not raw.endswith(b"\n") and builder is not None:
+                builder.trace.truncated = (f"line {number} is cut short (the run ended mid-write); "
+                                           f"the {number - 1} lines before it replay")
+                break
+            raise TraceError(f"line {number}: {e}") from None
+        try:
+            if builder is None:
+                builder = _Builder(*parse_header(obj))
+            else:
+                builder.take(obj)
+        except TraceError as e:
+            raise TraceError(f"line {number}: {e}") from None
+    assert builder is not None
+    if not builder.trace.steps:
+        raise TraceError("the trace holds no step: nothing to replay")
+    return builder.trace
+
+
+def read_trace_stream(stream: BinaryIO, first: list[bytes] | None = None) -> Trace:
+    """``read_trace`` over a byte stream (``first``: lines already read from it), refusing a line over 1 MiB."""
+    lines = list(first or [])
+    total = sum(map(len, lines))
+    while line := stream.readline(MAX_LINE_BYTES + 1):
+        total += len(line)
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            raise TraceError(f"line {len(lines) + 1}: longer than {MAX_LINE_BYTES} bytes")
+        if total > MAX_TRACE_BYTES:
+            raise TraceError(f"trace longer than {MAX_TRACE_BYTES} bytes")
+        lines.append(line)
+    return read_trace(lines)
+
+
+__all__ = ["VERSION", "Aborted", "Added", "Event", "Step", "Trace", "TraceError", "is_trace_header",
+           "read_trace", "read_trace_stream"]

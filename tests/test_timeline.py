@@ -1,0 +1,290 @@
+"""Draw (spec/trace.md TRACE-8..11): Perfetto trace events that are valid and whose slices never overlap on a
+track, a PNG readable at 256 requests, a clear error without matplotlib, workloads drawn through the reference, and
+the spec's figures that are what the current reference produces."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import re
+import sys
+from collections import defaultdict
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import reference
+from optimized.cli import main
+from optimized.trace.figures import FIGURES
+from optimized.trace.recorder import Recorder
+from optimized.trace.replay import replay_trace
+from optimized.trace.schema import Added, Trace, read_trace
+from optimized.trace.timeline import build_timeline, ordinal, perfetto, png, shown_rows
+from optimized.trace.workload import record_workload, workload_trace
+from optimized.verify.conformance import parse_workload
+from reference.extensions import abort, abort_step
+
+ROOT = Path(__file__).resolve().parent.parent
+FIGURE_DIR = ROOT / "spec" / "figures"
+
+
+def shipped(index: int) -> dict[str, Any]:
+    text = resources.files("optimized.verify").joinpath("data/conformance.jsonl").read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()][index]  # type: ignore[no-any-return]
+
+
+def text_trace(text: str) -> Trace:
+    return read_trace(text.encode().splitlines(keepends=True))
+
+
+def run_with_abort_and_failure() -> Trace:
+    """A run recorded by hand on the reference: three requests, an abort between steps, a failed step."""
+    config = reference.SchedulerConfig(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    sched, out = reference.Scheduler(config), io.StringIO()
+    rec = Recorder(out, config, wall_times=True)
+    seqs = {}
+    for rid, prompt in enumerate(([1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13, 14])):
+        seqs[rid] = reference.Sequence(prompt, reference.SamplingParams(max_tokens=5, ignore_eos=True), 4)
+        sched.add(seqs[rid])
+        rec.add(rid, prompt, 5, True)
+    ids = {s.seq_id: rid for rid, s in seqs.items()}
+
+    def step(fail: bool = False) -> None:
+        batch, prefill = sched.schedule()
+        decided = rec.decided(prefill, [(ids[s.seq_id], s.num_scheduled_tokens, s.block_table) for s in batch], [])
+        if fail:
+            abort_step(sched, batch)
+            rec.failed(decided, "RuntimeError: injected")
+            return
+        sched.postprocess(batch, [50] * len(batch), prefill)
+        rec.step(decided, [50] * len(batch), [ids[s.seq_id] for s in batch if s.status.name == "FINISHED"])
+
+    step()
+    step()
+    abort(sched, seqs[1])
+    rec.abort(1)
+    step(fail=True)
+    return text_trace(out.getvalue())
+
+
+REQUIRED = {"X": {"name", "cat", "ph", "ts", "dur", "pid", "tid"}, "C": {"name", "ph", "ts", "pid", "args"},
+            "M": {"name", "ph", "pid", "args"}, "i": {"name", "ph", "ts", "pid", "tid", "s"}}
+
+
+def check_trace_events(doc: dict[str, Any]) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    """Every event of a trace-event JSON document well-formed; the complete slices of each track, in time order,
+    never overlapping."""
+    doc = json.loads(json.dumps(doc))  # what a viewer reads
+    assert isinstance(doc["traceEvents"], list) and doc["displayTimeUnit"] in ("ms", "ns")
+    tracks: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+    for event in doc["traceEvents"]:
+        missing = REQUIRED[event["ph"]] - set(event)
+        assert not missing, (event, missing)
+        if event["ph"] == "X":
+            assert event["dur"] >= 0 and event["ts"] >= 0
+            tracks[(event["pid"], event["tid"])].append(event)
+        elif event["ph"] == "C":
+            assert event["args"] and all(isinstance(v, int) and v >= 0 for v in event["args"].values())
+        elif event["ph"] == "i":
+            assert event["s"] in ("g", "p", "t")
+        else:
+            assert event["name"] in ("process_name", "thread_name", "thread_sort_index")
+    for slices in tracks.values():
+        slices.sort(key=lambda e: e["ts"])
+        for before, after in itertools.pairwise(slices):
+            assert before["ts"] + before["dur"] <= after["ts"] + 1e-6, (before, after)
+    return tracks
+
+
+@pytest.mark.clause("TRACE-9")
+@pytest.mark.parametrize("source", ["sample-0", "sample-62", "sample-70", "abort-and-failure", *FIGURES])
+def test_perfetto_events_are_valid_and_slices_do_not_overlap(source: str) -> None:
+    """TRACE-9: required fields per phase, slices on a track never overlap, one track per request, and each live
+    step of a request is covered by exactly one slice of the state it was in."""
+    if source.startswith("sample-"):
+        trace = workload_trace(parse_workload(shipped(int(source[7:]))["workload"]))
+    elif source in FIGURES:
+        trace = workload_trace(FIGURES[source].workload())
+    else:
+        trace = run_with_abort_and_failure()
+    timeline = build_timeline(trace)
+    doc = perfetto(timeline)
+    tracks = check_trace_events(doc)
+    assert timeline.difference is None
+    for rid in timeline.requests:
+        steps = sorted(s for e in tracks.get((1, rid + 1), []) for s in range(e["args"]["steps"][0],
+                                                                               e["args"]["steps"][1] + 1))
+        assert steps == [f.step for f in timeline.frames if rid in f.states]
+    chunk_slices = sum(e["cat"] == "chunk" for slices in tracks.values() for e in slices)
+    chunks = sum(1 for s in trace.steps if s.prefill for rid, n, _ in s.batch
+                 if any(f.step == s.step and f.states.get(rid) == "chunk" for f in timeline.frames))
+    assert chunk_slices == chunks
+    preempted = {rid for s in trace.steps for rid in s.preempted}
+    assert preempted <= {e["tid"] - 1 for slices in tracks.values() for e in slices if e["cat"] == "preempted"}
+    counters = {e["name"] for e in doc["traceEvents"] if e["ph"] == "C"}
+    assert counters == {"KV blocks", "queues", "tokens per step"}
+
+
+@pytest.mark.clause("TRACE-9")
+def test_counters_add_up_to_the_cache() -> None:
+    """TRACE-9: at every step the KV counter's used, free and free-but-cached blocks sum to num_blocks, and tokens
+    per step is the batch's grant."""
+    trace = workload_trace(FIGURES["prefix-cache-hit"].workload())
+    doc = perfetto(build_timeline(trace))
+    kv = [e["args"] for e in doc["traceEvents"] if e["ph"] == "C" and e["name"] == "KV blocks"]
+    assert kv and all(sum(a.values()) == trace.config["num_blocks"] for a in kv)
+    assert any(a["free, cached"] for a in kv)
+    tokens = [e["args"]["tokens"] for e in doc["traceEvents"] if e["ph"] == "C" and e["name"] == "tokens per step"]
+    assert tokens == [sum(n for _, n, _ in s.batch) for s in trace.steps]
+
+
+@pytest.mark.clause("TRACE-7", "TRACE-9")
+def test_the_wall_axis_uses_recorded_times() -> None:
+    """TRACE-7: a trace with wall times draws in seconds; one without refuses the wall axis by name."""
+    trace = run_with_abort_and_failure()
+    timeline = build_timeline(trace, "wall")
+    assert [(f.start, f.end) for f in timeline.frames] == [s.wall for s in trace.steps]
+    check_trace_events(perfetto(timeline))
+    with pytest.raises(ValueError, match="axis 'wall' needs a trace recorded with wall times"):
+        build_timeline(workload_trace(FIGURES["preemption"].workload()), "wall")
+
+
+def big_workload(n: int) -> dict[str, Any]:
+    requests = [{"id": i, "prompt": [1 + i % 50, 2, 3, 4 + i % 7][: 1 + i % 4], "max_tokens": 1 + i % 5,
+                 "ignore_eos": True, "arrive": i // 16, "output": [7] * 5} for i in range(n)]
+    return {"config": {"block_size": 4, "num_blocks": 64, "max_num_seqs": 32, "max_num_batched_tokens": 64,
+                       "eos": 0}, "requests": requests}
+
+
+@pytest.mark.clause("TRACE-10")
+def test_png_at_256_requests_samples_rows_and_says_so(tmp_path: Path) -> None:
+    """TRACE-10: past MAX_ROWS the PNG draws every k-th request and its title says so."""
+    rows, stride = shown_rows(list(range(256)))
+    assert (len(rows), stride, rows[:3]) == (128, 2, [0, 2, 4])
+    assert shown_rows(list(range(100))) == (list(range(100)), 1)
+    timeline = build_timeline(workload_trace(parse_workload(big_workload(256))))
+    path = tmp_path / "big.png"
+    titles: list[str] = []
+    import matplotlib.axes
+
+    real = matplotlib.axes.Axes.set_title
+
+    def spy(self: Any, label: str, *args: Any, **kwargs: Any) -> Any:
+        titles.append(label)
+        return real(self, label, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(matplotlib.axes.Axes, "set_title", spy)
+        png(timeline, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert titles == ["showing every 2nd of 256 requests (128 rows)"]
+    assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st"]
+
+
+@pytest.mark.clause("TRACE-8", "TRACE-10")
+def test_timeline_command_draws_a_workload_and_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """TRACE-8: a conformance workload is run through the reference first; both files are written beside each
+    other; a trace draws the same as the workload it was recorded from."""
+    workloads = tmp_path / "w.jsonl"
+    workloads.write_text("\n".join(json.dumps(shipped(i)) for i in (3, 70)) + "\n")
+    assert main(["timeline", str(workloads), "--index", "1", "-o", str(tmp_path / "a")]) == 0
+    assert capsys.readouterr().out.split() == [str(tmp_path / "a.json"), str(tmp_path / "a.png")]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(record_workload(parse_workload(shipped(70)["workload"])))
+    assert main(["timeline", str(trace), "--format", "perfetto"]) == 0
+    assert capsys.readouterr().out.split() == [str(tmp_path / "t.timeline.json")]
+    assert json.loads((tmp_path / "a.json").read_text()) == json.loads((tmp_path / "t.timeline.json").read_text())
+    assert main(["timeline", str(workloads), "--index", "2"]) == 2
+    assert "--index 2: the input holds 2 workloads" in capsys.readouterr().err
+
+
+@pytest.mark.clause("TRACE-10")
+def test_png_without_matplotlib_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """TRACE-10: --format png (or both) without matplotlib is one line naming the plot extra, nothing written;
+    --format perfetto needs nothing."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(record_workload(FIGURES["preemption"].workload()))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    for fmt in ("png", "both"):
+        assert main(["timeline", str(trace), "--format", fmt, "-o", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert "nanoverify[plot]" in err and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == [trace]
+    assert main(["timeline", str(trace), "--format", "perfetto", "-o", str(tmp_path / "x")]) == 0
+    assert (tmp_path / "x.json").exists()
+
+
+@pytest.mark.clause("TRACE-11")
+@pytest.mark.parametrize("name", list(FIGURES))
+def test_the_spec_figures_are_what_the_reference_does(name: str) -> None:
+    """TRACE-11: each committed figure trace is what the current reference records for its workload, replays
+    identically through both schedulers, shows what its clause is about, and is drawn beside its trace and
+    referenced from spec/trace.md."""
+    figure = FIGURES[name]
+    committed = (FIGURE_DIR / f"{name}.trace.jsonl").read_text(encoding="utf-8")
+    assert record_workload(figure.workload()) == committed, "stale figure: run scripts/figures.sh"
+    trace = text_trace(committed)
+    for impl in ("reference", "optimized"):
+        assert replay_trace(trace, impl).ok
+    assert (FIGURE_DIR / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"figures/{name}.png" in (ROOT / "spec" / "trace.md").read_text(encoding="utf-8")
+    states = {s for f in build_timeline(trace).frames for s in f.states.values()}
+    shows = {"chunked-prefill": "chunk" in states, "preemption": "preempted" in states,
+             "head-of-line-blocking": _blocked_behind_the_head(trace),
+             "empty-decode": trace.steps[-1].empty_decode, "prefix-cache-hit": _hit(trace)}
+    assert shows[name]
+    assert re.search(rf"\*\*{figure.clause}\*\*", "".join(p.read_text() for p in (ROOT / "spec").glob("*.md")))
+
+
+def _blocked_behind_the_head(trace: Trace) -> bool:
+    """A request that would fit on its own waits while decode steps run (EDGE-3)."""
+    prefill = {s.step: s.prefill for s in trace.steps}
+    return any(f.states.get(2) == "waiting" and not prefill[f.step] for f in build_timeline(trace).frames)
+
+
+def _hit(trace: Trace) -> bool:
+    """A prefill granted fewer tokens than its prompt holds, all at once: the rest came from the cache."""
+    prompts = {e.id: len(e.prompt) for e in trace.events if isinstance(e, Added)}
+    return any(s.prefill and n < prompts[rid] and rid > 0 for s in trace.steps for rid, n, _ in s.batch)
+
+
+@pytest.mark.clause("TRACE-9")
+def test_a_trace_that_stops_replaying_is_drawn_up_to_its_first_difference(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """TRACE-9: the picture ends before the first difference, and the command warns, naming it."""
+    lines = record_workload(FIGURES["preemption"].workload()).splitlines(keepends=True)
+    k = next(i for i, line in enumerate(lines) if json.loads(line).get("step") == 3)
+    record = json.loads(lines[k])
+    record["batch"][0][2][0] += 1
+    lines[k] = json.dumps(record) + "\n"
+    timeline = build_timeline(text_trace("".join(lines)))
+    assert [f.step for f in timeline.frames] == [0, 1, 2]
+    assert timeline.difference is not None and timeline.difference.startswith("step 3: batch[0]")
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(lines))
+    assert main(["timeline", str(path), "--format", "perfetto"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("nanoverify timeline: warning: drawn up to the first difference from the reference (step 3")
+    assert json.loads((tmp_path / "bad.timeline.json").read_text())["otherData"]["stopped_early"].startswith("step 3")
+
+
+@pytest.mark.clause("TRACE-9")
+def test_timeline_garbage_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """TRACE-9: a missing file, a folder, garbage bytes, a bad flag or a wall axis without wall times: exit 2, one
+    line on standard error, nothing written."""
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_bytes(b'{"version": 1, "config": \xff}\n')
+    figure = tmp_path / "figure.jsonl"
+    figure.write_text(record_workload(FIGURES["preemption"].workload()))
+    written = {garbage, figure}
+    for args in ([str(tmp_path / "missing")], [str(tmp_path)], [str(garbage)], [str(figure), "--format", "svg"],
+                 [str(figure), "--axis", "wall"], [str(figure), "--index", "-1"], [str(figure), "--nope"]):
+        assert main(["timeline", *args]) == 2, args
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1 and err.startswith("nanoverify timeline: "), (args, err)
+    assert set(tmp_path.iterdir()) == written
