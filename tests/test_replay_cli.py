@@ -242,14 +242,15 @@ def test_an_input_over_the_size_limit_is_refused_without_reading_on(
 
 
 @pytest.mark.clause("CLI-7")
-def test_empty_input_replays_nothing_and_closed_stdin_is_one_line(
+def test_empty_input_is_nothing_to_replay_and_closed_stdin_is_one_line(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """CLI-7: empty input (or only blank lines) is no workload: exit 0, nothing printed; a closed standard input
-    (`nanoverify replay - <&-`) is exit 2 and one line."""
+    """CLI-7: empty input (or only blank lines) holds nothing to replay: exit 2, one line, nothing on standard
+    output; a closed standard input (`nanoverify replay - <&-`) is exit 2 and one line."""
+    nothing = ["nanoverify replay: the input is empty (or blank lines only): nothing to replay"]
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b""), encoding="utf-8"))
-    assert run(capsys, "-") == (0, [], [])
+    assert run(capsys, "-") == (2, [], nothing)
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\n  \n\r\n"), encoding="utf-8"))
-    assert run(capsys, "-") == (0, [], [])
+    assert run(capsys, "-") == (2, [], nothing)
     closed = subprocess.run(["sh", "-c", 'exec "$0" -m optimized.cli replay - <&-', sys.executable],
                             capture_output=True, text=True, timeout=60, check=False)
     assert (closed.returncode, closed.stdout) == (2, "")

@@ -58,7 +58,9 @@ def read_stream(stream: BinaryIO) -> list[Workload] | Trace:
         return read_trace_stream(stream, first)
     # The rest is read up to one byte past the reader's limit, so the limit is still the reader's to enforce.
     workloads = read_workloads(io.BytesIO(b"".join(first) + stream.read(MAX_INPUT_BYTES + 1)))
-    if not workloads and first and first[-1].strip():  # CLI-7: an empty input stays an empty success
+    if not workloads:  # CLI-7, TRACE-5: no silent success on nothing
+        if not first or not first[-1].strip():
+            raise TraceError("the input is empty (or blank lines only): nothing to replay")
         raise TraceError("no line holds a workload, and the first is no trace header: nothing to replay")
     return workloads
 
