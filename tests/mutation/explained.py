@@ -67,6 +67,10 @@ EXPLAINED: tuple[Explained, ...] = (
               "(k > 1024 or 2 * k > len(buf))",
               "equivalent: trimming the taken front is right at any k (positions are absolute); the bound only "
               "amortises the memmove"),
+    *(Explained("optimized/core/free_queue.py", "if k > 1024 and 2 * k > len(buf):", before, after,
+                "equivalent: trimming the taken front is right at any k (positions are absolute); the bound only "
+                "amortises the memmove")
+      for before, after in (("1024", "1025"), ("2 * k > len(buf)", "(2 * k >= len(buf))"))),
     Explained("optimized/core/kv_cache_manager.py", "if i >= end:", "i >= end", "(i > end)",
               "equivalent: at i == end the rest of extend_chain hashes an empty run of blocks, which adds nothing"),
     Explained("optimized/core/kv_cache_manager.py", "if self._memo is not None and self._memo.seq is seq:",
@@ -74,7 +78,7 @@ EXPLAINED: tuple[Explained, ...] = (
               "equivalent: the memo is a cache; dropping another sequence's walk only makes can_allocate walk "
               "again, and a walk kept for the aborted sequence is never asked for (it cannot be added again)"),
     Explained("optimized/core/kv_cache_manager.py",
-              "self.pool.hold(hits, num_cached_blocks == memo.cached and memo.used == len(hits) == len(set(hits)))",
+              "self.pool.hold(hits, num_cached_blocks == memo.cached and memo.used == len(hits))",
               "num_cached_blocks == memo.cached", "(num_cached_blocks != memo.cached)",
               "equivalent: the scheduler allocates every hit of the walk (num_cached_blocks is can_allocate's "
               "answer), where the edit only turns off hold's fast path, whose other path does the same"),
@@ -88,6 +92,14 @@ EXPLAINED: tuple[Explained, ...] = (
     Explained("optimized/core/walk_memo.py",
               "self._hashes = dict(zip(reversed(looked), range(len(looked) - 1, -1, -1), strict=True))",
               "True", "False", "equivalent: the two sequences zipped always have the same length"),
+    Explained("optimized/core/walk_memo.py",
+              "self._blocks = dict(zip(reversed(hits), range(len(hits) - 1, -1, -1), strict=True))",
+              "True", "False", "equivalent: the two sequences zipped always have the same length"),
+    Explained("optimized/core/walk_memo.py",
+              "return self.hashes.get(h, cached + 1) <= cached or self.blocks.get(block_id, cached + 1) <= cached",
+              "self.blocks.get(block_id, cached + 1) <= cached", "(self.blocks.get(block_id, cached + 1) < cached)",
+              "equivalent: a block at index cached is a hit the walk was cut at, whose hash lost its table entry; "
+              "the walk can reach it again only when that hash is mapped again, which the hashes part watches"),
     Explained("optimized/core/walk_memo.py",
               "return self.hashes.get(h, cached + 1) <= cached or self.blocks.get(block_id, cached + 1) <= cached",
               "cached + 1", "(cached - 1)",
