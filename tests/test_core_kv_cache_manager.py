@@ -286,3 +286,47 @@ def test_a_fill_logged_before_a_member_rejoined_resolves_to_its_earlier_segment(
     p.agree()  # flushes: the fill must register the blocks of the first segment's table
     while p.step():
         p.agree()
+
+
+@pytest.mark.clause("OPT-14", "OPT-1")
+def test_decisions_and_the_remembered_walk_stay_the_references_when_hashes_collide(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """OPT-14: with a chain hash of five values (both schedulers), hash hits over other tokens are everywhere.
+
+    Every walk then meets collisions: a hit whose block holds other tokens ends it, and that block is reused and
+    refilled while a walk is remembered. The batches must stay the reference's and, after every step, the
+    remembered walk must equal a fresh one (the block at a collision is not watched, OPT-14).
+    """
+    import random
+
+    import reference.block_manager as rbm
+
+    real_reference, real_optimized = rbm.compute_hash, xxhash.xxh64_intdigest
+    monkeypatch.setattr(rbm, "compute_hash", lambda token_ids, prefix=-1: real_reference(token_ids, prefix) % 5)
+    monkeypatch.setattr(kvm, "xxh64_intdigest", lambda data: real_optimized(data) % 5)
+    contents: set[bytes] = set()
+    checked = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        p = Pair(block_size=2, num_blocks=rng.randint(5, 9), max_num_seqs=rng.randint(1, 3),
+                 max_num_batched_tokens=rng.choice([4, 8, 16]))
+        arrivals = sorted(([rng.randint(1, 3) for _ in range(rng.randint(1, 7))], rng.randint(1, 4),
+                           rng.randint(0, 6)) for _ in range(rng.randint(2, 6)))
+        arrivals = [a for a in arrivals if -(-(len(a[0]) + a[1] - 1) // 2) <= p.opt.config.num_blocks]
+        arrivals.sort(key=lambda a: a[2])
+        bm, steps = p.opt.block_manager, 0
+        while arrivals or p.step():
+            while arrivals and arrivals[0][2] <= steps:
+                prompt, max_tokens, _ = arrivals.pop(0)
+                p.add(prompt, max_tokens)
+            steps += 1
+            p.agree()
+            bm.flush()
+            memo = bm._memo
+            if memo is not None:
+                kept = (memo.cached, memo.used, memo.hits[: memo.cached])
+                fresh = bm._walk(memo.seq)
+                assert kept == (fresh.cached, fresh.used, fresh.hits)
+                checked += 1
+            contents.update(bm._contents.values())
+    assert checked > 50 and len(contents) > 2 * 5  # many more distinct blocks than hash values

@@ -223,7 +223,6 @@ class KVCacheManager:
         block_size = self.block_size
         width = 8 * block_size
         new_hashes: list[int] = []
-        new_blocks: list[int] = []
         for seq in seqs:
             core = seq.core
             segments = core.segments
@@ -254,8 +253,7 @@ class KVCacheManager:
             contents[block_id] = piece
             table[h] = block_id
             new_hashes.append(h)
-            new_blocks.append(block_id)
-        if memo is not None and self._touches(memo, new_hashes, new_blocks):
+        if memo is not None and self._touches(memo, new_hashes):
             self._memo = None
 
     def _register(self, seq: Sequence, start: int, block_ids: list[int]) -> None:
@@ -266,15 +264,13 @@ class KVCacheManager:
         self._contents.update(zip(block_ids, seq.core.pieces[start:end], strict=True))
         self._table.update(zip(chain, block_ids, strict=True))
         memo = self._memo
-        if memo is not None and self._touches(memo, chain, block_ids):
+        if memo is not None and self._touches(memo, chain):
             self._memo = None
 
     @staticmethod
-    def _touches(memo: WalkMemo, chain: list[int], block_ids: list[int]) -> bool:
-        """Whether registering these hashes on these blocks could change the remembered walk."""
-        if memo.hashes.keys().isdisjoint(chain) and memo.blocks.keys().isdisjoint(block_ids):
-            return False
-        return any(map(memo.reads, chain, block_ids))
+    def _touches(memo: WalkMemo, chain: list[int]) -> bool:
+        """Whether mapping these hashes could change the remembered walk."""
+        return not memo.hashes.keys().isdisjoint(chain) and any(map(memo.reads, chain))
 
     # --- taking and releasing blocks ------------------------------------------------------------------
     def take_fresh(self) -> int:

@@ -15,15 +15,13 @@ class WalkMemo:
     """What ``can_allocate`` read for one sequence, kept up to date while it stays valid (OPT-14).
 
     The walk looked up the chain hashes ``hashes`` (hash -> first index; the
-    hits and the one that missed) and compared the contents of ``blocks``
-    (block -> index); the first ``cached`` of ``hits`` are the blocks it hit,
-    ``held[i]`` says whether hit i is used. A hash hit whose block holds other
-    tokens (an xxh64 collision) ends the walk like a missing hash; that block
-    is not watched: its contents change only after it is taken fresh, which
-    unmaps its hash, a hash the memo watches.
-    Taking hit i (its table entry goes) cuts the walk to i hits; releasing a
-    used hit makes it free; anything else that touches a hash or block named
-    here drops the memo.
+    hits and the one that missed); the first ``cached`` of ``hits`` are the
+    blocks it hit (``blocks``: block -> index), ``held[i]`` says whether hit i
+    is used. The blocks' contents need no watching of their own: a block's
+    contents change only when it is taken fresh, which first removes the table
+    entry naming it, a looked-up hash (a hit's, or at an xxh64 collision the
+    one the walk ended at). Taking hit i cuts the walk to i hits; releasing a
+    used hit makes it free; mapping a looked-up hash drops the memo.
     """
 
     __slots__ = ("_blocks", "_hashes", "cached", "held", "hits", "looked", "seq", "used")
@@ -54,13 +52,12 @@ class WalkMemo:
             self._blocks = dict(zip(reversed(hits), range(len(hits) - 1, -1, -1), strict=True))
         return self._blocks
 
-    def reads(self, h: int, block_id: int) -> bool:
-        """Whether mapping ``h`` or changing ``block_id`` could change the walk's answer.
+    def reads(self, h: int) -> bool:
+        """Whether mapping ``h`` could change the walk's answer.
 
         Entries past the walk's end (left by ``cut``) are ignored: the walk no longer reaches them.
         """
-        cached = self.cached
-        return self.hashes.get(h, cached + 1) <= cached or self.blocks.get(block_id, cached + 1) <= cached
+        return self.hashes.get(h, self.cached + 1) <= self.cached
 
     def cut(self, index: int) -> None:
         """Hit ``index`` lost its table entry: the walk now stops there."""
