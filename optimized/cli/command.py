@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from optimized.cli import bench, conformance, fuzz, generate, gpu_check, replay, run
+from optimized.cli import bench, conformance, fuzz, generate, gpu_check, replay, run, serve
 
 COMMANDS = {
     "run": run,
@@ -29,6 +29,7 @@ COMMANDS = {
     "bench": bench,
     "generate": generate,
     "gpu-check": gpu_check,
+    "serve": serve,
 }
 BAD_INPUT = 2
 BROKEN_PIPE = 128 + 13  # what a shell reports for a command ended by SIGPIPE

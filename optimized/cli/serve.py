@@ -1,0 +1,45 @@
+"""``nanoverify serve``: an OpenAI-compatible HTTP server over the engine (spec/serve.md).
+
+Prints ``nanoverify serve: listening on http://HOST:PORT`` once it accepts
+connections (``--port 0`` picks a free port). The API key comes from
+``--api-key`` or ``NANOVERIFY_API_KEY``; without either, no key is asked.
+FastAPI, uvicorn and torch are imported only in ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from optimized.cli.arguments import bounded_int, minutes
+from optimized.cli.engine_options import add_engine_arguments, llm_kwargs
+
+HELP = "serve the model over HTTP with OpenAI's API (completions, chat, streaming, /health, /metrics)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=bounded_int(0, 65535), default=8000, help="port (0: a free one; default 8000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or NANOVERIFY_API_KEY)")
+    p.add_argument("--shutdown-timeout", type=minutes, default=10.0, metavar="S",
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 10)")
+
+
+def served_name(model: str | None) -> str:
+    """The name clients pass as ``model``: "default" for the embedded model, else the folder's name."""
+    return "default" if model is None else Path(model).resolve().name
+
+
+def main(args: argparse.Namespace) -> int:
+    from optimized import LLM
+    from optimized.serve.app import ServerOptions
+    from optimized.serve.server import serve
+
+    key = args.api_key if args.api_key is not None else os.environ.get("NANOVERIFY_API_KEY") or None
+    if key is not None and not key.strip():
+        raise ValueError("--api-key must not be blank")
+    llm = LLM(**llm_kwargs(args))
+    options = ServerOptions(served_model=served_name(args.model), api_key=key)
+    return serve(llm, args.host, args.port, options, args.shutdown_timeout)
