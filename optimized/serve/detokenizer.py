@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 REPLACEMENT = "\ufffd"
+MAX_CHAR_TOKENS = 4  # UTF-8 takes at most 4 bytes, so at most 4 byte-level tokens, per character
 
 
 class Decoder(Protocol):
@@ -47,24 +48,29 @@ class IncrementalDetokenizer:
     def add(self, ids: Iterable[int]) -> bool:
         """Append tokens; True once a stop string is complete (it then ignores further tokens' text)."""
         self._ids.extend(ids)
-        if self.stop_at is None and self.num_decoded < len(self._ids):
-            fresh = self._fresh_text()
+        # The longest run of new tokens that ends on a whole character; a character spans at most
+        # MAX_CHAR_TOKENS tokens, so fewer ends are tried.
+        for end in range(len(self._ids), max(self.num_decoded, len(self._ids) - MAX_CHAR_TOKENS), -1):
+            if self.stop_at is not None:
+                break
+            fresh = self._fresh_text(end)
             if fresh is not None:
-                self._append(fresh)
+                self._append(fresh, end)
+                break
         return self.stop_at is not None
 
-    def _fresh_text(self) -> str | None:
-        """The text the undecoded tokens add, or None while it ends in an incomplete character."""
+    def _fresh_text(self, end: int) -> str | None:
+        """The text tokens up to ``end`` add, or None while it ends in an incomplete character."""
         before = self._tokenizer.decode(self._ids[self._context : self.num_decoded])
-        after = self._tokenizer.decode(self._ids[self._context :])
+        after = self._tokenizer.decode(self._ids[self._context : end])
         if after.endswith(REPLACEMENT) or not after.startswith(before):
             return None
         return after[len(before) :]
 
-    def _append(self, fresh: str) -> None:
+    def _append(self, fresh: str, end: int) -> None:
         searched = len(self.text)
         self.text += fresh
-        self._context, self.num_decoded = self.num_decoded, len(self._ids)
+        self._context, self.num_decoded = self.num_decoded, end
         self._search(searched)
 
     def _search(self, searched: int) -> None:
@@ -94,7 +100,7 @@ class IncrementalDetokenizer:
         """All text once no token will come: the held tail decoded as it is, cut at the first stop string."""
         if self.stop_at is None and self.num_decoded < len(self._ids):
             whole = self._tokenizer.decode(self._ids)
-            self._append(whole[len(self.text) :] if whole.startswith(self.text) else "")
+            self._append(whole[len(self.text) :] if whole.startswith(self.text) else "", len(self._ids))
         return self.text if self.stop_at is None else self.text[: self.stop_at]
 
     def take_final(self) -> str:
