@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,7 +78,7 @@ def test_stop_strings_across_token_boundaries(per: int) -> None:
 @pytest.mark.clause("SERVE-5")
 def test_sampling_params_stop_is_validated() -> None:
     """SERVE-5: stop is a tuple of non-empty strings; one string means one stop string."""
-    assert SamplingParams(stop="ab").stop == ("ab",)
+    assert SamplingParams(stop="ab").stop == ("ab",)  # type: ignore[arg-type]
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")  # type: ignore[arg-type]
     for bad in ("", [""], [3], 5, ["\ud800"]):
         with pytest.raises(ValueError, match="stop"):
@@ -92,7 +93,7 @@ def test_chat_templates(tmp_path: Path) -> None:
     assert load_chat_template(tmp_path).render(messages) == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
     assert load_chat_template(tmp_path).source == DEFAULT_TEMPLATE
     own = "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{{ eos_token }}"
-    config = {"chat_template": own, "bos_token": "<s>", "eos_token": {"content": "</s>"}}
+    config: dict[str, Any] = {"chat_template": own, "bos_token": "<s>", "eos_token": {"content": "</s>"}}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     assert load_chat_template(tmp_path).render(messages) == "<s>[system]Be brief.[user]Hi</s>"
     config["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]

@@ -249,7 +249,7 @@ class _Handlers:
             self.llm.validate(ids, params)
         except ValueError as e:
             message = str(e)
-            param = "max_tokens" if "max_tokens" in message.split("(")[0] else _field_of(message)
+            param = "max_tokens" if "max_tokens" in message else _field_of(message)
             raise ApiError(400, message, param=param, code="context_length_exceeded"
                            if "max_model_len" in message or "never fit" in message else None) from None
         return params
