@@ -327,7 +327,7 @@ class _Handlers:
                     detokenizer.add(event.tokens)
                     pending += event.tokens
                     text = detokenizer.take()
-                    if text:
+                    if text or call.body.return_token_ids:  # asked for ids: every step's, text or not
                         yield call.chunk(model, text, None, token_ids=pending)
                         pending = []
                     continue

@@ -1,0 +1,218 @@
+"""The server's lifecycle: shutdown on SIGTERM (spawned), a check-mode divergence and hang-ups (in process).
+
+The in-process tests run the app under uvicorn in a thread, on a tiny checkpoint (token-id prompts), so they can
+reach into the engine: make the shadow diverge, time an abort against the steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import openai
+import pytest
+import uvicorn
+
+from optimized import LLM, SamplingParams
+from optimized.cli import main as cli_main
+from optimized.serve.app import ServerOptions, build_app
+from optimized.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
+from optimized.serve.loop import EngineLoop, FinishEvent, Stream
+from optimized.serve.metrics import Metrics
+from tests.engine_fixtures import make_llm, one_thread, with_config
+from tests.test_serve import spawn, stop
+
+pytestmark = pytest.mark.usefixtures("engine_env")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with pytest.MonkeyPatch.context() as mp, one_thread():
+        root = tmp_path_factory.mktemp("nanoverify-cache")
+        mp.setenv("NANOVERIFY_CACHE", str(root))
+        mp.setenv("HOME", str(root))
+        yield root
+
+
+def stream_lines(client: httpx.Client, url: str, payload: dict[str, Any], seen: threading.Event,
+                 out: list[str]) -> None:
+    """POST a streamed completion, keep its SSE data lines; ``seen`` is set at the first content line."""
+    with client.stream("POST", url, json=payload, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                out.append(line[6:])
+                seen.set()
+
+
+@pytest.mark.clause("SERVE-7")
+def test_sigterm_drains_then_aborts_and_exits_zero(cache: Path) -> None:
+    """SERVE-7: on SIGTERM the server admits nothing more (503) while in-flight streams go on; a short one
+    finishes normally, the long ones are aborted at the deadline and end cleanly (finish_reason "abort", then
+    [DONE]); the process exits 0 within the grace period (plus the settle time). A tiny checkpoint with a long
+    context: the long requests cannot finish within the grace period, the short one (in flight when the signal
+    comes) can."""
+    folder = with_config("qwen3", "long-context", max_position_embeddings=8192)
+    served = spawn(["--model", str(folder), "--shutdown-timeout", "3", "--max-num-seqs", "4"], cache / "sigterm.log")
+    name = folder.name
+    try:
+        url = served.url + "/v1/completions"
+        long = {"model": name, "prompt": [1, 2], "max_tokens": 8000, "ignore_eos": True, "stream": True,
+                "return_token_ids": True}
+        short = {**long, "max_tokens": 300}
+        outs: list[list[str]] = [[], [], []]
+        seen = [threading.Event() for _ in outs]
+        with httpx.Client() as client:
+            threads = [threading.Thread(target=stream_lines, args=(client, url, p, seen[i], outs[i]))
+                       for i, p in enumerate((long, long, short))]
+            for t in threads:
+                t.start()
+            assert all(s.wait(60) for s in seen)
+            sent = time.monotonic()
+            served.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            assert httpx.get(served.url + "/health").status_code == 503
+            refused = httpx.post(url, json={"model": name, "prompt": [3], "max_tokens": 2})
+            assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            for t in threads:
+                t.join(30)
+        assert served.proc.wait(15) == 0
+        assert time.monotonic() - sent < 3 + 2 + 3
+        for out, reason in zip(outs, ("abort", "abort", "length"), strict=True):
+            assert out[-1] == "[DONE]"
+            assert json.loads(out[-2])["choices"][0]["finish_reason"] == reason, out[-3:]
+        tokens = [sum(len(json.loads(line)["choices"][0].get("token_ids", [])) for line in out[:-1]) for out in outs]
+        assert tokens[2] == 300 and 0 < tokens[0] < 8000 and 0 < tokens[1] < 8000
+    finally:
+        stop(served)
+
+
+class InProcess:
+    """The app over ``llm`` under uvicorn in a thread (no signal handling there), on a free port."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.metrics = Metrics()
+        self.loop = EngineLoop(llm, self.metrics)
+        app = build_app(llm, self.loop, self.metrics, ChatTemplate(DEFAULT_TEMPLATE), ServerOptions())
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.mark.clause("SERVE-11")
+def test_a_divergence_fails_requests_and_turns_health_503(caplog: pytest.LogCaptureFixture) -> None:
+    """SERVE-11: when check mode's shadow raises ShadowDivergence, the requests in flight fail with a 500 that
+    says so (streamed: an error event), /health turns 503, nothing more is admitted, and the log holds both
+    schedulers' states."""
+    llm = make_llm(num_kvcache_blocks=64)
+    assert llm.engine.shadow is not None
+    real = llm.engine.shadow.after_postprocess
+    calls = [0]
+
+    def diverge_at_step_five(*args: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 5:
+            llm.engine.shadow._fail(llm.engine.scheduler, "injected by the test")  # type: ignore[union-attr]
+        real(*args)
+
+    llm.engine.shadow.after_postprocess = diverge_at_step_five  # type: ignore[method-assign]
+    server = InProcess(llm)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        assert httpx.get(server.url + "/health").status_code == 200
+        results: list[BaseException] = []
+
+        def whole() -> None:
+            try:
+                client.completions.create(model="default", prompt=[1, 2, 3], max_tokens=40, temperature=0)
+            except openai.APIError as e:
+                results.append(e)
+
+        waiting = threading.Thread(target=whole)
+        with caplog.at_level(logging.ERROR, logger="nanoverify.serve"):
+            waiting.start()
+            with pytest.raises(openai.APIError, match="no longer trusted"):
+                for _ in client.completions.create(model="default", prompt=[4, 5], max_tokens=40, stream=True):
+                    pass
+            waiting.join(30)
+        assert isinstance(results[0], openai.InternalServerError) and "diverging" in str(results[0])
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and "check mode" in health.json()["status"]
+        late = httpx.post(server.url + "/v1/completions", json={"model": "default", "prompt": [1], "max_tokens": 2})
+        assert late.status_code == 503 and "no longer trusted" in late.json()["error"]["message"]
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert "--- engine scheduler ---" in logged and "--- reference scheduler ---" in logged
+        assert "injected by the test" in logged
+        assert "nanoverify:check_divergences_total 1.0" in server.metrics.text().decode()
+    finally:
+        server.close()
+
+
+@pytest.mark.clause("SERVE-6", "SERVE-2")
+def test_a_cancelled_request_is_aborted_before_the_next_step() -> None:
+    """SERVE-6: the loop aborts a cancelled request before it runs another step (the one in progress may
+    finish), its blocks are free again and its stream is told nothing more; SERVE-2: requests submitted while
+    the loop steps join the running batch between steps."""
+    llm = make_llm(num_kvcache_blocks=64)
+    loop = EngineLoop(llm, Metrics())
+    steps_at_abort: list[int] = []
+    real_abort = llm.abort
+
+    def abort(request_id: int) -> Any:
+        steps_at_abort.append(llm.engine.stats.steps)
+        return real_abort(request_id)
+
+    llm.abort = abort  # type: ignore[method-assign]
+    loop.start()
+
+    async def scenario() -> tuple[int, Stream, Stream]:
+        here = asyncio.get_running_loop()
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        first = Stream([1, 2, 3], params, here)
+        loop.submit(first)
+        await first.queue.get()
+        second = Stream([7, 8], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), here)
+        loop.submit(second)  # arrives while the first is decoding
+        while not isinstance(await second.queue.get(), FinishEvent):
+            pass
+        steps = llm.engine.stats.steps
+        loop.cancel(first)
+        return steps, first, second
+
+    try:
+        steps_at_cancel, first, _ = asyncio.run(scenario())
+        deadline = time.monotonic() + 10
+        while not steps_at_abort and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert steps_at_abort and steps_at_abort[0] <= steps_at_cancel + 1
+        assert llm.completion_tokens(first.request_id or 0) is None  # no longer live
+        free = loop.call_between_steps(lambda: len(llm.engine.scheduler.block_manager.free_block_ids)).result(10)
+        assert free == 64
+    finally:
+        loop.stop()
+
+
+@pytest.mark.clause("SERVE-10")
+def test_serve_flags_are_checked_before_anything_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    """SERVE-10, CLI-2: a bad port, a blank key or a negative grace is one line and status 2, nothing loaded."""
+    for argv, words in ((["--port", "70000"], "--port"), (["--api-key", "  "], "--api-key"),
+                        (["--shutdown-timeout", "-1"], "--shutdown-timeout")):
+        assert cli_main(["serve", *argv]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
