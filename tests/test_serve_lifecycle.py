@@ -116,7 +116,8 @@ class InProcess:
 
 
 @pytest.mark.clause("SERVE-11")
-def test_a_divergence_fails_requests_and_turns_health_503(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_divergence_fails_requests_and_turns_health_503(caplog: pytest.LogCaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """SERVE-11: when check mode's shadow raises ShadowDivergence, the requests in flight fail with a 500 that
     says so (streamed: an error event), /health turns 503, nothing more is admitted, and the log holds both
     schedulers' states."""
@@ -131,7 +132,7 @@ def test_a_divergence_fails_requests_and_turns_health_503(caplog: pytest.LogCapt
             llm.engine.shadow._fail(llm.engine.scheduler, "injected by the test")  # type: ignore[union-attr]
         real(*args)
 
-    llm.engine.shadow.after_postprocess = diverge_at_step_five  # type: ignore[method-assign]
+    monkeypatch.setattr(llm.engine.shadow, "after_postprocess", diverge_at_step_five)
     server = InProcess(llm)
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
@@ -165,7 +166,7 @@ def test_a_divergence_fails_requests_and_turns_health_503(caplog: pytest.LogCapt
 
 
 @pytest.mark.clause("SERVE-6", "SERVE-2")
-def test_a_cancelled_request_is_aborted_before_the_next_step() -> None:
+def test_a_cancelled_request_is_aborted_before_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """SERVE-6: the loop aborts a cancelled request before it runs another step (the one in progress may
     finish), its blocks are free again and its stream is told nothing more; SERVE-2: requests submitted while
     the loop steps join the running batch between steps."""
@@ -178,7 +179,7 @@ def test_a_cancelled_request_is_aborted_before_the_next_step() -> None:
         steps_at_abort.append(llm.engine.stats.steps)
         return real_abort(request_id)
 
-    llm.abort = abort  # type: ignore[method-assign]
+    monkeypatch.setattr(llm, "abort", abort)
     loop.start()
 
     async def scenario() -> tuple[int, Stream, Stream]:
