@@ -322,10 +322,14 @@ class _Handlers:
                 yield call.chunk(model, None, None, role=True)
             while not ended:
                 event: Event = await stream.queue.get()
-                if isinstance(event, TokenEvent):
+                while isinstance(event, TokenEvent):  # every step's tokens that are here: one chunk for all
                     timing.tokens(event)
                     detokenizer.add(event.tokens)
                     pending += event.tokens
+                    if stream.queue.empty():
+                        break
+                    event = stream.queue.get_nowait()
+                if isinstance(event, TokenEvent):
                     text = detokenizer.take()
                     if text or call.body.return_token_ids:  # asked for ids: every step's, text or not
                         yield call.chunk(model, text, None, token_ids=pending)

@@ -72,8 +72,18 @@ class Stream:
 
     def push(self, event: Event) -> None:
         """Hand ``event`` to the handler's event loop (from the engine thread); a closed loop drops it."""
-        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        deliver(self.loop, [(self.queue, event)])
+
+
+def deliver(loop: asyncio.AbstractEventLoop, events: list[tuple[asyncio.Queue[Event], Event]]) -> None:
+    """Put ``events`` on their queues in ``loop``, with one wake-up for all (from another thread)."""
+
+    def put_all() -> None:
+        for queue, event in events:
+            queue.put_nowait(event)
+
+    with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
+        loop.call_soon_threadsafe(put_all)
 
 
 class Unavailable(Exception):
@@ -227,27 +237,42 @@ class EngineLoop:
                 raise
             log.error("a step failed and its batch ended with an error (FAULT-1): %s", e)
             return  # the failed requests' outputs (finish_reason "error") come with the next step
+        now = time.perf_counter()
         finished = {o.request_id for o in outputs}
+        events: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
+        generated = 0
         for rid, stream in self._live.items():
             if rid not in finished:
                 tokens = self.llm.completion_tokens(rid, stream.sent)
                 if tokens:
                     stream.sent += len(tokens)
-                    self.metrics.generation_tokens.inc(len(tokens))
-                    stream.push(TokenEvent(tokens, time.perf_counter(), started))
+                    generated += len(tokens)
+                    events.setdefault(stream.loop, []).append((stream.queue, TokenEvent(tokens, now, started)))
         for output in outputs:
             stream = self._live.pop(output.request_id)
             self._count_finish(output)
-            self._send_rest(stream, output, started)
+            generated += len(output.token_ids) - stream.sent
+            for event in self._last_events(stream, output, started):
+                events.setdefault(stream.loop, []).append((stream.queue, event))
+        for loop, batch in events.items():  # one wake-up per event loop and step, not one per request
+            deliver(loop, batch)
+        self.metrics.generation_tokens.inc(generated)
         self._after_step()
 
-    def _send_rest(self, stream: Stream, output: RequestOutput, started: float | None = None) -> None:
-        rest = len(output.token_ids) - stream.sent
-        if rest > 0:
-            self.metrics.generation_tokens.inc(rest)
-            stream.push(TokenEvent(output.token_ids[stream.sent:], time.perf_counter(), started or time.perf_counter()))
+    def _send_rest(self, stream: Stream, output: RequestOutput) -> None:
+        self.metrics.generation_tokens.inc(len(output.token_ids) - stream.sent)
+        deliver(stream.loop, [(stream.queue, e) for e in self._last_events(stream, output, time.perf_counter())])
+
+    @staticmethod
+    def _last_events(stream: Stream, output: RequestOutput, started: float) -> list[Event]:
+        """The tokens not sent yet (if any), then the output."""
+        now = time.perf_counter()
+        events: list[Event] = []
+        if len(output.token_ids) > stream.sent:
+            events.append(TokenEvent(output.token_ids[stream.sent :], now, started))
             stream.sent = len(output.token_ids)
-        stream.push(FinishEvent(output, time.perf_counter()))
+        events.append(FinishEvent(output, now))
+        return events
 
     def _count_finish(self, output: RequestOutput) -> None:
         self.metrics.success.labels(finished_reason=output.finish_reason).inc()
