@@ -217,3 +217,89 @@ def test_serve_flags_are_checked_before_anything_loads(capsys: pytest.CaptureFix
         assert cli_main(["serve", *argv]) == 2
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
+
+
+@pytest.mark.clause("SERVE-11")
+def test_a_model_fault_fails_only_its_batch_and_the_server_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-11, FAULT-1: a step whose model run raises fails its batch's requests with a 500; the engine stays
+    trusted, /health stays 200 and the next request is served."""
+    llm = make_llm(num_kvcache_blocks=64)
+    real = llm.engine.runner.run
+    calls = [0]
+
+    def fail_the_third_run(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected model fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "run", fail_the_third_run)
+    server = InProcess(llm)
+    try:
+        ask = {"model": "default", "prompt": [1, 2, 3], "max_tokens": 10, "temperature": 0}
+        failed = httpx.post(server.url + "/v1/completions", json=ask, timeout=30)
+        assert failed.status_code == 500 and "model failed" in failed.json()["error"]["message"]
+        assert httpx.get(server.url + "/health").status_code == 200
+        served = httpx.post(server.url + "/v1/completions", json=ask, timeout=30)
+        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 10
+    finally:
+        server.close()
+
+
+@pytest.mark.clause("SERVE-7")
+def test_a_second_signal_aborts_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-7: the first signal starts the drain (admission closed); a second one aborts what is left and
+    tells uvicorn to exit without waiting for the grace period."""
+    from optimized.serve.app import Lifecycle
+    from optimized.serve.server import NanoverifyServer
+
+    loop = EngineLoop(make_llm(num_kvcache_blocks=16), Metrics())
+    aborted: list[bool] = []
+    monkeypatch.setattr(loop, "in_flight", lambda: 1)  # a request that would run for ever
+    monkeypatch.setattr(loop, "abort_all", lambda: aborted.append(True))
+    life = Lifecycle()
+    server = NanoverifyServer(uvicorn.Config(lambda *a: None), loop, life, shutdown_timeout=60)
+    server.handle_exit(signal.SIGTERM, None)
+    assert life.draining and not server.should_exit and not aborted
+    with pytest.raises(Exception, match="shutting down"):
+        loop.submit(Stream([1], SamplingParams(), asyncio.new_event_loop()))
+    server.handle_exit(signal.SIGINT, None)
+    assert aborted and server.should_exit
+
+
+@pytest.mark.clause("SERVE-13")
+def test_the_bench_client_measures_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-13: bench serve's HTTP client against a live server: every request completes with exactly its
+    length, one timed chunk per step (token ids asked for), and the report counts them all."""
+    from optimized.benchmarks import serve as bench
+
+    server = InProcess(make_llm(num_kvcache_blocks=64, check=False))
+    try:
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        jobs = bench.random_jobs(6, 8, 12, 256, 50.0, 1.0, seed=1)
+        results, duration = asyncio.run(bench.run_clients(host, int(port), "default", jobs))
+    finally:
+        server.close()
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [r.tokens for r in results] == [j.output_len for j in jobs]
+    assert all(len(r.chunk_times) >= 1 and r.ttft > 0 for r in results)
+    assert bench.report(jobs, results, duration) == pytest.approx(sum(j.output_len for j in jobs) / duration)
+
+
+@pytest.mark.clause("SERVE-13")
+def test_bench_workloads_arrivals_and_percentiles() -> None:
+    """SERVE-13: gamma arrivals at the asked rate (inf: all at once), the shipped trace scaled as documented,
+    percentiles interpolated as numpy's."""
+    import random as _random
+
+    from optimized.benchmarks import serve as bench
+
+    assert bench.gamma_arrivals(5, float("inf"), 1.0, _random.Random(0)) == [0.0] * 5
+    times = bench.gamma_arrivals(4000, 20.0, 1.0, _random.Random(0))
+    assert times == sorted(times) and 4000 / times[-1] == pytest.approx(20.0, rel=0.1)
+    jobs = bench.trace_jobs(bench.AZURE_CODE, 3, 257, 4096, 16.0, 2.0, None, seed=0)
+    # The trace's first rows: (0.0, 4808, 10), (0.052, 3180, 8), (0.098189, 110, 27).
+    assert [(j.arrival, len(j.prompt), j.output_len) for j in jobs] == [
+        (0.0, 300, 5), (0.052, 199, 4), (0.098189, 7, 14)]
+    stats = bench.percentiles([1.0, 2.0, 3.0, 4.0])
+    assert stats == {"mean": 2.5, "p50": 2.5, "p90": pytest.approx(3.7), "p99": pytest.approx(3.97)}
