@@ -303,3 +303,26 @@ def test_bench_workloads_arrivals_and_percentiles() -> None:
         (0.0, 300, 5), (0.052, 199, 4), (0.098189, 7, 14)]
     stats = bench.percentiles([1.0, 2.0, 3.0, 4.0])
     assert stats == {"mean": 2.5, "p50": 2.5, "p90": pytest.approx(3.7), "p99": pytest.approx(3.97)}
+
+
+@pytest.mark.clause("SERVE-2", "SERVE-7")
+def test_an_idle_loop_sleeps_even_after_aborting_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-2: with nothing to do the loop sleeps on its condition; SERVE-7: the shutdown's abort of everything
+    is done once, not again and again (a loop spinning through the grace period would steal the CPU)."""
+    loop = EngineLoop(make_llm(num_kvcache_blocks=16), Metrics())
+    turns = [0]
+    real = loop._turn
+
+    def counted() -> bool:
+        turns[0] += 1
+        return real()
+
+    monkeypatch.setattr(loop, "_turn", counted)
+    loop.start()
+    try:
+        time.sleep(0.1)
+        loop.abort_all()
+        time.sleep(0.3)
+        assert turns[0] <= 3, f"{turns[0]} turns of an idle loop"
+    finally:
+        loop.stop()

@@ -16,6 +16,7 @@ import asyncio
 import hmac
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -270,7 +271,11 @@ class _Handlers:
         call.prompt_tokens = len(ids)
         call.prompt_ids = ids
         if call.streaming:
-            return StreamingResponse(self._sse(stream, call), media_type="text/event-stream")
+            events = self._sse(stream, call)
+            # A client gone before the body starts leaves the generator unstarted, so its ``finally`` never
+            # runs: cancelling when the generator is collected covers that case too (cancel is idempotent).
+            weakref.finalize(events, self.loop.cancel, stream)
+            return StreamingResponse(events, media_type="text/event-stream")
         return await self._whole(request, stream, call)
 
     async def _whole(self, request: Request, stream: Stream, call: _Call) -> JSONResponse:

@@ -69,6 +69,7 @@ class Stream:
     request_id: int | None = None
     sent: int = 0  # completion tokens sent so far
     cancelled: bool = False
+    done: bool = False  # its last event (output or failure) is sent
 
     def push(self, event: Event) -> None:
         """Hand ``event`` to the handler's event loop (from the engine thread); a closed loop drops it."""
@@ -109,10 +110,6 @@ class EngineLoop:
     def start(self) -> None:
         self.thread.start()
 
-    @property
-    def alive(self) -> bool:
-        return self.thread.is_alive() and self.failure is None
-
     def submit(self, stream: Stream) -> None:
         """Queue ``stream`` for admission at the next gap between steps; Unavailable when closing or failed."""
         with self._cv:
@@ -124,7 +121,7 @@ class EngineLoop:
     def cancel(self, stream: Stream) -> None:
         """The client went away: abort the request before the next step (SERVE-6)."""
         with self._cv:
-            if not stream.cancelled:
+            if not stream.cancelled and not stream.done:
                 stream.cancelled = True
                 self._hangups.append(stream)
                 self._cv.notify()
@@ -181,6 +178,7 @@ class EngineLoop:
             hangups, self._hangups = self._hangups, []
             probes, self._probes = self._probes, []
             abort_all, stop = self._abort_all, self._stop
+            self._abort_all = False  # done below; admission stays closed, so nothing new comes to abort
         for stream in arrivals:
             self._admit(stream)
         for stream in hangups:
@@ -202,6 +200,7 @@ class EngineLoop:
         try:
             stream.request_id = self.llm.add_request(stream.prompt_ids, stream.params)
         except ValueError as e:  # validated by the handler already; the engine's word is final
+            stream.done = True
             stream.push(FailEvent(400, str(e)))
             return
         self._live[stream.request_id] = stream
@@ -272,6 +271,7 @@ class EngineLoop:
             events.append(TokenEvent(output.token_ids[stream.sent :], now, started))
             stream.sent = len(output.token_ids)
         events.append(FinishEvent(output, now))
+        stream.done = True
         return events
 
     def _count_finish(self, output: RequestOutput) -> None:
@@ -299,6 +299,7 @@ class EngineLoop:
             self._arrivals.clear()
             probes, self._probes = self._probes, []
         for stream in streams:
+            stream.done = True
             stream.push(FailEvent(500, self.failure))
         for _, future in probes:
             future.set_exception(Unavailable(self.failure))
