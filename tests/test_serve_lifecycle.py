@@ -326,3 +326,17 @@ def test_an_idle_loop_sleeps_even_after_aborting_everything(monkeypatch: pytest.
         assert turns[0] <= 3, f"{turns[0]} turns of an idle loop"
     finally:
         loop.stop()
+
+
+@pytest.mark.clause("SERVE-10", "SERVE-1")
+def test_the_key_comes_from_the_flag_or_the_environment() -> None:
+    """SERVE-10: --api-key wins over NANOVERIFY_API_KEY; an empty variable means no key; a blank one is refused.
+    SERVE-1: the served name is "default" for the embedded model, else the checkpoint folder's name."""
+    from optimized.cli.serve import api_key, served_name
+
+    assert api_key("flag", {"NANOVERIFY_API_KEY": "env"}) == "flag"
+    assert api_key(None, {"NANOVERIFY_API_KEY": "env"}) == "env"
+    assert api_key(None, {"NANOVERIFY_API_KEY": ""}) is None and api_key(None, {}) is None
+    with pytest.raises(ValueError, match="blank"):
+        api_key(None, {"NANOVERIFY_API_KEY": "  "})
+    assert served_name(None) == "default" and served_name("/models/qwen3-0.6b/") == "qwen3-0.6b"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from optimized.cli.arguments import bounded_int, minutes
@@ -32,14 +33,20 @@ def served_name(model: str | None) -> str:
     return "default" if model is None else Path(model).resolve().name
 
 
+def api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """SERVE-10: the key clients must send: ``--api-key``, else NANOVERIFY_API_KEY (unset or empty: none)."""
+    key = flag if flag is not None else environ.get("NANOVERIFY_API_KEY") or None
+    if key is not None and not key.strip():
+        raise ValueError("--api-key must not be blank")
+    return key
+
+
 def main(args: argparse.Namespace) -> int:
     from optimized import LLM
     from optimized.serve.app import ServerOptions
     from optimized.serve.server import serve
 
-    key = args.api_key if args.api_key is not None else os.environ.get("NANOVERIFY_API_KEY") or None
-    if key is not None and not key.strip():
-        raise ValueError("--api-key must not be blank")
+    key = api_key(args.api_key, os.environ)
     llm = LLM(**llm_kwargs(args))
     options = ServerOptions(served_model=served_name(args.model), api_key=key)
     return serve(llm, args.host, args.port, options, args.shutdown_timeout)
