@@ -340,3 +340,24 @@ def test_the_key_comes_from_the_flag_or_the_environment() -> None:
     with pytest.raises(ValueError, match="blank"):
         api_key(None, {"NANOVERIFY_API_KEY": "  "})
     assert served_name(None) == "default" and served_name("/models/qwen3-0.6b/") == "qwen3-0.6b"
+
+
+@pytest.mark.clause("SERVE-6")
+def test_a_client_that_stops_waiting_for_a_whole_answer_cancels_it() -> None:
+    """SERVE-6: a non-streamed request whose client gives up (a timeout closes the connection) is aborted; its
+    blocks are free again."""
+    llm = make_llm(with_config("qwen3", "long-context", max_position_embeddings=8192), num_kvcache_blocks=2100,
+                   check=False)
+    server = InProcess(llm)
+    try:
+        ask = {"model": "default", "prompt": [1, 2, 3], "max_tokens": 8000, "ignore_eos": True}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/completions", json=ask, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while llm.engine.stats.aborted_requests == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert llm.engine.stats.aborted_requests == 1
+        free = server.loop.call_between_steps(lambda: len(llm.engine.scheduler.block_manager.free_block_ids))
+        assert free.result(10) == 2100
+    finally:
+        server.close()
