@@ -97,10 +97,10 @@ def test_sigterm_drains_then_aborts_and_exits_zero(cache: Path) -> None:
 class InProcess:
     """The app over ``llm`` under uvicorn in a thread (no signal handling there), on a free port."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, options: ServerOptions | None = None) -> None:
         self.metrics = Metrics()
         self.loop = EngineLoop(llm, self.metrics)
-        app = build_app(llm, self.loop, self.metrics, ChatTemplate(DEFAULT_TEMPLATE), ServerOptions())
+        app = build_app(llm, self.loop, self.metrics, ChatTemplate(DEFAULT_TEMPLATE), options or ServerOptions())
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -359,5 +359,22 @@ def test_a_client_that_stops_waiting_for_a_whole_answer_cancels_it() -> None:
         assert llm.engine.stats.aborted_requests == 1
         free = server.loop.call_between_steps(lambda: len(llm.engine.scheduler.block_manager.free_block_ids))
         assert free.result(10) == 2100
+    finally:
+        server.close()
+
+
+@pytest.mark.clause("SERVE-4")
+def test_stream_interval_groups_tokens_into_fewer_chunks() -> None:
+    """SERVE-4: with --stream-interval 3 the first token comes at once, then a chunk once 3 tokens wait, and the
+    last chunk brings the rest: the same tokens in fewer chunks."""
+    server = InProcess(make_llm(num_kvcache_blocks=64, check=False), ServerOptions(stream_interval=3))
+    try:
+        ask = {"model": "default", "prompt": [5, 6], "max_tokens": 11, "ignore_eos": True, "temperature": 0,
+               "stream": True, "return_token_ids": True}
+        out: list[str] = []
+        with httpx.Client() as client:
+            stream_lines(client, server.url + "/v1/completions", ask, threading.Event(), out)
+        sizes = [len(json.loads(line)["choices"][0].get("token_ids", [])) for line in out[:-1]]
+        assert sum(sizes) == 11 and sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]) and len(sizes) <= 5, sizes
     finally:
         server.close()

@@ -290,6 +290,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"replay a trace's arrivals and lengths ('azure-code': {AZURE_CODE.name})")
     p.add_argument("--trace-prompt-scale", type=_positive, default=16.0, help="trace prompts divided by this (16)")
     p.add_argument("--trace-output-scale", type=_positive, default=2.0, help="trace outputs divided by this (2)")
+    p.add_argument("--stream-interval", type=bounded_int(1), default=1, metavar="N",
+                   help="the server's --stream-interval (default 1: a chunk every step)")
     p.add_argument("--workload-seed", type=bounded_int(0, 1 << 62), default=0)
 
 
@@ -355,4 +357,5 @@ def _server_flags(args: argparse.Namespace) -> list[str]:
             flags += [f"--{dest.replace('_', '-')}", str(value)]
     if args.check:
         flags.append("--check")
+    flags += ["--stream-interval", str(args.stream_interval)]
     return flags

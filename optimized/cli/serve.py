@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=bounded_int(0, 65535), default=8000, help="port (0: a free one; default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or NANOVERIFY_API_KEY)")
+    p.add_argument("--stream-interval", type=bounded_int(1), default=1, metavar="N",
+                   help="stream a chunk once N tokens wait (the first at once; default 1: every step)")
     p.add_argument("--shutdown-timeout", type=minutes, default=10.0, metavar="S",
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 10)")
 
@@ -48,5 +50,5 @@ def main(args: argparse.Namespace) -> int:
 
     key = api_key(args.api_key, os.environ)
     llm = LLM(**llm_kwargs(args))
-    options = ServerOptions(served_model=served_name(args.model), api_key=key)
+    options = ServerOptions(served_model=served_name(args.model), api_key=key, stream_interval=args.stream_interval)
     return serve(llm, args.host, args.port, options, args.shutdown_timeout)

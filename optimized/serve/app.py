@@ -44,6 +44,7 @@ class ServerOptions:
     served_model: str = "default"
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    stream_interval: int = 1  # SERVE-4: a streamed chunk once this many tokens wait (the first token at once)
 
 
 @dataclass
@@ -322,6 +323,7 @@ class _Handlers:
         timing = _Timing(self.metrics, stream.arrived)
         ended = False
         pending: list[int] = []  # tokens whose text is not sent yet
+        chunks = 0  # content chunks sent
         try:
             if call.kind == "chat.completion":
                 yield call.chunk(model, None, None, role=True)
@@ -335,10 +337,13 @@ class _Handlers:
                         break
                     event = stream.queue.get_nowait()
                 if isinstance(event, TokenEvent):
+                    if len(pending) < self.options.stream_interval and chunks:
+                        continue  # fewer tokens than the interval: they go with the next chunk
                     text = detokenizer.take()
                     if text or call.body.return_token_ids:  # asked for ids: every step's, text or not
                         yield call.chunk(model, text, None, token_ids=pending)
                         pending = []
+                        chunks += 1
                     continue
                 ended = True
                 if isinstance(event, FailEvent):
