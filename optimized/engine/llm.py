@@ -14,7 +14,10 @@ time; ``generate`` is built on the same add and step. Every request added with
 ``generate`` drives the engine, or in a failed step, waits for the next
 ``step``. When a step raises, ``generate`` aborts its own live requests before
 re-raising (FAULT-3), so the engine is reusable; the exception that reaches the
-caller is always the original one (FAULT-5).
+caller is always the original one (FAULT-5). Stop strings (``SamplingParams.stop``, spec/serve.md SERVE-5):
+after each step a request that has them is fed its new tokens through an incremental detokenizer, and the
+token that completes one ends it there, through the engine's abort with reason "stop" (so check mode mirrors
+it); its text stops before the stop string.
 
 Threads (THREAD-1, THREAD-2): an ``LLM`` may be called from several threads.
 One lock serializes every call into the engine, and it is held for one engine
