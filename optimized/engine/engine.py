@@ -231,7 +231,8 @@ class Engine:
             self._forget(request)
             if self.shadow is not None:
                 self.shadow.abort(self.scheduler, arrival, self._live_arrivals())
-            self.stats.aborted_requests += reason == "abort"
+            if reason == "abort":  # a stop string's end is not an abort in the stats
+                self.stats.aborted_requests += 1
         return request
 
     def check_issued(self, arrival: object) -> None:
