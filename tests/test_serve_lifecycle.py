@@ -66,7 +66,7 @@ def test_sigterm_drains_then_aborts_and_exits_zero(cache: Path) -> None:
         url = served.url + "/v1/completions"
         long = {"model": name, "prompt": [1, 2], "max_tokens": 8000, "ignore_eos": True, "stream": True,
                 "return_token_ids": True}
-        short = {**long, "max_tokens": 300}
+        short = {**long, "max_tokens": 200}
         outs: list[list[str]] = [[], [], []]
         seen = [threading.Event() for _ in outs]
         with httpx.Client() as client:
@@ -89,7 +89,7 @@ def test_sigterm_drains_then_aborts_and_exits_zero(cache: Path) -> None:
             assert out[-1] == "[DONE]"
             assert json.loads(out[-2])["choices"][0]["finish_reason"] == reason, out[-3:]
         tokens = [sum(len(json.loads(line)["choices"][0].get("token_ids", [])) for line in out[:-1]) for out in outs]
-        assert tokens[2] == 300 and 0 < tokens[0] < 8000 and 0 < tokens[1] < 8000
+        assert tokens[2] == 200 and 0 < tokens[0] < 8000 and 0 < tokens[1] < 8000
     finally:
         stop(served)
 
@@ -378,3 +378,19 @@ def test_stream_interval_groups_tokens_into_fewer_chunks() -> None:
         assert sum(sizes) == 11 and sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]) and len(sizes) <= 5, sizes
     finally:
         server.close()
+
+
+@pytest.mark.clause("SERVE-10")
+def test_a_port_in_use_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """SERVE-10, CLI-1: a port another socket holds is refused as one line naming it, status 2 (not uvicorn's
+    own exit status)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        tiny = str(with_config("qwen3", "long-context", max_position_embeddings=8192))
+        assert cli_main(["serve", "--model", tiny, "--port", str(port), "--num-kvcache-blocks", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("nanoverify serve: could not listen on 127.0.0.1:") and str(port) in err, err

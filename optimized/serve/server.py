@@ -84,7 +84,12 @@ def serve(llm: LLM, host: str, port: int, options: ServerOptions, shutdown_timeo
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=SETTLE_SECONDS, server_header=False)
     server = NanoverifyServer(config, loop, life, shutdown_timeout)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's way of saying it could not bind
+        server.started = False
+    finally:
+        loop.stop()
     if not server.started:
-        raise OSError(f"could not listen on {host}:{port}")
+        raise OSError(f"could not listen on {host}:{port} (see the log above)")
     return 0
