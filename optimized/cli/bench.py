@@ -15,7 +15,7 @@ import argparse
 from optimized.cli.arguments import MAX_THREADS, any_int, bounded_int, checkpoint_folder
 
 HELP = ("benchmarks: 'scheduler' (reference vs optimized scheduler), 'throughput' (the engine vs transformers), "
-        "'threads' (CPU settings, idle and with a busy core)")
+        "'threads' (CPU settings, idle and with a busy core), 'serve' (the HTTP server vs LLM.generate)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from optimized.benchmarks import busy_core
 
     busy_core.add_arguments(threads)
+    serve = sub.add_parser("serve", help="the HTTP server under load (TTFT, TPOT, ITL, throughput), and "
+                           "LLM.generate on the same requests with --rate inf")
+    from optimized.benchmarks import serve as serve_bench
+
+    serve_bench.add_arguments(serve)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -55,6 +60,10 @@ def main(args: argparse.Namespace) -> int:
         from optimized.benchmarks import scheduler
 
         return scheduler.main(args)
+    if args.bench == "serve":
+        from optimized.benchmarks import serve as serve_bench
+
+        return serve_bench.main(args)
     if args.bench == "threads":
         from optimized.benchmarks import busy_core
 

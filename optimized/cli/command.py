@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from optimized.cli import bench, conformance, fuzz, generate, gpu_check, replay, run, timeline
+from optimized.cli import bench, conformance, fuzz, generate, gpu_check, replay, run, serve, timeline
 
 COMMANDS = {
     "run": run,
@@ -30,6 +30,7 @@ COMMANDS = {
     "generate": generate,
     "gpu-check": gpu_check,
     "timeline": timeline,
+    "serve": serve,
 }
 BAD_INPUT = 2
 BROKEN_PIPE = 128 + 13  # what a shell reports for a command ended by SIGPIPE

@@ -220,10 +220,10 @@ class Engine:
         draw = DrawParams(temperature, top_k, params.top_p, seed % (1 << 63))
         return Request(self._arrivals, seq, params, draw, frozenset(stops))
 
-    def abort(self, arrival: int) -> Request | None:
+    def abort(self, arrival: int, reason: str = "abort") -> Request | None:
         """ABORT-8: abort a live request between steps; None when it has already finished (nothing changes).
 
-        ValueError for an arrival the engine never issued.
+        ValueError for an arrival the engine never issued. ``reason`` "stop": a stop string ended it (SERVE-5).
         """
         self.require_trusted()
         self.check_issued(arrival)
@@ -232,13 +232,14 @@ class Engine:
             return None
         with self._aborting:
             self.scheduler.abort(request.seq)
-            request.finish_reason = "abort"
+            request.finish_reason = reason
             self._forget(request)
             if self.shadow is not None:
                 self.shadow.abort(self.scheduler, arrival, self._live_arrivals())
             if self.recorder is not None:
                 self.recorder.abort(arrival)
-            self.stats.aborted_requests += 1
+            if reason == "abort":  # a stop string's end is not an abort in the stats
+                self.stats.aborted_requests += 1
         return request
 
     def check_issued(self, arrival: object) -> None:

@@ -14,7 +14,10 @@ time; ``generate`` is built on the same add and step. Every request added with
 ``generate`` drives the engine, or in a failed step, waits for the next
 ``step``. When a step raises, ``generate`` aborts its own live requests before
 re-raising (FAULT-3), so the engine is reusable; the exception that reaches the
-caller is always the original one (FAULT-5).
+caller is always the original one (FAULT-5). Stop strings (``SamplingParams.stop``, spec/serve.md SERVE-5):
+after each step a request that has them is fed its new tokens through an incremental detokenizer, and the
+token that completes one ends it there, through the engine's abort with reason "stop" (so check mode mirrors
+it); its text stops before the stop string.
 
 Threads (THREAD-1, THREAD-2): an ``LLM`` may be called from several threads.
 One lock serializes every call into the engine, and it is held for one engine
@@ -49,6 +52,7 @@ from optimized.engine.sampling_params import SamplingParams
 from optimized.models.config import load_config
 from optimized.models.loader import load_model
 from optimized.models.tokenizer import load_tokenizer
+from optimized.serve.detokenizer import IncrementalDetokenizer
 from optimized.trace.recorder import Recorder, trace_file
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -276,6 +280,8 @@ class LLM:
         self.interrupted_by = ""
         self._stepped: dict[int, str | None] = {}  # add_request ids whose output is not returned yet: their prompt
         self._undelivered: list[RequestOutput] = []  # their outputs that finished outside step()
+        self._watched: dict[int, IncrementalDetokenizer] = {}  # live requests with stop strings (SERVE-5)
+        self._stop_text: dict[int, str] = {}  # finished ones' text, cut before the stop string
 
     @staticmethod
     def _model_dir(model: str | Path | None) -> Path:
@@ -322,7 +328,25 @@ class LLM:
 
     def _add(self, ids: list[int], params: SamplingParams) -> Request:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        return self.engine.add_validated(ids, params, seed)
+        request = self.engine.add_validated(ids, params, seed)
+        if params.stop:
+            self._watched[request.arrival] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        return request
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """ENG-9: the prompt's token ids if ``add_request`` would take it with ``params``, else a ValueError
+        naming the limit. Changes nothing (no lock: it reads only the fixed limits)."""
+        return self._validated(prompt, params)[0]
+
+    def completion_tokens(self, request_id: int, start: int = 0) -> list[int] | None:
+        """SERVE-3: the tokens a live request has generated so far, from ``start``; None once it has finished
+        (its output carries them all). Between steps only: the caller holds no step in progress."""
+        with self._lock:
+            request = self.engine.by_arrival.get(request_id)
+            if request is None:
+                return None
+            seq = request.seq
+            return seq.stored_tokens()[seq.num_prompt_tokens + start :].tolist()  # type: ignore[no-any-return]
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
         """ABORT-7: validate and queue one request (as generate would); its request_id. Refused: ValueError."""
@@ -382,12 +406,36 @@ class LLM:
         """engine.step(); on a fault, the failed add_request outputs are kept for the next step() (FAULT-1)."""
         self._changes += 1
         try:
-            return self.engine.step()
+            finished = self.engine.step()
         except BaseException:
             self._undelivered += self._deliver(self.engine.take_failed())
             if self.engine.trusted:  # FAULT-1: the engine recovered and the failed outputs are kept
                 self.interrupted = None
             raise
+        return finished + self._end_at_stop_strings(finished) if self._watched else finished
+
+    def _end_at_stop_strings(self, finished: list[Request]) -> list[Request]:
+        """SERVE-5: feed each watched request its new tokens; one whose text now holds a stop string ends here:
+        finished this step already, its reason becomes "stop"; still live, it is aborted (as ABORT-8, mirrored
+        by check mode) with reason "stop". The requests ended so; the finished ones' text is kept cut."""
+        ended = {r.arrival: r for r in finished}
+        stopped = []
+        for arrival, watch in list(self._watched.items()):
+            request = ended.get(arrival) or self.engine.by_arrival.get(arrival)
+            if request is None:  # aborted or failed meanwhile
+                del self._watched[arrival]
+                continue
+            seq = request.seq
+            hit = watch.add(seq.stored_tokens()[seq.num_prompt_tokens + watch.num_tokens :].tolist())
+            if hit and arrival not in ended:
+                self.engine.abort(arrival, reason="stop")
+                stopped.append(request)
+            if hit or arrival in ended:
+                del self._watched[arrival]
+                self._stop_text[arrival] = watch.finish()
+                if watch.stopped:
+                    request.finish_reason = "stop"
+        return stopped
 
     def _deliver(self, finished: list[Request]) -> list[RequestOutput]:
         """The outputs of the add_request requests among ``finished``; they are returned now, never again."""
@@ -488,6 +536,6 @@ class LLM:
             prompt=prompt,
             prompt_token_ids=r.seq.token_ids[: r.seq.num_prompt_tokens],
             token_ids=completion,
-            text=self.tokenizer.decode(completion),
+            text=self._stop_text.pop(r.arrival) if r.arrival in self._stop_text else self.tokenizer.decode(completion),
             finish_reason=r.finish_reason,
         )

@@ -45,6 +45,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (SERVE-5); one str means (str,)
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
@@ -74,7 +75,24 @@ class SamplingParams:
             if t < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
         object.__setattr__(self, "stop_token_ids", stops)
+        object.__setattr__(self, "stop", stop_strings(self.stop))
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+def stop_strings(value: object) -> tuple[str, ...]:
+    """SERVE-5: stop strings as a tuple of non-empty UTF-8 strings; one string alone is a one-string tuple."""
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop must be a string or a sequence of strings, got {type(value).__name__}")
+    for s in value:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"stop strings must be valid Unicode, got {s!r}") from None
+    return tuple(value)

@@ -1,0 +1,361 @@
+"""``nanoverify bench serve``: the server under load over HTTP, as ``vllm bench serve`` measures it.
+
+It spawns ``nanoverify serve`` on a free port (a process of its own, as users run
+it), sends the workload through streaming HTTP clients (a minimal HTTP/1.1 client
+on asyncio, one connection per request), and prints request and output-token
+throughput and TTFT, TPOT, ITL and end-to-end latency (mean, p50, p90, p99).
+Arrivals: all at once (``--rate inf``), Poisson/gamma at ``--rate`` requests/s with
+``--burstiness`` (1: Poisson; lower: burstier), or a trace's (``--trace-file``, a
+CSV with ``arrived_at,num_prefill_tokens,num_decode_tokens``, as the Azure LLM
+inference trace 2023 that ships in optimized/benchmarks/data/). Trace lengths are
+scaled to the CPU: prompts divided by ``--trace-prompt-scale`` (16), outputs by
+``--trace-output-scale`` (2), both at least 1 and cut to ``max_model_len``.
+Requests are greedy with ``ignore_eos`` (each yields exactly its length) and ask for
+token ids, so every step's tokens arrive in a chunk and are counted exactly. With
+``--rate inf`` the same requests then go through ``LLM.generate`` in this process
+(after the server has exited, so the two never share the CPU): both output
+throughputs and their ratio are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DATA = Path(__file__).parent / "data"
+AZURE_CODE = DATA / "azure-llm-2023-code-first1000.csv"
+MODEL_NAME_DEFAULT = "default"
+
+
+@dataclass(frozen=True)
+class Job:
+    arrival: float  # seconds after the start
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    start: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # each chunk that brought tokens
+    tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.start
+
+    @property
+    def e2e(self) -> float:
+        return self.chunk_times[-1] - self.start
+
+
+# --- workloads ----------------------------------------------------------------------------------------
+def random_jobs(n: int, max_input: int, max_output: int, vocab: int, rate: float, burstiness: float,
+                seed: int) -> list[Job]:
+    """Random prompts (1..max_input tokens) and lengths (1..max_output), arrivals by a gamma process."""
+    rng = random.Random(seed)
+    arrivals = gamma_arrivals(n, rate, burstiness, rng)
+    return [Job(a, [rng.randrange(vocab) for _ in range(rng.randint(1, max_input))], rng.randint(1, max_output))
+            for a in arrivals]
+
+
+def gamma_arrivals(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """Arrival times of ``n`` requests at ``rate`` per second (inf: all at 0), gaps ~ Gamma(burstiness)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return out
+
+
+def trace_jobs(path: Path, n: int, vocab: int, max_model_len: int, prompt_scale: float, output_scale: float,
+               rate: float | None, seed: int) -> list[Job]:
+    """The first ``n`` requests of a trace, lengths scaled down; ``rate``: replace its arrivals by Poisson ones."""
+    rng = random.Random(seed)
+    rows = []
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            rows.append((float(row["arrived_at"]), int(row["num_prefill_tokens"]), int(row["num_decode_tokens"])))
+            if len(rows) == n:
+                break
+    if not rows:
+        raise ValueError(f"{path}: no requests (columns arrived_at,num_prefill_tokens,num_decode_tokens)")
+    arrivals = gamma_arrivals(len(rows), rate, 1.0, rng) if rate is not None else [r[0] - rows[0][0] for r in rows]
+    jobs = []
+    for at, prefill, decode in zip(arrivals, (r[1] for r in rows), (r[2] for r in rows), strict=True):
+        output = max(1, round(decode / output_scale))
+        prompt = max(1, min(round(prefill / prompt_scale), max_model_len - output))
+        jobs.append(Job(at, [rng.randrange(vocab) for _ in range(prompt)], output))
+    return jobs
+
+
+# --- the client -----------------------------------------------------------------------------------------
+async def send(host: str, port: int, model: str, job: Job, result: Result) -> None:
+    """One streamed completion; ``result`` gets the time of every chunk that brought tokens."""
+    body = json.dumps({"model": model, "prompt": job.prompt, "max_tokens": job.output_len, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "return_token_ids": True}).encode()
+    result.start = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body))
+        await writer.drain()
+        status = (await reader.readline()).split(b" ", 2)
+        while (await reader.readline()).strip():
+            pass  # headers: uvicorn streams with chunked transfer encoding
+        if len(status) < 2 or status[1] != b"200":
+            result.error = f"HTTP {status[1:2]}: {(await reader.read())[:200]!r}"
+            return
+        await _read_events(reader, result)
+    finally:
+        writer.close()
+
+
+async def _read_events(reader: asyncio.StreamReader, result: Result) -> None:
+    pending = b""
+    while True:
+        size = int((await reader.readline()).strip() or b"0", 16)
+        if size == 0:
+            return
+        pending += (await reader.readexactly(size + 2))[:-2]
+        while b"\n\n" in pending:
+            event, pending = pending.split(b"\n\n", 1)
+            data = event.removeprefix(b"data: ")
+            if data == b"[DONE]":
+                result.ok = result.error == ""
+                continue
+            payload = json.loads(data)
+            if "error" in payload:
+                result.error = payload["error"]["message"]
+                continue
+            tokens = len(payload["choices"][0].get("token_ids", []))
+            if tokens:
+                result.tokens += tokens
+                result.chunk_times.append(time.perf_counter())
+
+
+async def run_clients(host: str, port: int, model: str, jobs: list[Job]) -> tuple[list[Result], float]:
+    results = [Result() for _ in jobs]
+    start = time.perf_counter()
+
+    async def at_arrival(job: Job, result: Result) -> None:
+        await asyncio.sleep(max(0.0, start + job.arrival - time.perf_counter()))
+        try:
+            await send(host, port, model, job, result)
+        except (OSError, ValueError, asyncio.IncompleteReadError) as e:
+            result.error = f"{type(e).__name__}: {e}"
+
+    await asyncio.gather(*(at_arrival(j, r) for j, r in zip(jobs, results, strict=True)))
+    return results, time.perf_counter() - start
+
+
+# --- the server process ------------------------------------------------------------------------------------
+class ServerProcess:
+    def __init__(self, flags: list[str]) -> None:
+        root = Path(__file__).resolve().parents[2]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen([sys.executable, "-m", "optimized.cli", "serve", "--port", "0", *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        self.host, self.port = self._bound()
+
+    def _bound(self) -> tuple[str, int]:
+        found: list[str] = []
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                if "listening on http://" in line:
+                    found.append(line.rsplit("http://", 1)[1].strip())
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(300)
+        if not found:
+            self.stop()
+            raise OSError(f"nanoverify serve did not start (exit status {self.proc.poll()})")
+        host, port = found[0].rsplit(":", 1)
+        return host, int(port)
+
+    def cpu_seconds(self) -> float | None:
+        """The server process's CPU time so far (user + system; Linux's /proc), None where unknown."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# --- the report --------------------------------------------------------------------------------------------
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:  # linear interpolation, as numpy's default
+        pos = q * (len(ordered) - 1)
+        low = math.floor(pos)
+        high = min(low + 1, len(ordered) - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+    return {"mean": sum(values) / len(values), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+def report(jobs: list[Job], results: list[Result], duration: float) -> float:
+    """Print vLLM's serving table; the output-token throughput."""
+    done = [r for r in results if r.ok and r.chunk_times]
+    failed = len(results) - len(done)
+    out_tokens = sum(r.tokens for r in done)
+    in_tokens = sum(len(j.prompt) for j, r in zip(jobs, results, strict=True) if r in done)
+    ttft = [r.ttft * 1000 for r in done]
+    tpot = [(r.e2e - r.ttft) * 1000 / (r.tokens - 1) for r in done if r.tokens > 1]
+    itl = [(b - a) * 1000 for r in done for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
+    e2e = [r.e2e * 1000 for r in done]
+    throughput = out_tokens / duration
+    print("{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="))
+    rows = [("Successful requests:", len(done)), ("Failed requests:", failed),
+            ("Benchmark duration (s):", f"{duration:.2f}"), ("Total input tokens:", in_tokens),
+            ("Total generated tokens:", out_tokens), ("Request throughput (req/s):", f"{len(done) / duration:.2f}"),
+            ("Output token throughput (tok/s):", f"{throughput:.2f}"),
+            ("Total token throughput (tok/s):", f"{(in_tokens + out_tokens) / duration:.2f}")]
+    for label, value in rows:
+        print(f"{label:<40}{value:>10}")
+    for title, short, values in (("Time to First Token", "TTFT", ttft), ("Time per Output Token (excl. 1st token)",
+                                 "TPOT", tpot), ("Inter-token Latency", "ITL", itl),
+                                 ("End-to-end Latency", "E2EL", e2e)):
+        print("{s:{c}^50}".format(s=title, c="-"))
+        stats = percentiles(values)
+        for key, label in (("mean", "Mean"), ("p50", "Median"), ("p90", "P90"), ("p99", "P99")):
+            print(f"{f'{label} {short} (ms):':<40}{stats[key]:>10.2f}")
+    print("=" * 50)
+    errors = {r.error for r in results if r.error}
+    if errors:
+        print(f"errors: {sorted(errors)[:3]}")
+    return throughput
+
+
+def offline_throughput(llm_kwargs: dict[str, Any], jobs: list[Job]) -> tuple[float, float]:
+    """The same requests through ``LLM.generate`` all at once (after a small warm-up): output tokens per second
+    of wall time, and per second of this process's CPU time."""
+    from optimized import LLM, SamplingParams
+
+    llm = LLM(**llm_kwargs)
+    params = [SamplingParams(temperature=0.0, max_tokens=j.output_len, ignore_eos=True) for j in jobs]
+    llm.generate([j.prompt for j in jobs[:4]], params[:4], use_tqdm=False)
+    start, cpu = time.perf_counter(), time.process_time()
+    outs = llm.generate([j.prompt for j in jobs], params, use_tqdm=False)
+    tokens = sum(len(o.token_ids) for o in outs)
+    return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)
+
+
+# --- the command -------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from optimized.cli.arguments import bounded_int
+    from optimized.cli.engine_options import add_engine_arguments
+
+    add_engine_arguments(p)
+    p.add_argument("--rate", type=_rate, default=None,
+                   help="requests per second, or inf: all at once (default: inf, or a trace's own arrivals)")
+    p.add_argument("--burstiness", type=_positive, default=1.0, help="gamma shape of the gaps (1: Poisson)")
+    p.add_argument("--requests", type=bounded_int(1), default=64, help="number of requests (64)")
+    p.add_argument("--max-input-len", type=bounded_int(1), default=128, help="random prompts: 1..N tokens (128)")
+    p.add_argument("--max-output-len", type=bounded_int(1), default=128, help="random outputs: 1..N tokens (128)")
+    p.add_argument("--trace-file", type=Path, default=None, metavar="CSV",
+                   help=f"replay a trace's arrivals and lengths ('azure-code': {AZURE_CODE.name})")
+    p.add_argument("--trace-prompt-scale", type=_positive, default=16.0, help="trace prompts divided by this (16)")
+    p.add_argument("--trace-output-scale", type=_positive, default=2.0, help="trace outputs divided by this (2)")
+    p.add_argument("--stream-interval", type=bounded_int(1), default=1, metavar="N",
+                   help="the server's --stream-interval (default 1: a chunk every step)")
+    p.add_argument("--workload-seed", type=bounded_int(0, 1 << 62), default=0)
+
+
+def _positive(text: str) -> float:
+    from optimized.cli.arguments import positive_seconds
+
+    return positive_seconds(text)
+
+
+def _rate(text: str) -> float:
+    return math.inf if text.strip().lower() in ("inf", "infinity") else _positive(text)
+
+
+def main(args: argparse.Namespace) -> int:
+    from optimized.cli.engine_options import llm_kwargs
+    from optimized.engine.llm import LLM
+
+    kwargs = llm_kwargs(args)
+    probe = LLM(**{**kwargs, "num_kvcache_blocks": 1, "check": False})  # vocabulary and max_model_len only
+    vocab, max_len = probe.engine.limits.vocab_size, probe.engine.limits.max_model_len
+    del probe
+    if args.trace_file is not None:
+        path = AZURE_CODE if str(args.trace_file) == "azure-code" else args.trace_file
+        jobs = trace_jobs(path, args.requests, vocab, max_len, args.trace_prompt_scale, args.trace_output_scale,
+                          args.rate, args.workload_seed)
+    else:
+        rate = math.inf if args.rate is None else args.rate
+        jobs = random_jobs(args.requests, min(args.max_input_len, max_len - 1), args.max_output_len, vocab,
+                           rate, args.burstiness, args.workload_seed)
+        jobs = [Job(j.arrival, j.prompt, min(j.output_len, max_len - len(j.prompt))) for j in jobs]
+    server = ServerProcess(_server_flags(args))
+    model = MODEL_NAME_DEFAULT if args.model is None else Path(args.model).resolve().name
+    try:
+        warm = [Job(0.0, j.prompt, min(j.output_len, 4)) for j in jobs[:4]]
+        asyncio.run(run_clients(server.host, server.port, model, warm))
+        cpu_before = server.cpu_seconds()
+        results, duration = asyncio.run(run_clients(server.host, server.port, model, jobs))
+        cpu_after = server.cpu_seconds()
+    finally:
+        server.stop()
+    served = report(jobs, results, duration)
+    served_tokens = sum(r.tokens for r in results if r.ok)
+    served_cpu = None if cpu_before is None or cpu_after is None else served_tokens / max(cpu_after - cpu_before,
+                                                                                          1e-9)
+    if served_cpu is not None:
+        print(f"{'Server output per CPU second (tok/s):':<40}{served_cpu:>10.2f}")
+    if all(j.arrival == 0 for j in jobs):  # --rate inf: the offline side of the same requests
+        offline, offline_cpu = offline_throughput(kwargs, jobs)
+        print(f"{'Offline LLM.generate output (tok/s):':<40}{offline:>10.2f}")
+        print(f"{'Offline output per CPU second (tok/s):':<40}{offline_cpu:>10.2f}")
+        print(f"{'Served / offline (wall):':<40}{served / offline:>10.1%}")
+        if served_cpu is not None:
+            print(f"{'Served / offline (CPU time):':<40}{served_cpu / offline_cpu:>10.1%}")
+    return 0 if all(r.ok for r in results) else 1
+
+
+def _server_flags(args: argparse.Namespace) -> list[str]:
+    flags = []
+    for dest in ("model", "dtype", "device", "num_kvcache_blocks", "block_size", "max_num_seqs",
+                 "max_num_batched_tokens", "max_model_len", "seed"):
+        value = getattr(args, dest, None)
+        if value is not None:
+            flags += [f"--{dest.replace('_', '-')}", str(value)]
+    if args.check:
+        flags.append("--check")
+    flags += ["--stream-interval", str(args.stream_interval)]
+    return flags

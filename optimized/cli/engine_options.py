@@ -1,0 +1,54 @@
+"""The engine flags every command that builds an ``LLM`` shares: ``add_engine_arguments`` and ``llm_kwargs``.
+
+Each flag is named after the ``LLM(...)`` argument it sets (``--block-size`` sets
+``kvcache_block_size``); a flag not given leaves the ``LLM`` default. Values are
+range-checked at parse time (CLI-2); the ``LLM`` checks the rest (ENG-9).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from optimized.cli.arguments import any_int, bounded_int, checkpoint_folder
+
+DTYPE_CHOICES = ["float32", "float64", "bfloat16", "float16"]
+# flag destination -> LLM keyword
+_KEYWORDS = {
+    "dtype": "dtype",
+    "device": "device",
+    "num_kvcache_blocks": "num_kvcache_blocks",
+    "block_size": "kvcache_block_size",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "max_model_len": "max_model_len",
+    "seed": "seed",
+    "check": "check",
+}
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", type=checkpoint_folder, default=None,
+                   help="checkpoint folder (default: the embedded default model)")
+    p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--num-kvcache-blocks", type=bounded_int(1), default=None,
+                   help="KV-cache blocks (default: what the memory budget holds)")
+    p.add_argument("--block-size", type=bounded_int(2), default=None, help="tokens per KV-cache block (16)")
+    p.add_argument("--max-num-seqs", type=bounded_int(1), default=None, help="sequences per step (256)")
+    p.add_argument("--max-num-batched-tokens", type=bounded_int(1), default=None, help="tokens per step (8192)")
+    p.add_argument("--max-model-len", type=bounded_int(2), default=None,
+                   help="prompt + completion tokens (default: the model's)")
+    p.add_argument("--seed", type=any_int, default=None, help="seed of unseeded requests' seeds (0)")
+    p.add_argument("--check", action="store_true", default=None,
+                   help="shadow every step with the reference scheduler (check mode)")
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``LLM`` keyword arguments the flags set (those given only), ``model`` included."""
+    kwargs: dict[str, Any] = {"model": args.model}
+    for dest, keyword in _KEYWORDS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            kwargs[keyword] = value
+    return kwargs

@@ -1,0 +1,54 @@
+"""``nanoverify serve``: an OpenAI-compatible HTTP server over the engine (spec/serve.md).
+
+Prints ``nanoverify serve: listening on http://HOST:PORT`` once it accepts
+connections (``--port 0`` picks a free port). The API key comes from
+``--api-key`` or ``NANOVERIFY_API_KEY``; without either, no key is asked.
+FastAPI, uvicorn and torch are imported only in ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from optimized.cli.arguments import bounded_int, minutes
+from optimized.cli.engine_options import add_engine_arguments, llm_kwargs
+
+HELP = "serve the model over HTTP with OpenAI's API (completions, chat, streaming, /health, /metrics)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=bounded_int(0, 65535), default=8000, help="port (0: a free one; default 8000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or NANOVERIFY_API_KEY)")
+    p.add_argument("--stream-interval", type=bounded_int(1), default=1, metavar="N",
+                   help="stream a chunk once N tokens wait (the first at once; default 1: every step)")
+    p.add_argument("--shutdown-timeout", type=minutes, default=10.0, metavar="S",
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 10)")
+
+
+def served_name(model: str | None) -> str:
+    """The name clients pass as ``model``: "default" for the embedded model, else the folder's name."""
+    return "default" if model is None else Path(model).resolve().name
+
+
+def api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """SERVE-10: the key clients must send: ``--api-key``, else NANOVERIFY_API_KEY (unset or empty: none)."""
+    key = flag if flag is not None else environ.get("NANOVERIFY_API_KEY") or None
+    if key is not None and not key.strip():
+        raise ValueError("--api-key must not be blank")
+    return key
+
+
+def main(args: argparse.Namespace) -> int:
+    from optimized import LLM
+    from optimized.serve.app import ServerOptions
+    from optimized.serve.server import serve
+
+    key = api_key(args.api_key, os.environ)
+    llm = LLM(**llm_kwargs(args))
+    options = ServerOptions(served_model=served_name(args.model), api_key=key, stream_interval=args.stream_interval)
+    return serve(llm, args.host, args.port, options, args.shutdown_timeout)

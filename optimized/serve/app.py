@@ -1,0 +1,457 @@
+"""The HTTP side: OpenAI's endpoints over an ``EngineLoop`` (spec/serve.md).
+
+Invariants: a handler checks the key, the body and the request in full before
+it submits anything (SERVE-8, SERVE-10), so a refused request changes nothing;
+every error is OpenAI's JSON with a status that says whose fault it is (400
+bad input, 401 key, 404 model or path, 413 body, 503 not admitting, 500 engine
+failure). Text reaches the client only through ``IncrementalDetokenizer``
+(whole characters, never a possible stop string's beginning), and the streamed
+pieces add up to the non-streamed text. A handler that ends before its
+request finished (the client went away, SERVE-6) cancels it in ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from optimized.engine.llm import LLM
+from optimized.engine.sampling_params import SamplingParams, stop_strings
+from optimized.serve.chat import ChatTemplate
+from optimized.serve.detokenizer import IncrementalDetokenizer
+from optimized.serve.loop import EngineLoop, Event, FailEvent, FinishEvent, Stream, TokenEvent, Unavailable
+from optimized.serve.metrics import Metrics
+from optimized.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse_request
+
+MAX_BODY_BYTES = 1 << 20  # SERVE-8: 1 MiB holds a 4096-token prompt as ids many times over
+
+
+@dataclass
+class ServerOptions:
+    served_model: str = "default"
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    stream_interval: int = 1  # SERVE-4: a streamed chunk once this many tokens wait (the first token at once)
+
+
+@dataclass
+class Lifecycle:
+    """What the server is doing, for /health and admission; ``handlers`` counts requests being answered."""
+
+    draining: bool = False
+    handlers: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class BodyLimit:
+    """SERVE-8: a body over ``limit`` bytes is a 413, by its Content-Length or as it streams in."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            await JSONResponse(self._error().body(), 413)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise self._error()
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _error(self) -> ApiError:
+        return ApiError(413, f"the request body is larger than the server's limit of {self.limit} bytes",
+                        code="request_too_large")
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(error.body(), error.status, headers=headers)
+
+
+def build_app(llm: LLM, loop: EngineLoop, metrics: Metrics, template: ChatTemplate,
+              options: ServerOptions, lifecycle: Lifecycle | None = None) -> FastAPI:
+    """The FastAPI app; its lifespan starts ``loop`` (unless started) and stops it at shutdown."""
+    life = lifecycle or Lifecycle()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not loop.thread.is_alive() and loop.thread.ident is None:
+            loop.start()
+        yield
+        life.draining = True
+        await asyncio.to_thread(loop.stop)
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, limit=options.max_body_bytes)
+    handler = _Handlers(llm, loop, metrics, template, options, life)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, error: ApiError) -> JSONResponse:
+        return _error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        errors = error.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        return _error_response(ApiError(400, f"{param or 'body'}: {first['msg']}", param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return _error_response(ApiError(error.status_code, str(error.detail), kind=kind))
+
+    app.add_api_route("/health", handler.health, methods=["GET"])
+    app.add_api_route("/metrics", handler.metrics_text, methods=["GET"])
+    app.add_api_route("/v1/models", handler.models, methods=["GET"])
+    app.add_api_route("/v1/completions", handler.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", handler.chat, methods=["POST"])
+    return app
+
+
+class _Handlers:
+    def __init__(self, llm: LLM, loop: EngineLoop, metrics: Metrics, template: ChatTemplate,
+                 options: ServerOptions, life: Lifecycle) -> None:
+        self.llm = llm
+        self.loop = loop
+        self.metrics = metrics
+        self.template = template
+        self.options = options
+        self.life = life
+        self._key = options.api_key.encode() if options.api_key else None
+
+    # --- plain endpoints --------------------------------------------------------------------------
+    async def health(self, request: Request) -> JSONResponse:
+        """SERVE-11: 200 only while the engine loop runs, trusted, and the server admits requests."""
+        status = self._status()
+        body: dict[str, Any] = {"status": status}
+        if status == "ok" and request.query_params.get("verbose") in ("1", "true"):
+            body["engine"] = await asyncio.wrap_future(self.loop.call_between_steps(self._engine_state))
+        return JSONResponse(body, 200 if status == "ok" else 503)
+
+    def _status(self) -> str:
+        if self.loop.failure is not None:
+            return f"failed: {self.loop.failure}"
+        if not self.loop.thread.is_alive():
+            return "failed: the engine loop is not running"
+        return "shutting down" if self.life.draining else "ok"
+
+    def _engine_state(self) -> dict[str, Any]:
+        """SERVE-6: the scheduler between steps: its block accounting, and every invariant checked on it."""
+        from invariants import check_state, snapshot
+
+        state = snapshot(self.llm.engine.scheduler)
+        return {
+            "num_blocks": state.num_blocks,
+            "free_blocks": len(state.free_block_ids),
+            "cached_blocks": len(state.hash_to_block_id),
+            "waiting": len(state.waiting),
+            "running": len(state.running),
+            "violations": [str(v) for v in check_state(state)],
+            "compared_steps": self.llm.engine.stats.compared_steps,
+        }
+
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        card = {"id": self.options.served_model, "object": "model", "created": self.life.created,
+                "owned_by": "nanoverify", "max_model_len": self.llm.engine.limits.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    def _authorize(self, request: Request) -> None:
+        """SERVE-10: with a key set, ``Authorization: Bearer KEY`` or 401 (compared in constant time)."""
+        if self._key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._key):
+            raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    # --- generation -------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        body = parse_request(CompletionRequest, await self._admitted_body(request))
+        self._check_model(body.model)
+        ids = self._tokens(body.prompt, "prompt")
+        return await self._generate(request, _Call("text_completion", body.stream, body), ids, body.max_tokens)
+
+    async def chat(self, request: Request) -> Response:
+        self._authorize(request)
+        body = parse_request(ChatRequest, await self._admitted_body(request))
+        self._check_model(body.model)
+        try:
+            text = self.template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        ids = self._tokens(text, "messages")
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await self._generate(request, _Call("chat.completion", body.stream, body), ids, limit)
+
+    async def _admitted_body(self, request: Request) -> bytes:
+        if self.life.draining or self.loop.failure is not None:
+            raise ApiError(503, self._status(), kind="service_unavailable")
+        return await request.body()
+
+    def _check_model(self, model: str) -> None:
+        if model != self.options.served_model:
+            raise ApiError(404, f"model: the server serves {self.options.served_model!r}, not {model!r}",
+                           param="model", code="model_not_found", kind="not_found_error")
+
+    def _tokens(self, prompt: str | list[int], param: str) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        try:
+            return self.llm.tokenizer.encode(prompt)
+        except ValueError as e:
+            raise ApiError(400, f"{param}: {e}", param=param) from None
+
+    def _params(self, body: CompletionRequest | ChatRequest, ids: list[int], max_tokens: int | None) -> SamplingParams:
+        """SERVE-8: the request's sampling, refused (400 naming the field or limit) unless the engine takes it."""
+        if max_tokens is None:
+            max_tokens = self._room(len(ids))
+        try:
+            params = SamplingParams(
+                temperature=1.0 if body.temperature is None else body.temperature,
+                max_tokens=max_tokens,
+                ignore_eos=body.ignore_eos,
+                top_k=body.top_k if body.top_k != 0 else -1,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                seed=body.seed,
+                stop_token_ids=tuple(body.stop_token_ids),
+                stop=stop_strings(() if body.stop is None else body.stop),
+            )
+            self.llm.validate(ids, params)
+        except ValueError as e:
+            message = str(e)
+            param = "max_tokens" if "max_tokens" in message else _field_of(message)
+            raise ApiError(400, message, param=param, code="context_length_exceeded"
+                           if "max_model_len" in message or "never fit" in message else None) from None
+        return params
+
+    def _room(self, prompt_len: int) -> int:
+        """The default max_tokens: all the room max_model_len and the KV cache leave (at least 1)."""
+        limits = self.llm.engine.limits
+        cache = limits.num_blocks * limits.block_size + 1  # ENG-10: prompt + max_tokens - 1 tokens must fit
+        return max(1, min(limits.max_model_len, cache) - prompt_len)
+
+    async def _generate(self, request: Request, call: _Call, ids: list[int], max_tokens: int | None) -> Response:
+        params = self._params(call.body, ids, max_tokens)
+        stream = Stream(ids, params, asyncio.get_running_loop())
+        try:
+            self.loop.submit(stream)
+        except Unavailable as e:
+            raise ApiError(503, str(e), kind="service_unavailable") from None
+        call.prompt_tokens = len(ids)
+        call.prompt_ids = ids
+        if call.streaming:
+            events = self._sse(stream, call)
+            # A client gone before the body starts leaves the generator unstarted, so its ``finally`` never
+            # runs: cancelling when the generator is collected covers that case too (cancel is idempotent).
+            weakref.finalize(events, self.loop.cancel, stream)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await self._whole(request, stream, call)
+
+    async def _whole(self, request: Request, stream: Stream, call: _Call) -> JSONResponse:
+        """A non-streamed answer; a client that disconnects while waiting cancels its request (SERVE-6)."""
+        self.life.handlers += 1
+        timing = _Timing(self.metrics, stream.arrived)
+        waiter = asyncio.ensure_future(self._finish(stream, timing))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not waiter.done():
+                raise ApiError(499, "the client closed the connection")
+            event = waiter.result()
+        finally:
+            self.life.handlers -= 1
+            gone.cancel()
+            if not waiter.done():
+                waiter.cancel()
+                self.loop.cancel(stream)
+        if isinstance(event, FailEvent):
+            raise ApiError(event.status, event.message, kind="server_error" if event.status >= 500 else
+                           "invalid_request_error")
+        output = event.output
+        if output.finish_reason == "error":
+            raise ApiError(500, "the model failed during this request's step", kind="server_error")
+        return JSONResponse(call.whole(self.options.served_model, output.text, output.finish_reason,
+                                       output.token_ids))
+
+    async def _finish(self, stream: Stream, timing: _Timing) -> FinishEvent | FailEvent:
+        while True:
+            event = await stream.queue.get()
+            if isinstance(event, TokenEvent):
+                timing.tokens(event)
+            else:
+                if isinstance(event, FinishEvent):
+                    timing.finish(event)
+                return event
+
+    async def _sse(self, stream: Stream, call: _Call) -> AsyncIterator[str]:
+        """SERVE-4: Server-Sent Events as OpenAI sends them; cancelled by a disconnect (SERVE-6)."""
+        self.life.handlers += 1
+        model = self.options.served_model
+        detokenizer = IncrementalDetokenizer(self.llm.tokenizer, stream.params.stop)
+        timing = _Timing(self.metrics, stream.arrived)
+        ended = False
+        pending: list[int] = []  # tokens whose text is not sent yet
+        chunks = 0  # content chunks sent
+        try:
+            if call.kind == "chat.completion":
+                yield call.chunk(model, None, None, role=True)
+            while not ended:
+                event: Event = await stream.queue.get()
+                while isinstance(event, TokenEvent):  # every step's tokens that are here: one chunk for all
+                    timing.tokens(event)
+                    detokenizer.add(event.tokens)
+                    pending += event.tokens
+                    if stream.queue.empty():
+                        break
+                    event = stream.queue.get_nowait()
+                if isinstance(event, TokenEvent):
+                    if len(pending) < self.options.stream_interval and chunks:
+                        continue  # fewer tokens than the interval: they go with the next chunk
+                    text = detokenizer.take()
+                    if text or call.body.return_token_ids:  # asked for ids: every step's, text or not
+                        yield call.chunk(model, text, None, token_ids=pending)
+                        pending = []
+                        chunks += 1
+                    continue
+                ended = True
+                if isinstance(event, FailEvent):
+                    yield _sse_data(ApiError(event.status, event.message, kind="server_error").body())
+                elif event.output.finish_reason == "error":
+                    yield _sse_data(ApiError(500, "the model failed during this request's step",
+                                             kind="server_error").body())
+                else:
+                    timing.finish(event)
+                    yield call.chunk(model, detokenizer.take_final(), event.output.finish_reason, token_ids=pending)
+                    if call.include_usage:
+                        yield call.usage_chunk(model, len(event.output.token_ids))
+                yield "data: [DONE]\n\n"
+        finally:
+            self.life.handlers -= 1
+            if not ended:
+                self.loop.cancel(stream)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (its body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _field_of(message: str) -> str | None:
+    word = message.split(" ", 1)[0].rstrip(":")
+    return word if word in {"prompt", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids"} else None
+
+
+def _sse_data(payload: dict[str, Any]) -> str:
+    import json
+
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class _Timing:
+    """The request histograms of one request, observed as its events arrive (SERVE-12)."""
+
+    def __init__(self, metrics: Metrics, arrived: float) -> None:
+        self.metrics = metrics
+        self.arrived = arrived
+        self.last: float | None = None
+
+    def tokens(self, event: TokenEvent) -> None:
+        m = self.metrics
+        if self.last is None:
+            m.ttft.observe(event.at - self.arrived)
+            m.queue_time.observe(max(0.0, event.step_started - self.arrived))
+        else:
+            m.itl.observe(event.at - self.last)
+        self.last = event.at
+
+    def finish(self, event: FinishEvent) -> None:
+        self.metrics.e2e.observe(event.at - self.arrived)
+
+
+class _Call:
+    """One request's response shapes (completion or chat, streamed or whole)."""
+
+    def __init__(self, kind: str, streaming: bool, body: CompletionRequest | ChatRequest) -> None:
+        self.kind = kind
+        self.streaming = streaming
+        self.body = body
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.prompt_tokens = 0
+        self.prompt_ids: list[int] = []
+
+    def _usage(self, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def whole(self, model: str, text: str, finish_reason: str, token_ids: list[int]) -> dict[str, Any]:
+        if self.kind == "chat.completion":
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        response = {"id": self.id, "object": self.kind, "created": self.created, "model": model,
+                    "choices": [choice], "usage": self._usage(len(token_ids))}
+        if self.body.return_token_ids:
+            choice["token_ids"] = token_ids
+            response["prompt_token_ids"] = self.prompt_ids
+        return response
+
+    def chunk(self, model: str, text: str | None, finish_reason: str | None, role: bool = False,
+              token_ids: list[int] | None = None) -> str:
+        if self.kind == "chat.completion":
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": text}
+            if finish_reason is not None and not text:
+                delta = {}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            kind = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            kind = "text_completion"
+        if self.body.return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+        payload: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created, "model": model,
+                                   "choices": [choice]}
+        if self.include_usage:
+            payload["usage"] = None
+        return _sse_data(payload)
+
+    def usage_chunk(self, model: str, completion_tokens: int) -> str:
+        kind = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
+        return _sse_data({"id": self.id, "object": kind, "created": self.created, "model": model, "choices": [],
+                          "usage": self._usage(completion_tokens)})
+

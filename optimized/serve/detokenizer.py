@@ -1,0 +1,111 @@
+"""Incremental detokenization with stop strings: text released only once it is final (SERVE-4, SERVE-5).
+
+Invariants: ``text`` is the decoded text of the first ``num_decoded`` tokens
+and ends on a whole character: a token that leaves a multi-byte character
+incomplete (the decoded tail is U+FFFD) is held until a later token completes
+it, or until ``finish``. The released text (``take``) is always a prefix of
+``finish()``'s result: it stops short of the first stop string and of any tail
+that is a proper prefix of a stop string, since that tail may still become one.
+A stop string is searched only in text decoded since the last search (with
+enough overlap to catch one straddling the boundary), so a request costs
+O(tokens x longest stop) in all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"
+MAX_CHAR_TOKENS = 4  # UTF-8 takes at most 4 bytes, so at most 4 byte-level tokens, per character
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """The text of a growing list of completion tokens, and where the first stop string begins in it."""
+
+    def __init__(self, tokenizer: Decoder, stop: Sequence[str] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._ids: list[int] = []
+        self._context = 0  # decoding starts here: the previous read point, so a merge across tokens is seen
+        self.num_decoded = 0  # tokens whose characters are all in ``text``
+        self.text = ""
+        self.stop_at: int | None = None  # index in ``text`` where the first stop string begins
+        self._released = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._ids)
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_at is not None
+
+    def add(self, ids: Iterable[int]) -> bool:
+        """Append tokens; True once a stop string is complete (it then ignores further tokens' text)."""
+        self._ids.extend(ids)
+        # The longest run of new tokens that ends on a whole character; a character spans at most
+        # MAX_CHAR_TOKENS tokens, so fewer ends are tried.
+        for end in range(len(self._ids), max(self.num_decoded, len(self._ids) - MAX_CHAR_TOKENS), -1):
+            if self.stop_at is not None:
+                break
+            fresh = self._fresh_text(end)
+            if fresh is not None:
+                self._append(fresh, end)
+                break
+        return self.stop_at is not None
+
+    def _fresh_text(self, end: int) -> str | None:
+        """The text tokens up to ``end`` add, or None while it ends in an incomplete character."""
+        before = self._tokenizer.decode(self._ids[self._context : self.num_decoded])
+        after = self._tokenizer.decode(self._ids[self._context : end])
+        if after.endswith(REPLACEMENT) or not after.startswith(before):
+            return None
+        return after[len(before) :]
+
+    def _append(self, fresh: str, end: int) -> None:
+        searched = len(self.text)
+        self.text += fresh
+        self._context, self.num_decoded = self.num_decoded, end
+        self._search(searched)
+
+    def _search(self, searched: int) -> None:
+        """Record the earliest stop string that ends past ``searched`` (the text before held none)."""
+        hits = [i for s in self._stop if (i := self.text.find(s, max(0, searched - len(s) + 1))) >= 0]
+        if hits:
+            self.stop_at = min(hits)
+
+    def _final_length(self) -> int:
+        """How much of ``text`` can never change: all before a stop string, or before a tail that may become one."""
+        if self.stop_at is not None:
+            return self.stop_at
+        text = self.text
+        for start in range(max(0, len(text) - max((len(s) for s in self._stop), default=1) + 1), len(text)):
+            if any(s.startswith(text[start:]) for s in self._stop):
+                return start
+        return len(text)
+
+    def take(self) -> str:
+        """The text final since the last ``take`` (may be empty)."""
+        end = self._final_length()
+        out = self.text[self._released : end]
+        self._released = max(self._released, end)
+        return out
+
+    def finish(self) -> str:
+        """All text once no token will come: the held tail decoded as it is, cut at the first stop string."""
+        if self.stop_at is None and self.num_decoded < len(self._ids):
+            whole = self._tokenizer.decode(self._ids)
+            self._append(whole[len(self.text) :] if whole.startswith(self.text) else "", len(self._ids))
+        return self.text if self.stop_at is None else self.text[: self.stop_at]
+
+    def take_final(self) -> str:
+        """``finish``, less what ``take`` released already."""
+        text = self.finish()
+        out = text[self._released :]
+        self._released = len(text)
+        return out

@@ -1,0 +1,305 @@
+"""The engine loop: one thread owns the ``LLM`` and is the only caller into it (SERVE-2, SERVE-3).
+
+Invariants: HTTP handlers never call the engine. They hand a ``Stream`` to
+``submit`` and mark it with ``cancel``; the loop admits arrivals and applies
+cancellations between steps (a cancelled request is aborted before the next
+step runs, ABORT-8, so its blocks are free again), steps while any request is
+live and otherwise sleeps on a condition. After each step every live stream is
+sent the tokens it gained (``TokenEvent``), and every finished one its output
+(``FinishEvent``), through its asyncio queue (``call_soon_threadsafe``); a
+stream's events are in order and end with exactly one ``FinishEvent`` or
+``FailEvent``. When the engine can no longer be trusted (check mode's
+``ShadowDivergence``, ENG-15; any failure that leaves it untrusted, ENG-24)
+the loop records why in ``failure``, logs it (both schedulers' states, for a
+divergence), fails every stream with a 500 that says so and stops: nothing is
+admitted after (SERVE-11).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from optimized.engine.llm import LLM, RequestOutput
+from optimized.engine.sampling_params import SamplingParams
+from optimized.serve.metrics import Metrics
+from optimized.verify.shadow import ShadowDivergence
+
+log = logging.getLogger("nanoverify.serve")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    tokens: list[int]
+    at: float  # perf_counter when the loop sent them
+    step_started: float  # when the step that made them began
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    output: RequestOutput
+    at: float
+
+
+@dataclass(frozen=True)
+class FailEvent:
+    status: int
+    message: str
+
+
+Event = TokenEvent | FinishEvent | FailEvent
+
+
+@dataclass(eq=False)
+class Stream:
+    """One request's channel from the engine loop to its HTTP handler."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    arrived: float = field(default_factory=time.perf_counter)
+    request_id: int | None = None
+    sent: int = 0  # completion tokens sent so far
+    cancelled: bool = False
+    done: bool = False  # its last event (output or failure) is sent
+
+    def push(self, event: Event) -> None:
+        """Hand ``event`` to the handler's event loop (from the engine thread); a closed loop drops it."""
+        deliver(self.loop, [(self.queue, event)])
+
+
+def deliver(loop: asyncio.AbstractEventLoop, events: list[tuple[asyncio.Queue[Event], Event]]) -> None:
+    """Put ``events`` on their queues in ``loop``, with one wake-up for all (from another thread)."""
+
+    def put_all() -> None:
+        for queue, event in events:
+            queue.put_nowait(event)
+
+    with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
+        loop.call_soon_threadsafe(put_all)
+
+
+class Unavailable(Exception):
+    """The loop admits nothing: shutting down, or the engine is no longer trusted."""
+
+
+class EngineLoop:
+    def __init__(self, llm: LLM, metrics: Metrics) -> None:
+        self.llm = llm
+        self.metrics = metrics
+        self.failure: str | None = None  # why the engine is no longer trusted (SERVE-11)
+        self._cv = threading.Condition()
+        self._arrivals: list[Stream] = []
+        self._hangups: list[Stream] = []
+        self._probes: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._live: dict[int, Stream] = {}
+        self._closing = False  # admit nothing more
+        self._abort_all = False  # abort every live request, then keep serving nothing
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="nanoverify-engine-loop", daemon=True)
+
+    # --- called from the HTTP side --------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, stream: Stream) -> None:
+        """Queue ``stream`` for admission at the next gap between steps; Unavailable when closing or failed."""
+        with self._cv:
+            if self._closing or self.failure is not None or not self.thread.is_alive():
+                raise Unavailable(self.failure or "the server is shutting down")
+            self._arrivals.append(stream)
+            self._cv.notify()
+
+    def cancel(self, stream: Stream) -> None:
+        """The client went away: abort the request before the next step (SERVE-6)."""
+        with self._cv:
+            if not stream.cancelled and not stream.done:
+                stream.cancelled = True
+                self._hangups.append(stream)
+                self._cv.notify()
+
+    def call_between_steps(self, probe: Callable[[], Any]) -> Future[Any]:
+        """Run ``probe`` in the loop thread between two steps; its result through the future."""
+        future: Future[Any] = Future()
+        with self._cv:
+            if not self.thread.is_alive():
+                future.set_exception(Unavailable("the engine loop is not running"))
+                return future
+            self._probes.append((probe, future))
+            self._cv.notify()
+        return future
+
+    def in_flight(self) -> int:
+        with self._cv:
+            return len(self._live) + len(self._arrivals)
+
+    def close(self) -> None:
+        """Admit nothing more (SERVE-7); live requests go on."""
+        with self._cv:
+            self._closing = True
+
+    def abort_all(self) -> None:
+        """Abort every live request at the next gap (the shutdown grace period is over)."""
+        with self._cv:
+            self._closing = self._abort_all = True
+            self._cv.notify()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Abort what is left and end the thread."""
+        with self._cv:
+            self._closing = self._abort_all = self._stop = True
+            self._cv.notify()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+
+    # --- the loop thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._turn():
+                pass
+        except BaseException as error:  # every way out of the loop must fail the streams
+            self._die(error)
+
+    def _turn(self) -> bool:
+        """Apply what the handlers asked, then one step if anything is live; False when told to stop."""
+        with self._cv:
+            while not (self._arrivals or self._hangups or self._probes or self._live or self._stop
+                       or self._abort_all):
+                self._cv.wait()
+            arrivals, self._arrivals = self._arrivals, []
+            hangups, self._hangups = self._hangups, []
+            probes, self._probes = self._probes, []
+            abort_all, stop = self._abort_all, self._stop
+            self._abort_all = False  # done below; admission stays closed, so nothing new comes to abort
+        for stream in arrivals:
+            self._admit(stream)
+        for stream in hangups:
+            self._abort(stream)
+        if abort_all:
+            for stream in list(self._live.values()):
+                self._abort(stream, tell=True)
+        for probe, future in probes:
+            self._answer(probe, future)
+        if stop:
+            return False
+        if self._live:
+            self._step()
+        return True
+
+    def _admit(self, stream: Stream) -> None:
+        if stream.cancelled:
+            return
+        try:
+            stream.request_id = self.llm.add_request(stream.prompt_ids, stream.params)
+        except ValueError as e:  # validated by the handler already; the engine's word is final
+            stream.done = True
+            stream.push(FailEvent(400, str(e)))
+            return
+        self._live[stream.request_id] = stream
+        self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
+        self.metrics.prefix_queries.inc(len(stream.prompt_ids))
+
+    def _abort(self, stream: Stream, tell: bool = False) -> None:
+        """Abort the stream's request if it is live; ``tell``: send the handler the aborted output."""
+        if stream.request_id is None or self._live.pop(stream.request_id, None) is None:
+            return
+        output = self.llm.abort(stream.request_id)
+        if output is not None:
+            self._count_finish(output)
+            if tell:
+                self._send_rest(stream, output)
+
+    @staticmethod
+    def _answer(probe: Callable[[], Any], future: Future[Any]) -> None:
+        try:
+            future.set_result(probe())
+        except Exception as e:  # the probe's own failure goes to its caller
+            future.set_exception(e)
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        try:
+            outputs = self.llm.step()
+        except ShadowDivergence:
+            self.metrics.divergences.inc()
+            raise
+        except Exception as e:
+            if not self.llm.engine.trusted or self.llm.interrupted is not None:
+                raise
+            log.error("a step failed and its batch ended with an error (FAULT-1): %s", e)
+            return  # the failed requests' outputs (finish_reason "error") come with the next step
+        now = time.perf_counter()
+        finished = {o.request_id for o in outputs}
+        events: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
+        generated = 0
+        for rid, stream in self._live.items():
+            if rid not in finished:
+                tokens = self.llm.completion_tokens(rid, stream.sent)
+                if tokens:
+                    stream.sent += len(tokens)
+                    generated += len(tokens)
+                    events.setdefault(stream.loop, []).append((stream.queue, TokenEvent(tokens, now, started)))
+        for output in outputs:
+            stream = self._live.pop(output.request_id)
+            self._count_finish(output)
+            generated += len(output.token_ids) - stream.sent
+            for event in self._last_events(stream, output, started):
+                events.setdefault(stream.loop, []).append((stream.queue, event))
+        for loop, batch in events.items():  # one wake-up per event loop and step, not one per request
+            deliver(loop, batch)
+        self.metrics.generation_tokens.inc(generated)
+        self._after_step()
+
+    def _send_rest(self, stream: Stream, output: RequestOutput) -> None:
+        self.metrics.generation_tokens.inc(len(output.token_ids) - stream.sent)
+        deliver(stream.loop, [(stream.queue, e) for e in self._last_events(stream, output, time.perf_counter())])
+
+    @staticmethod
+    def _last_events(stream: Stream, output: RequestOutput, started: float) -> list[Event]:
+        """The tokens not sent yet (if any), then the output."""
+        now = time.perf_counter()
+        events: list[Event] = []
+        if len(output.token_ids) > stream.sent:
+            events.append(TokenEvent(output.token_ids[stream.sent :], now, started))
+            stream.sent = len(output.token_ids)
+        events.append(FinishEvent(output, now))
+        stream.done = True
+        return events
+
+    def _count_finish(self, output: RequestOutput) -> None:
+        self.metrics.success.labels(finished_reason=output.finish_reason).inc()
+
+    def _after_step(self) -> None:
+        engine = self.llm.engine
+        scheduler = engine.scheduler
+        free = scheduler.block_manager.pool.free.count  # O(1); free_block_ids would copy the queue
+        self.metrics.after_step(engine.stats, len(scheduler.running), len(scheduler.waiting), free,
+                                engine.limits.num_blocks)
+
+    def _die(self, error: BaseException) -> None:
+        """SERVE-11: the engine is untrusted: say why, fail every stream with a 500, admit nothing more."""
+        if isinstance(error, ShadowDivergence):
+            why = "check mode found the engine's scheduler diverging from the reference scheduler"
+        else:
+            why = f"the engine loop failed ({type(error).__name__}: {error})"
+        log.error("%s; the engine is no longer trusted and the server admits nothing more:\n%s", why, error)
+        with self._cv:
+            self.failure = f"{why}; the engine is no longer trusted"
+            self._closing = True
+            streams = list(self._live.values()) + self._arrivals
+            self._live.clear()
+            self._arrivals.clear()
+            probes, self._probes = self._probes, []
+        for stream in streams:
+            stream.done = True
+            stream.push(FailEvent(500, self.failure))
+        for _, future in probes:
+            future.set_exception(Unavailable(self.failure))

@@ -1,0 +1,69 @@
+"""Prometheus metrics of one server, in a registry of its own (SERVE-12).
+
+Invariant: names follow vLLM's where the meaning is the same, with the
+``nanoverify:`` prefix; counters only grow. Engine counters are advanced by the
+engine loop after each step from the difference of ``EngineStats`` (so they
+agree with the engine exactly); request histograms are observed by the HTTP
+handlers as tokens arrive. A separate ``CollectorRegistry`` keeps two servers
+in one process (tests) from sharing series.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "nanoverify:"
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests in the running queue.", registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests in the waiting queue.", registry=r)
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
+                              registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens admitted.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
+        self.preemptions = Counter(PREFIX + "num_preemptions", "Preemptions.", registry=r)
+        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      registry=r)
+        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   registry=r)
+        self.success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
+                               ["finished_reason"], registry=r)
+        self.compared_steps = Counter(PREFIX + "check_compared_steps",
+                                      "Steps check mode compared with the reference scheduler.", registry=r)
+        self.divergences = Counter(PREFIX + "check_divergences", "Divergences check mode found (0 or 1).", registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between two token deliveries.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds",
+                                    "Arrival to the start of the step that computed the request first.",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self._seen: dict[str, int] = {}
+
+    def advance(self, counter: Counter, name: str, total: int) -> None:
+        """Move ``counter`` up to the engine's running ``total`` (named ``name``)."""
+        delta = total - self._seen.get(name, 0)
+        if delta > 0:
+            counter.inc(delta)
+            self._seen[name] = total
+
+    def after_step(self, stats: Any, running: int, waiting: int, free_blocks: int, num_blocks: int) -> None:
+        """The engine's gauges and counters after a step (called by the engine loop only)."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(1 - free_blocks / num_blocks)
+        self.advance(self.preemptions, "preemptions", stats.preemptions)
+        self.advance(self.prefix_hits, "prefix_hits", stats.prefix_cache_hit_tokens)
+        self.advance(self.compared_steps, "compared_steps", stats.compared_steps)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,130 @@
+"""The OpenAI request bodies the server accepts, and its error shape (SERVE-8).
+
+Invariant: a body either becomes a typed request here, or an ``ApiError`` whose
+message and ``param`` name the field at fault; nothing reaches the engine
+unchecked. Models are strict (a string is never taken for a number, nor a
+number for a bool) and ignore unknown fields, as OpenAI does. The sampling
+fields are checked once more by ``SamplingParams`` and the prompt by
+``LLM.validate`` (ENG-9), whose ValueErrors also become 400s.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+M = TypeVar("M", bound=BaseModel)
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Sampling(_Strict):
+    """Fields common to both endpoints (OpenAI's, then vLLM's extras)."""
+
+    model: str
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    user: str | None = None
+    top_k: Annotated[int, Field(ge=-1)] = -1
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    ignore_eos: bool = False
+    return_token_ids: bool = False  # vLLM's extra: choices carry ``token_ids``, the response ``prompt_token_ids``
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 saying what is wrong with it."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse_request(model: type[M], raw: bytes) -> M:
+    """The body as ``model``, or a 400 naming the first field at fault."""
+    data = parse_body(raw)
+    try:
+        request = model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation(e) from None
+    if getattr(request, "n", 1) != 1:
+        raise ApiError(400, "n: only n=1 is supported (one completion per request)", param="n")
+    return request
+
+
+def from_validation(error: ValidationError) -> ApiError:
+    """The most telling error of ``error`` as a 400 whose param is the field's dotted path.
+
+    For a union (``prompt``: text or token ids) the member that got furthest explains best: the deepest
+    location wins, then a range error over a type error.
+    """
+    first = max(error.errors(include_url=False),
+                key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
+    path = [str(p) for p in first["loc"] if not _is_union_tag(p)]
+    param = ".".join(path) or None
+    return ApiError(400, f"{param or 'body'}: {first['msg']}", param=param)
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the union member it tried (``str``, ``list[int]``...) in the location: not a field."""
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "none"} or "[" in part
+                                      or part.startswith(("constrained-", "function-")))

@@ -1,0 +1,95 @@
+"""Running the app under uvicorn, with nanoverify's shutdown (SERVE-7).
+
+Invariant: the first SIGTERM or SIGINT stops admission at once (``/health``
+and new ``/v1`` requests answer 503) while requests in flight go on; when the
+last one has finished, or ``shutdown_timeout`` seconds have passed and the
+engine loop has aborted what was left (their streams end with finish_reason
+"abort"), uvicorn is told to exit, and the process exits 0. A second signal
+aborts at once. uvicorn re-raises a signal it captured after its own
+graceful exit, which would end the process by that signal: ``handle_exit`` is
+overridden so it never records one.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from types import FrameType
+
+import uvicorn
+
+from optimized.engine.llm import LLM
+from optimized.serve.app import Lifecycle, ServerOptions, build_app
+from optimized.serve.chat import load_chat_template
+from optimized.serve.loop import EngineLoop
+from optimized.serve.metrics import Metrics
+
+SETTLE_SECONDS = 2  # after the engine is idle: for handlers to send their last bytes
+
+
+class NanoverifyServer(uvicorn.Server):
+    """uvicorn's server with a draining shutdown and a line saying where it listens once it does."""
+
+    def __init__(self, config: uvicorn.Config, loop: EngineLoop, life: Lifecycle, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.engine_loop = loop
+        self.life = life
+        self.shutdown_timeout = shutdown_timeout
+        self.bound: tuple[str, int] | None = None
+
+    async def startup(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+        await super().startup(sockets)  # type: ignore[arg-type]
+        if self.started and getattr(self, "servers", None):
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.bound = (str(host), int(port))
+            print(f"nanoverify serve: listening on http://{host}:{port}", flush=True)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.life.draining:  # a second signal: abort what is left and exit now
+            self.engine_loop.abort_all()
+            self.should_exit = True
+            return
+        self.begin_drain()
+
+    def begin_drain(self) -> None:
+        """SERVE-7: stop admitting, let the in-flight requests finish (or abort them at the deadline), then exit."""
+        self.life.draining = True
+        self.engine_loop.close()
+        threading.Thread(target=self._drain, name="nanoverify-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.shutdown_timeout
+        while self.engine_loop.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.engine_loop.in_flight():
+            logging.getLogger("nanoverify.serve").warning(
+                "shutdown: %d requests still running after %.1f s are aborted", self.engine_loop.in_flight(),
+                self.shutdown_timeout)
+            self.engine_loop.abort_all()
+        settle = time.monotonic() + SETTLE_SECONDS
+        while self.life.handlers and time.monotonic() < settle:
+            time.sleep(0.02)
+        self.should_exit = True
+
+
+def serve(llm: LLM, host: str, port: int, options: ServerOptions, shutdown_timeout: float) -> int:
+    """Serve until a signal ends it; 0 after a clean shutdown."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    metrics = Metrics()
+    loop = EngineLoop(llm, metrics)
+    life = Lifecycle()
+    app = build_app(llm, loop, metrics, load_chat_template(llm.model_dir), options, life)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=SETTLE_SECONDS, server_header=False)
+    server = NanoverifyServer(config, loop, life, shutdown_timeout)
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's way of saying it could not bind
+        server.started = False
+    finally:
+        loop.stop()
+    if not server.started:
+        raise OSError(f"could not listen on {host}:{port} (see the log above)")
+    return 0

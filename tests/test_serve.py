@@ -1,0 +1,413 @@
+"""``nanoverify serve`` end to end: the real ``openai`` client against a spawned server (spec/serve.md).
+
+One server per module (float64, check mode, an API key), spawned as users start it, and one offline ``LLM`` on
+the same default model: the oracle of served == offline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from optimized import LLM, SamplingParams
+from tests.engine_fixtures import one_thread
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "sk-test-0123456789"
+BLOCKS = 128  # x 16 tokens: 2048 tokens of KV cache, below max_model_len (4096): a request can fit one, not the other
+STARTUP_SECONDS = 120
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[str]
+    url: str
+    log: Path
+
+    @property
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=30, **kw)
+
+    def post(self, path: str, body: bytes | str, key: str | None = KEY, **headers: str) -> httpx.Response:
+        auth = {"Authorization": f"Bearer {key}"} if key is not None else {}
+        return httpx.post(self.url + path, content=body, headers={**auth, **headers}, timeout=30)
+
+
+def spawn(args: list[str], log: Path) -> Served:
+    """``python -m optimized.cli serve ARGS --port 0``, once it says where it listens."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "optimized.cli", "serve", "--port", "0", *args], cwd=ROOT,
+                                env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while time.monotonic() < deadline and proc.poll() is None:
+        url = next((line.split("listening on ")[1].strip() for line in lines if "listening on" in line), None)
+        if url:
+            return Served(proc, url, log)
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"the server did not start (exit {proc.poll()}):\n{log.read_text()}")
+
+
+def stop(served: Served) -> int:
+    if served.proc.poll() is None:
+        served.proc.terminate()
+    try:
+        return served.proc.wait(30)
+    finally:
+        if served.proc.poll() is None:
+            served.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with pytest.MonkeyPatch.context() as mp, one_thread():
+        root = tmp_path_factory.mktemp("nanoverify-cache")
+        mp.setenv("NANOVERIFY_CACHE", str(root))
+        mp.setenv("HOME", str(root))
+        yield root
+
+
+@pytest.fixture(scope="module")
+def offline(cache: Path) -> LLM:
+    """The default model in float64 (it is made here, in the module's cache, before the server loads it); no check
+    mode here: the server runs in check mode."""
+    return LLM(None, dtype="float64", num_kvcache_blocks=BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def server(offline: LLM, cache: Path) -> Iterator[Served]:
+    served = spawn(["--dtype", "float64", "--check", "--api-key", KEY, "--num-kvcache-blocks", str(BLOCKS)],
+                   cache / "server.log")
+    try:
+        yield served
+    finally:
+        stop(served)
+
+
+def sampled(seed: int, max_tokens: int = 24, **extra: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.9, max_tokens=max_tokens, seed=seed, ignore_eos=True, **extra)
+
+
+def body(prompt: str | list[int], params: SamplingParams, **extra: Any) -> dict[str, Any]:
+    """The completion request's arguments for ``params`` (temperature, seed, max_tokens, ignore_eos)."""
+    return {"model": "default", "prompt": prompt, "max_tokens": params.max_tokens, "temperature": params.temperature,
+            "seed": params.seed, "extra_body": {"ignore_eos": params.ignore_eos, "return_token_ids": True}, **extra}
+
+
+def token_ids(choice: Any) -> list[int]:
+    """vLLM's extra ``token_ids`` of a choice (asked for with ``return_token_ids``)."""
+    ids: list[int] = choice.model_extra["token_ids"]
+    return ids
+
+
+def chunks_of(stream: Any) -> list[Any]:
+    return list(stream)
+
+
+@pytest.mark.clause("SERVE-1", "SERVE-4")
+def test_completions_and_chat_whole_and_streamed(server: Served, offline: LLM) -> None:
+    """SERVE-1, SERVE-4: both endpoints, whole and streamed: the offline text and tokens, usage, finish_reason;
+    the streamed pieces join to the whole text, finish_reason only on the last content chunk, then the usage
+    chunk (empty choices) when asked."""
+    client = server.client
+    params = sampled(11, 12)
+    want = offline.generate(["Hello"], params, use_tqdm=False)[0]
+    whole = client.completions.create(**body("Hello", params))
+    assert whole.choices[0].text == want.text and whole.choices[0].finish_reason == "length"
+    assert token_ids(whole.choices[0]) == want.token_ids
+    assert whole.usage is not None and (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (5, 12)
+    assert whole.usage.total_tokens == 17 and whole.object == "text_completion" and whole.model == "default"
+    chunks = chunks_of(client.completions.create(**body("Hello", params), stream=True,
+                                                 stream_options={"include_usage": True}))
+    content, usage = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in content) == want.text
+    assert [c.choices[0].finish_reason for c in content] == [None] * (len(content) - 1) + ["length"]
+    assert usage.choices == [] and usage.usage.completion_tokens == 12 and usage.usage.prompt_tokens == 5
+    # Chat: the default model's template, the same tokens as offline on the rendered prompt.
+    rendered = "<|user|>\nHi\n<|assistant|>\n"
+    want = offline.generate([rendered], sampled(3, 8), use_tqdm=False)[0]
+    chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}],
+                                          max_completion_tokens=8, temperature=0.9, seed=3,
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == want.text and chat.choices[0].message.role == "assistant"
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(rendered) and chat.object == "chat.completion"
+    chunks = chunks_of(client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0.9, seed=3,
+        stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
+    # An EOS ends a request with "stop": greedy from this prompt draws EOS early (found offline).
+    eos = next(o for o in offline.generate([f"p{i}" for i in range(40)], SamplingParams(temperature=0.9, seed=5,
+               max_tokens=64), use_tqdm=False) if o.finish_reason == "stop")
+    got = client.completions.create(model="default", prompt=eos.prompt or "", max_tokens=64, temperature=0.9, seed=5)
+    assert got.choices[0].finish_reason == "stop" and got.choices[0].text == eos.text
+    assert [m.id for m in client.models.list().data] == ["default"]
+
+
+@pytest.mark.clause("SERVE-5")
+def test_generate_ends_at_the_token_completing_a_stop_string(offline: LLM) -> None:
+    """SERVE-5: LLM.generate honours stop strings: the request ends at the token that completes one (through the
+    abort path; the served test below runs it in check mode), finish_reason "stop", text cut before the stop
+    string; the blocks are free afterwards. Byte-level tokens: a 3-character stop string spans 3 tokens."""
+    params = SamplingParams(temperature=0.9, max_tokens=40, seed=7, ignore_eos=True)
+    full = offline.generate(["Hello"], params, use_tqdm=False)[0]
+    ascii_at = next(i for i in range(5, 30) if full.text[i : i + 3].isascii() and full.text[i : i + 3].isprintable())
+    stop = full.text[ascii_at : ascii_at + 3]
+    cut = full.text.index(stop)
+    aborted_before = offline.engine.stats.aborted_requests
+    out = offline.generate(["Hello"], SamplingParams(**{**params.__dict__, "stop": (stop,)}), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.text == full.text[:cut]
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    assert len(out.token_ids) < len(full.token_ids)
+    assert offline.tokenizer.decode(out.token_ids).endswith(stop)  # the completing token is the last one
+    assert not offline.tokenizer.decode(out.token_ids[:-1]).endswith(stop)
+    assert offline.engine.stats.aborted_requests == aborted_before  # ended as "stop", not counted as an abort
+    assert len(offline.engine.scheduler.block_manager.free_block_ids) == BLOCKS
+
+
+@pytest.mark.clause("SERVE-5")
+def test_stop_strings_across_token_boundaries(server: Served, offline: LLM) -> None:
+    """SERVE-5: a stop string spanning several tokens ends the request at the token completing it, whole or
+    streamed; the text stops before it; the same as LLM.generate with the same stop."""
+    params = sampled(21, 40)
+    full = offline.generate(["Hello"], params, use_tqdm=False)[0]
+    at = next(i for i in range(4, 30) if full.text[i : i + 3].isascii() and full.text[i : i + 3].isprintable()
+              and full.text.index(full.text[i : i + 3]) == i)
+    stop = full.text[at : at + 3]
+    want = offline.generate(["Hello"], sampled(21, 40, stop=(stop, "never-there")), use_tqdm=False)[0]
+    assert want.text == full.text[:at] and want.finish_reason == "stop"
+    whole = server.client.completions.create(**body("Hello", params), stop=[stop, "never-there"])
+    assert whole.choices[0].text == full.text[:at] and whole.choices[0].finish_reason == "stop"
+    assert token_ids(whole.choices[0]) == want.token_ids
+    assert len(want.token_ids) < len(full.token_ids)
+    chunks = chunks_of(server.client.completions.create(**body("Hello", params), stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.text[:at]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.clause("SERVE-4")
+def test_a_multibyte_character_split_across_tokens_arrives_whole(server: Served, offline: LLM) -> None:
+    """SERVE-4: the default model's tokens are bytes, so a non-ASCII character spans tokens; streamed, it arrives
+    whole in one piece (a split one would arrive as two U+FFFD and the pieces would not join to the text)."""
+    found = None
+    for seed in range(200):
+        out = offline.generate(["Gr\u00fc\u00dfe"], sampled(seed, 48), use_tqdm=False)[0]
+        chars = [c for c in out.text if ord(c) > 127 and c != "\ufffd"]
+        if chars:
+            found = seed, out, chars[0]
+            break
+    assert found is not None, "no seed drew a whole multi-byte character"
+    seed, out, char = found
+    chunks = chunks_of(server.client.completions.create(**body("Gr\u00fc\u00dfe", sampled(seed, 48)), stream=True))
+    pieces = [c.choices[0].text for c in chunks]
+    assert "".join(pieces) == out.text
+    assert any(char in p for p in pieces)
+
+
+@pytest.mark.clause("SERVE-3", "SERVE-2")
+def test_served_equals_offline_with_32_concurrent_clients(server: Served, offline: LLM) -> None:
+    """SERVE-3: 32 clients at once, seeded, temperature > 0: each gets exactly the tokens LLM.generate returns
+    for its request alone (float64; the sampler is batch-invariant, ENG-7): the server adds nothing."""
+    prompts = [f"client {i}: " + "ab" * (i % 7) for i in range(32)]
+    params = [sampled(100 + i, 8 + i % 5) for i in range(32)]
+
+    def ask(i: int) -> list[int]:
+        got = server.client.completions.create(**body(prompts[i], params[i]))
+        return token_ids(got.choices[0])
+
+    with ThreadPoolExecutor(32) as pool:
+        served = list(pool.map(ask, range(32)))
+    for i in range(32):
+        assert served[i] == offline.generate([prompts[i]], params[i], use_tqdm=False)[0].token_ids, i
+
+
+def engine_state(server: Served) -> dict[str, Any]:
+    """The engine between steps once it is idle (SERVE-6's /health?verbose=1)."""
+    deadline = time.monotonic() + 30
+    while True:
+        state: dict[str, Any] = server.get("/health", params={"verbose": "1"}).json()["engine"]
+        if state["running"] == state["waiting"] == 0 or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
+
+
+def metric(server: Served, name: str) -> float:
+    for line in server.get("/metrics").text.splitlines():
+        if line.rsplit(" ", 1)[0] == name:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.clause("SERVE-6", "SERVE-11")
+def test_clients_that_hang_up_free_their_blocks(server: Served, offline: LLM) -> None:
+    """SERVE-6: 50 streaming clients, half hang up at random points; the others get complete answers (the
+    offline tokens); afterwards every block is free and every invariant holds on the engine's scheduler (read
+    between steps through /health?verbose=1); each hang-up was aborted, and check mode compared every step
+    with zero divergences (health stays 200)."""
+    rng = random.Random(0)
+    aborted_before = metric(server, 'nanoverify:request_success_total{finished_reason="abort"}')
+    compared_before = engine_state(server)["compared_steps"]
+    hangups = set(rng.sample(range(50), 25))
+
+    def client(i: int) -> tuple[int, list[int]]:
+        params = sampled(500 + i, 1000 if i in hangups else 20)
+        stream = server.client.completions.create(**body(f"user {i}", params), stream=True)
+        tokens: list[int] = []
+        leave_after = rng.randrange(1, 8) if i in hangups else None
+        for n, chunk in enumerate(stream, 1):
+            tokens += chunk.choices[0].model_extra.get("token_ids", [])
+            if n == leave_after:
+                stream.close()
+                break
+        return i, tokens
+
+    with ThreadPoolExecutor(50) as pool:
+        results = dict(pool.map(client, range(50)))
+    stayed = sorted(set(range(50)) - hangups)
+    wanted = offline.generate([f"user {i}" for i in stayed], [sampled(500 + i, 20) for i in stayed], use_tqdm=False)
+    assert [results[i] for i in stayed] == [w.token_ids for w in wanted]  # batched: ENG-7 makes it the same
+    state = engine_state(server)
+    assert state["running"] == state["waiting"] == 0
+    assert state["free_blocks"] == state["num_blocks"] == BLOCKS
+    assert state["violations"] == []
+    assert state["compared_steps"] > compared_before
+    aborted = metric(server, 'nanoverify:request_success_total{finished_reason="abort"}') - aborted_before
+    assert aborted == 25  # 1000 tokens each: every one hung up before it could finish
+    assert metric(server, "nanoverify:check_divergences_total") == 0
+    assert server.get("/health").status_code == 200
+
+
+BAD: list[tuple[str, str, dict[str, Any] | bytes, int, str | None, str]] = [
+    # (name, path, body, status, param, words in the message)
+    ("malformed JSON", "/v1/completions", b'{"model": "default", "prompt": ', 400, None, "not valid JSON"),
+    ("not an object", "/v1/completions", b"[1, 2]", 400, None, "JSON object"),
+    ("no model", "/v1/completions", {"prompt": "x"}, 400, "model", "required"),
+    ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "default"),
+    ("no prompt", "/v1/completions", {"model": "default"}, 400, "prompt", "required"),
+    ("prompt a number", "/v1/completions", {"model": "default", "prompt": 5}, 400, "prompt", "valid"),
+    ("prompt empty ids", "/v1/completions", {"model": "default", "prompt": []}, 400, "prompt", "at least 1"),
+    ("negative id", "/v1/completions", {"model": "default", "prompt": [1, -2]}, 400, "prompt.1", "greater"),
+    ("id past vocab", "/v1/completions", {"model": "default", "prompt": [1, 999]}, 400, "prompt", "vocab_size"),
+    ("max_tokens a string", "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": "5"}, 400,
+     "max_tokens", "integer"),
+    ("max_tokens 0", "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 0}, 400, "max_tokens",
+     "greater"),
+    ("max_model_len", "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 5000}, 400,
+     "max_tokens", "max_model_len=4096"),
+    ("never fits the cache", "/v1/completions", {"model": "default", "prompt": "xy", "max_tokens": 3000}, 400,
+     "max_tokens", "num_kvcache_blocks=128"),
+    ("temperature a bool", "/v1/completions", {"model": "default", "prompt": "x", "temperature": True}, 400,
+     "temperature", "number"),
+    ("temperature 3", "/v1/completions", {"model": "default", "prompt": "x", "temperature": 3}, 400,
+     "temperature", "less than or equal to 2"),
+    ("top_p 0", "/v1/completions", {"model": "default", "prompt": "x", "top_p": 0}, 400, "top_p", "greater"),
+    ("top_k -2", "/v1/completions", {"model": "default", "prompt": "x", "top_k": -2}, 400, "top_k", "greater"),
+    ("seed a float", "/v1/completions", {"model": "default", "prompt": "x", "seed": 1.5}, 400, "seed", "integer"),
+    ("five stops", "/v1/completions", {"model": "default", "prompt": "x", "stop": list("abcde")}, 400, "stop",
+     "at most 4"),
+    ("empty stop", "/v1/completions", {"model": "default", "prompt": "x", "stop": [""]}, 400, "stop.0",
+     "at least 1"),
+    ("n 2", "/v1/completions", {"model": "default", "prompt": "x", "n": 2}, 400, "n", "n=1"),
+    ("stream a string", "/v1/completions", {"model": "default", "prompt": "x", "stream": "yes"}, 400, "stream",
+     "boolean"),
+    ("include_usage", "/v1/completions", {"model": "default", "prompt": "x", "stream_options": {"include_usage": 1}},
+     400, "stream_options.include_usage", "boolean"),
+    ("stop id past vocab", "/v1/completions", {"model": "default", "prompt": "x", "stop_token_ids": [300]}, 400,
+     "stop_token_ids", "vocab_size"),
+    ("no messages", "/v1/chat/completions", {"model": "default", "messages": []}, 400, "messages", "at least 1"),
+    ("bad role", "/v1/chat/completions", {"model": "default", "messages": [{"role": "bot", "content": "x"}]}, 400,
+     "messages.0.role", "user"),
+    ("content a number", "/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": 1}]},
+     400, "messages.0.content", "valid"),
+    ("max_completion_tokens -1", "/v1/chat/completions",
+     {"model": "default", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, 400,
+     "max_completion_tokens", "greater"),
+]
+
+
+@pytest.mark.clause("SERVE-8")
+@pytest.mark.parametrize(("name", "path", "payload", "status", "param", "words"), BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_are_refused_with_openai_errors(server: Served, name: str, path: str,
+                                                     payload: dict[str, Any] | bytes, status: int, param: str | None,
+                                                     words: str) -> None:
+    """SERVE-8: each wrong type, range or limit is its status with OpenAI's error JSON naming the field."""
+    raw = payload if isinstance(payload, bytes) else json.dumps(payload)
+    response = server.post(path, raw, **{"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and words in error["message"], error
+
+
+@pytest.mark.clause("SERVE-8", "SERVE-10")
+def test_keys_bodies_and_the_server_keeps_serving(server: Served) -> None:
+    """SERVE-10: no key or a wrong key is a 401 (the openai client's AuthenticationError) on every /v1 path;
+    /health and /metrics need none. SERVE-8: a body over the limit is a 413, declared or streamed; unknown
+    fields are ignored; after all the refusals the server still answers."""
+    ok = json.dumps({"model": "default", "prompt": "x", "max_tokens": 2, "logit_bias": {}, "whatever": 1})
+    for key in (None, "sk-wrong", KEY + "x", KEY[:-1]):
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            response = server.post(path, ok, key=key)
+            assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+        assert server.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 401
+    assert server.get("/v1/models", headers={"Authorization": f"Basic {KEY}"}).status_code == 401
+    assert server.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+    assert server.get("/health").status_code == 200 and server.get("/metrics").status_code == 200
+    big = json.dumps({"model": "default", "prompt": "x" * (1 << 20)})
+    response = server.post("/v1/completions", big)
+    assert response.status_code == 413 and "limit" in response.json()["error"]["message"]
+
+    def chunked() -> Iterator[bytes]:
+        yield b'{"model": "default", "prompt": "'
+        for _ in range(20):
+            yield b"y" * 65536
+        yield b'"}'
+
+    response = httpx.post(server.url + "/v1/completions", content=chunked(), timeout=30,
+                          headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 413
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        server.client.completions.create(model="default", prompt="x", temperature=-1)
+    response = server.post("/v1/completions", ok)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.clause("SERVE-12")
+def test_metrics_follow_vllm_names(server: Served) -> None:
+    """SERVE-12: Prometheus text with vLLM's names under nanoverify:, counters that moved with the work above."""
+    server.client.completions.create(model="default", prompt="metrics", max_tokens=3, temperature=0)
+    text = server.get("/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "request_success_total", "time_to_first_token_seconds_bucket",
+                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
+                 "request_queue_time_seconds_bucket", "check_compared_steps_total", "check_divergences_total"):
+        assert f"nanoverify:{name}" in text, name
+    assert metric(server, "nanoverify:generation_tokens_total") >= 3
+    assert metric(server, 'nanoverify:request_success_total{finished_reason="length"}') >= 1
+    assert metric(server, "nanoverify:check_compared_steps_total") > 0
+    assert metric(server, "nanoverify:time_to_first_token_seconds_count") >= 1

@@ -1,0 +1,105 @@
+"""The server's text pieces: incremental detokenization, stop strings (also in ``LLM.generate``), chat templates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from optimized import SamplingParams
+from optimized.serve.chat import DEFAULT_TEMPLATE, load_chat_template
+from optimized.serve.detokenizer import IncrementalDetokenizer
+
+
+class Bytes:
+    """A byte-level tokenizer, as the default model's: token b is byte b, decoded with replacement."""
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def feed(text: str, stop: tuple[str, ...] = (), per: int = 1) -> tuple[list[str], IncrementalDetokenizer]:
+    """Feed ``text``'s bytes ``per`` at a time; the pieces ``take`` released after each, then ``take_final``'s."""
+    data = list(text.encode())
+    d = IncrementalDetokenizer(Bytes(), stop)
+    pieces = []
+    for i in range(0, len(data), per):
+        if d.add(data[i : i + per]):
+            break
+        pieces.append(d.take())
+    pieces.append(d.take_final())
+    return pieces, d
+
+
+@pytest.mark.clause("SERVE-4")
+def test_a_multibyte_character_is_released_whole() -> None:
+    """SERVE-4: a character split over tokens is held until its last byte arrives, never sent as U+FFFD."""
+    text = "aé€😀b"
+    pieces, _ = feed(text)
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert "é" in pieces and "€" in pieces and "😀" in pieces  # each released in one piece, when complete
+    # Bytes that never complete a character are released as U+FFFD once no token will come.
+    d = IncrementalDetokenizer(Bytes())
+    d.add([0x61, 0xE2, 0x82])
+    assert d.take() == "a"
+    assert d.take_final() == "\ufffd"
+
+
+@pytest.mark.clause("SERVE-4", "SERVE-5")
+def test_text_that_may_become_a_stop_string_is_held_back() -> None:
+    """SERVE-5: a tail that is the start of a stop string waits; once it cannot become one, it is released."""
+    d = IncrementalDetokenizer(Bytes(), ("STOP",))
+    d.add(list(b"abST"))
+    assert d.take() == "ab"  # "ST" may become "STOP"
+    d.add(list(b"x"))
+    assert d.take() == "STx"  # it did not
+    assert not d.add(list(b"ySTO"))
+    assert d.take() == "y"
+    assert d.add(list(b"Pzz"))  # the token completing the stop string ends it
+    assert d.take() == "" and d.take_final() == ""
+    assert d.finish() == "abSTxy"
+
+
+@pytest.mark.clause("SERVE-5")
+@pytest.mark.parametrize("per", [1, 2, 5])
+def test_stop_strings_across_token_boundaries(per: int) -> None:
+    """SERVE-5: the earliest stop string wins wherever token boundaries fall; the text stops before it."""
+    text = "one two three four"
+    pieces, d = feed(text, ("four", "o t", "three"), per)
+    assert d.stopped and d.finish() == "one tw"
+    assert "".join(pieces) == "one tw"
+    pieces, d = feed(text, ("zzz",), per)
+    assert not d.stopped and "".join(pieces) == text
+
+
+@pytest.mark.clause("SERVE-5")
+def test_sampling_params_stop_is_validated() -> None:
+    """SERVE-5: stop is a tuple of non-empty strings; one string means one stop string."""
+    assert SamplingParams(stop="ab").stop == ("ab",)  # type: ignore[arg-type]
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")  # type: ignore[arg-type]
+    for bad in ("", [""], [3], 5, ["\ud800"]):
+        with pytest.raises(ValueError, match="stop"):
+            SamplingParams(stop=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.clause("SERVE-9")
+def test_chat_templates(tmp_path: Path) -> None:
+    """SERVE-9: a checkpoint's chat_template (a string, or the "default" of named ones) is used, with its special
+    tokens; without one, nanoverify's documented template; a template that fails is a ValueError."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert load_chat_template(tmp_path).render(messages) == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+    assert load_chat_template(tmp_path).source == DEFAULT_TEMPLATE
+    own = "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{{ eos_token }}"
+    config: dict[str, Any] = {"chat_template": own, "bos_token": "<s>", "eos_token": {"content": "</s>"}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_chat_template(tmp_path).render(messages) == "<s>[system]Be brief.[user]Hi</s>"
+    config["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_chat_template(tmp_path).render(messages) == "D"
+    config["chat_template"] = "{{ raise_exception('no system messages') }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no system messages"):
+        load_chat_template(tmp_path).render(messages)

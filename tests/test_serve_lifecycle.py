@@ -1,0 +1,396 @@
+"""The server's lifecycle: shutdown on SIGTERM (spawned), a check-mode divergence and hang-ups (in process).
+
+The in-process tests run the app under uvicorn in a thread, on a tiny checkpoint (token-id prompts), so they can
+reach into the engine: make the shadow diverge, time an abort against the steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import openai
+import pytest
+import uvicorn
+
+from optimized import LLM, SamplingParams
+from optimized.cli import main as cli_main
+from optimized.serve.app import ServerOptions, build_app
+from optimized.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
+from optimized.serve.loop import EngineLoop, FinishEvent, Stream
+from optimized.serve.metrics import Metrics
+from tests.engine_fixtures import make_llm, one_thread, with_config
+from tests.test_serve import spawn, stop
+
+pytestmark = pytest.mark.usefixtures("engine_env")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with pytest.MonkeyPatch.context() as mp, one_thread():
+        root = tmp_path_factory.mktemp("nanoverify-cache")
+        mp.setenv("NANOVERIFY_CACHE", str(root))
+        mp.setenv("HOME", str(root))
+        yield root
+
+
+def stream_lines(client: httpx.Client, url: str, payload: dict[str, Any], seen: threading.Event,
+                 out: list[str]) -> None:
+    """POST a streamed completion, keep its SSE data lines; ``seen`` is set at the first content line."""
+    with client.stream("POST", url, json=payload, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                out.append(line[6:])
+                seen.set()
+
+
+@pytest.mark.clause("SERVE-7")
+def test_sigterm_drains_then_aborts_and_exits_zero(cache: Path) -> None:
+    """SERVE-7: on SIGTERM the server admits nothing more (503) while in-flight streams go on; a short one
+    finishes normally, the long ones are aborted at the deadline and end cleanly (finish_reason "abort", then
+    [DONE]); the process exits 0 within the grace period (plus the settle time). A tiny checkpoint with a long
+    context: the long requests cannot finish within the grace period, the short one (in flight when the signal
+    comes) can."""
+    folder = with_config("qwen3", "long-context", max_position_embeddings=8192)
+    served = spawn(["--model", str(folder), "--shutdown-timeout", "3", "--max-num-seqs", "4"], cache / "sigterm.log")
+    name = folder.name
+    try:
+        url = served.url + "/v1/completions"
+        long = {"model": name, "prompt": [1, 2], "max_tokens": 8000, "ignore_eos": True, "stream": True,
+                "return_token_ids": True}
+        short = {**long, "max_tokens": 200}
+        outs: list[list[str]] = [[], [], []]
+        seen = [threading.Event() for _ in outs]
+        with httpx.Client() as client:
+            threads = [threading.Thread(target=stream_lines, args=(client, url, p, seen[i], outs[i]))
+                       for i, p in enumerate((long, long, short))]
+            for t in threads:
+                t.start()
+            assert all(s.wait(60) for s in seen)
+            sent = time.monotonic()
+            served.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            assert httpx.get(served.url + "/health").status_code == 503
+            refused = httpx.post(url, json={"model": name, "prompt": [3], "max_tokens": 2})
+            assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            for t in threads:
+                t.join(30)
+        assert served.proc.wait(15) == 0
+        assert time.monotonic() - sent < 3 + 2 + 3
+        for out, reason in zip(outs, ("abort", "abort", "length"), strict=True):
+            assert out[-1] == "[DONE]"
+            assert json.loads(out[-2])["choices"][0]["finish_reason"] == reason, out[-3:]
+        tokens = [sum(len(json.loads(line)["choices"][0].get("token_ids", [])) for line in out[:-1]) for out in outs]
+        assert tokens[2] == 200 and 0 < tokens[0] < 8000 and 0 < tokens[1] < 8000
+    finally:
+        stop(served)
+
+
+class InProcess:
+    """The app over ``llm`` under uvicorn in a thread (no signal handling there), on a free port."""
+
+    def __init__(self, llm: LLM, options: ServerOptions | None = None) -> None:
+        self.metrics = Metrics()
+        self.loop = EngineLoop(llm, self.metrics)
+        app = build_app(llm, self.loop, self.metrics, ChatTemplate(DEFAULT_TEMPLATE), options or ServerOptions())
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.mark.clause("SERVE-11")
+def test_a_divergence_fails_requests_and_turns_health_503(caplog: pytest.LogCaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-11: when check mode's shadow raises ShadowDivergence, the requests in flight fail with a 500 that
+    says so (streamed: an error event), /health turns 503, nothing more is admitted, and the log holds both
+    schedulers' states."""
+    llm = make_llm(num_kvcache_blocks=64)
+    assert llm.engine.shadow is not None
+    real = llm.engine.shadow.after_postprocess
+    calls = [0]
+
+    def diverge_at_step_five(*args: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 5:
+            llm.engine.shadow._fail(llm.engine.scheduler, "injected by the test")  # type: ignore[union-attr]
+        real(*args)
+
+    monkeypatch.setattr(llm.engine.shadow, "after_postprocess", diverge_at_step_five)
+    server = InProcess(llm)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        assert httpx.get(server.url + "/health").status_code == 200
+        results: list[BaseException] = []
+
+        def whole() -> None:
+            try:
+                client.completions.create(model="default", prompt=[1, 2, 3], max_tokens=40, temperature=0)
+            except openai.APIError as e:
+                results.append(e)
+
+        waiting = threading.Thread(target=whole)
+        with caplog.at_level(logging.ERROR, logger="nanoverify.serve"):
+            waiting.start()
+            with pytest.raises(openai.APIError, match="no longer trusted"):
+                for _ in client.completions.create(model="default", prompt=[4, 5], max_tokens=40, stream=True):
+                    pass
+            waiting.join(30)
+        assert isinstance(results[0], openai.InternalServerError) and "diverging" in str(results[0])
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and "check mode" in health.json()["status"]
+        late = httpx.post(server.url + "/v1/completions", json={"model": "default", "prompt": [1], "max_tokens": 2})
+        assert late.status_code == 503 and "no longer trusted" in late.json()["error"]["message"]
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert "--- engine scheduler ---" in logged and "--- reference scheduler ---" in logged
+        assert "injected by the test" in logged
+        assert "nanoverify:check_divergences_total 1.0" in server.metrics.text().decode()
+    finally:
+        server.close()
+
+
+@pytest.mark.clause("SERVE-6", "SERVE-2")
+def test_a_cancelled_request_is_aborted_before_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-6: the loop aborts a cancelled request before it runs another step (the one in progress may
+    finish), its blocks are free again and its stream is told nothing more; SERVE-2: requests submitted while
+    the loop steps join the running batch between steps."""
+    llm = make_llm(num_kvcache_blocks=64)
+    loop = EngineLoop(llm, Metrics())
+    steps_at_abort: list[int] = []
+    real_abort = llm.abort
+
+    def abort(request_id: int) -> Any:
+        steps_at_abort.append(llm.engine.stats.steps)
+        return real_abort(request_id)
+
+    monkeypatch.setattr(llm, "abort", abort)
+    loop.start()
+
+    async def scenario() -> tuple[int, Stream, Stream]:
+        here = asyncio.get_running_loop()
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        first = Stream([1, 2, 3], params, here)
+        loop.submit(first)
+        await first.queue.get()
+        second = Stream([7, 8], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), here)
+        loop.submit(second)  # arrives while the first is decoding
+        while not isinstance(await second.queue.get(), FinishEvent):
+            pass
+        steps = llm.engine.stats.steps
+        loop.cancel(first)
+        return steps, first, second
+
+    try:
+        steps_at_cancel, first, _ = asyncio.run(scenario())
+        deadline = time.monotonic() + 10
+        while not steps_at_abort and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert steps_at_abort and steps_at_abort[0] <= steps_at_cancel + 1
+        assert llm.completion_tokens(first.request_id or 0) is None  # no longer live
+        free = loop.call_between_steps(lambda: len(llm.engine.scheduler.block_manager.free_block_ids)).result(10)
+        assert free == 64
+    finally:
+        loop.stop()
+
+
+@pytest.mark.clause("SERVE-10")
+def test_serve_flags_are_checked_before_anything_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    """SERVE-10, CLI-2: a bad port, a blank key or a negative grace is one line and status 2, nothing loaded."""
+    for argv, words in ((["--port", "70000"], "--port"), (["--api-key", "  "], "--api-key"),
+                        (["--shutdown-timeout", "-1"], "--shutdown-timeout")):
+        assert cli_main(["serve", *argv]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+
+
+@pytest.mark.clause("SERVE-11")
+def test_a_model_fault_fails_only_its_batch_and_the_server_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-11, FAULT-1: a step whose model run raises fails its batch's requests with a 500; the engine stays
+    trusted, /health stays 200 and the next request is served."""
+    llm = make_llm(num_kvcache_blocks=64)
+    real = llm.engine.runner.run
+    calls = [0]
+
+    def fail_the_third_run(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected model fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "run", fail_the_third_run)
+    server = InProcess(llm)
+    try:
+        ask = {"model": "default", "prompt": [1, 2, 3], "max_tokens": 10, "temperature": 0}
+        failed = httpx.post(server.url + "/v1/completions", json=ask, timeout=30)
+        assert failed.status_code == 500 and "model failed" in failed.json()["error"]["message"]
+        assert httpx.get(server.url + "/health").status_code == 200
+        served = httpx.post(server.url + "/v1/completions", json=ask, timeout=30)
+        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 10
+    finally:
+        server.close()
+
+
+@pytest.mark.clause("SERVE-7")
+def test_a_second_signal_aborts_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-7: the first signal starts the drain (admission closed); a second one aborts what is left and
+    tells uvicorn to exit without waiting for the grace period."""
+    from optimized.serve.app import Lifecycle
+    from optimized.serve.server import NanoverifyServer
+
+    loop = EngineLoop(make_llm(num_kvcache_blocks=16), Metrics())
+    aborted: list[bool] = []
+    monkeypatch.setattr(loop, "in_flight", lambda: 1)  # a request that would run for ever
+    monkeypatch.setattr(loop, "abort_all", lambda: aborted.append(True))
+    life = Lifecycle()
+    server = NanoverifyServer(uvicorn.Config(lambda *a: None), loop, life, shutdown_timeout=60)
+    server.handle_exit(signal.SIGTERM, None)
+    assert life.draining and not server.should_exit and not aborted
+    with pytest.raises(Exception, match="shutting down"):
+        loop.submit(Stream([1], SamplingParams(), asyncio.new_event_loop()))
+    server.handle_exit(signal.SIGINT, None)
+    assert aborted and server.should_exit
+
+
+@pytest.mark.clause("SERVE-13")
+def test_the_bench_client_measures_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-13: bench serve's HTTP client against a live server: every request completes with exactly its
+    length, one timed chunk per step (token ids asked for), and the report counts them all."""
+    from optimized.benchmarks import serve as bench
+
+    server = InProcess(make_llm(num_kvcache_blocks=64, check=False))
+    try:
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        jobs = bench.random_jobs(6, 8, 12, 256, 50.0, 1.0, seed=1)
+        results, duration = asyncio.run(bench.run_clients(host, int(port), "default", jobs))
+    finally:
+        server.close()
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [r.tokens for r in results] == [j.output_len for j in jobs]
+    assert all(len(r.chunk_times) >= 1 and r.ttft > 0 for r in results)
+    assert bench.report(jobs, results, duration) == pytest.approx(sum(j.output_len for j in jobs) / duration)
+
+
+@pytest.mark.clause("SERVE-13")
+def test_bench_workloads_arrivals_and_percentiles() -> None:
+    """SERVE-13: gamma arrivals at the asked rate (inf: all at once), the shipped trace scaled as documented,
+    percentiles interpolated as numpy's."""
+    import random as _random
+
+    from optimized.benchmarks import serve as bench
+
+    assert bench.gamma_arrivals(5, float("inf"), 1.0, _random.Random(0)) == [0.0] * 5
+    times = bench.gamma_arrivals(4000, 20.0, 1.0, _random.Random(0))
+    assert times == sorted(times) and 4000 / times[-1] == pytest.approx(20.0, rel=0.1)
+    jobs = bench.trace_jobs(bench.AZURE_CODE, 3, 257, 4096, 16.0, 2.0, None, seed=0)
+    # The trace's first rows: (0.0, 4808, 10), (0.052, 3180, 8), (0.098189, 110, 27).
+    assert [(j.arrival, len(j.prompt), j.output_len) for j in jobs] == [
+        (0.0, 300, 5), (0.052, 199, 4), (0.098189, 7, 14)]
+    stats = bench.percentiles([1.0, 2.0, 3.0, 4.0])
+    assert stats == {"mean": 2.5, "p50": 2.5, "p90": pytest.approx(3.7), "p99": pytest.approx(3.97)}
+
+
+@pytest.mark.clause("SERVE-2", "SERVE-7")
+def test_an_idle_loop_sleeps_even_after_aborting_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-2: with nothing to do the loop sleeps on its condition; SERVE-7: the shutdown's abort of everything
+    is done once, not again and again (a loop spinning through the grace period would steal the CPU)."""
+    loop = EngineLoop(make_llm(num_kvcache_blocks=16), Metrics())
+    turns = [0]
+    real = loop._turn
+
+    def counted() -> bool:
+        turns[0] += 1
+        return real()
+
+    monkeypatch.setattr(loop, "_turn", counted)
+    loop.start()
+    try:
+        time.sleep(0.1)
+        loop.abort_all()
+        time.sleep(0.3)
+        assert turns[0] <= 3, f"{turns[0]} turns of an idle loop"
+    finally:
+        loop.stop()
+
+
+@pytest.mark.clause("SERVE-10", "SERVE-1")
+def test_the_key_comes_from_the_flag_or_the_environment() -> None:
+    """SERVE-10: --api-key wins over NANOVERIFY_API_KEY; an empty variable means no key; a blank one is refused.
+    SERVE-1: the served name is "default" for the embedded model, else the checkpoint folder's name."""
+    from optimized.cli.serve import api_key, served_name
+
+    assert api_key("flag", {"NANOVERIFY_API_KEY": "env"}) == "flag"
+    assert api_key(None, {"NANOVERIFY_API_KEY": "env"}) == "env"
+    assert api_key(None, {"NANOVERIFY_API_KEY": ""}) is None and api_key(None, {}) is None
+    with pytest.raises(ValueError, match="blank"):
+        api_key(None, {"NANOVERIFY_API_KEY": "  "})
+    assert served_name(None) == "default" and served_name("/models/qwen3-0.6b/") == "qwen3-0.6b"
+
+
+@pytest.mark.clause("SERVE-6")
+def test_a_client_that_stops_waiting_for_a_whole_answer_cancels_it() -> None:
+    """SERVE-6: a non-streamed request whose client gives up (a timeout closes the connection) is aborted; its
+    blocks are free again."""
+    llm = make_llm(with_config("qwen3", "long-context", max_position_embeddings=8192), num_kvcache_blocks=2100,
+                   check=False)
+    server = InProcess(llm)
+    try:
+        ask = {"model": "default", "prompt": [1, 2, 3], "max_tokens": 8000, "ignore_eos": True}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/completions", json=ask, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while llm.engine.stats.aborted_requests == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert llm.engine.stats.aborted_requests == 1
+        free = server.loop.call_between_steps(lambda: len(llm.engine.scheduler.block_manager.free_block_ids))
+        assert free.result(10) == 2100
+    finally:
+        server.close()
+
+
+@pytest.mark.clause("SERVE-4")
+def test_stream_interval_groups_tokens_into_fewer_chunks() -> None:
+    """SERVE-4: with --stream-interval 3 the first token comes at once, then a chunk once 3 tokens wait, and the
+    last chunk brings the rest: the same tokens in fewer chunks."""
+    server = InProcess(make_llm(num_kvcache_blocks=64, check=False), ServerOptions(stream_interval=3))
+    try:
+        ask = {"model": "default", "prompt": [5, 6], "max_tokens": 11, "ignore_eos": True, "temperature": 0,
+               "stream": True, "return_token_ids": True}
+        out: list[str] = []
+        with httpx.Client() as client:
+            stream_lines(client, server.url + "/v1/completions", ask, threading.Event(), out)
+        sizes = [len(json.loads(line)["choices"][0].get("token_ids", [])) for line in out[:-1]]
+        assert sum(sizes) == 11 and sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]) and len(sizes) <= 5, sizes
+    finally:
+        server.close()
+
+
+@pytest.mark.clause("SERVE-10")
+def test_a_port_in_use_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """SERVE-10, CLI-1: a port another socket holds is refused as one line naming it, status 2 (not uvicorn's
+    own exit status)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        tiny = str(with_config("qwen3", "long-context", max_position_embeddings=8192))
+        assert cli_main(["serve", "--model", tiny, "--port", str(port), "--num-kvcache-blocks", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("nanoverify serve: could not listen on 127.0.0.1:") and str(port) in err, err
