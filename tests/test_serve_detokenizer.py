@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from optimized import SamplingParams
+from optimized.engine.detokenizer import IncrementalDetokenizer
 from optimized.serve.chat import DEFAULT_TEMPLATE, load_chat_template
-from optimized.serve.detokenizer import IncrementalDetokenizer
 
 
 class Bytes:

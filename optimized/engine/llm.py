@@ -46,13 +46,13 @@ import torch
 
 from optimized.core.errors import is_strict_int, strict_int
 from optimized.engine import cpu_defaults
+from optimized.engine.detokenizer import IncrementalDetokenizer
 from optimized.engine.engine import Engine, EngineLimits, Request, SchedulerConfig, describe, validate_request
 from optimized.engine.model_runner import ModelRunner
 from optimized.engine.sampling_params import SamplingParams
 from optimized.models.config import load_config
 from optimized.models.loader import load_model
 from optimized.models.tokenizer import load_tokenizer
-from optimized.serve.detokenizer import IncrementalDetokenizer
 from optimized.trace.recorder import Recorder, trace_file
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}

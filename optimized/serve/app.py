@@ -28,10 +28,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from optimized.engine.detokenizer import IncrementalDetokenizer
 from optimized.engine.llm import LLM
 from optimized.engine.sampling_params import SamplingParams, stop_strings
 from optimized.serve.chat import ChatTemplate
-from optimized.serve.detokenizer import IncrementalDetokenizer
 from optimized.serve.loop import EngineLoop, Event, FailEvent, FinishEvent, Stream, TokenEvent, Unavailable
 from optimized.serve.metrics import Metrics
 from optimized.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse_request
