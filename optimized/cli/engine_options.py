@@ -24,6 +24,7 @@ _KEYWORDS = {
     "max_model_len": "max_model_len",
     "seed": "seed",
     "check": "check",
+    "tensor_parallel_size": "tensor_parallel_size",
 }
 
 
@@ -42,6 +43,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=any_int, default=None, help="seed of unseeded requests' seeds (0)")
     p.add_argument("--check", action="store_true", default=None,
                    help="shadow every step with the reference scheduler (check mode)")
+    p.add_argument("--tensor-parallel-size", type=bounded_int(1), default=None,
+                   help="split the model over this many processes (spec/parallel.md; under torchrun: its WORLD_SIZE)")
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -15,12 +15,14 @@ from pathlib import Path
 
 from optimized.cli.arguments import bounded_int, minutes
 from optimized.cli.engine_options import add_engine_arguments, llm_kwargs
+from optimized.trace.options import add_trace_arguments, trace_options
 
 HELP = "serve the model over HTTP with OpenAI's API (completions, chat, streaming, /health, /metrics)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
+    add_trace_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=bounded_int(0, 65535), default=8000, help="port (0: a free one; default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or NANOVERIFY_API_KEY)")
@@ -49,6 +51,9 @@ def main(args: argparse.Namespace) -> int:
     from optimized.serve.server import serve
 
     key = api_key(args.api_key, os.environ)
-    llm = LLM(**llm_kwargs(args))
+    llm = LLM(**llm_kwargs(args), **trace_options(args))
     options = ServerOptions(served_model=served_name(args.model), api_key=key, stream_interval=args.stream_interval)
-    return serve(llm, args.host, args.port, options, args.shutdown_timeout)
+    try:
+        return serve(llm, args.host, args.port, options, args.shutdown_timeout)
+    finally:
+        llm.close()  # the trace flushed and closed, tensor-parallel workers stopped
