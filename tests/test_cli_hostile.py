@@ -57,6 +57,10 @@ GARBAGE: dict[str, list[list[str]]] = {
                   ["--device", "tpu"], ["--device", "cpu"], ["--device", "cpu", "--tiny", "--stages", "bogus"]],
     "bench threads": [["--num-requests", "0"], ["--max-tokens", "-1"], ["--max-tokens", "nan"], ["--repeat", "0"],
                       ["stray"]],
+    "serve": [["--port", "70000"], ["--port", "-1"], ["--shutdown-timeout", "nan"], ["--model", MISSING],
+              ["--tensor-parallel-size", "0"], ["--stream-interval", "0"], ["--trace-wall-times"], ["stray"]],
+    "bench serve": [["--rate", "-1"], ["--requests", "0"], ["--burstiness", "nan"], ["--trace-file", MISSING]],
+    "timeline": [[MISSING], [A_FOLDER], ["--format", "gif", A_FILE], ["--index", "-1", A_FILE], []],
     "bench": [[], ["nope"]],
     "": [[], ["no-such-command"]],
 }

@@ -287,9 +287,9 @@ def test_the_bench_client_measures_every_step(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.clause("SERVE-13")
-def test_bench_workloads_arrivals_and_percentiles() -> None:
-    """SERVE-13: gamma arrivals at the asked rate (inf: all at once), the shipped trace scaled as documented,
-    percentiles interpolated as numpy's."""
+def test_bench_workloads_arrivals_and_percentiles(tmp_path: Path) -> None:
+    """SERVE-13: gamma arrivals at the asked rate (inf: all at once), the shipped trace scaled as documented, a bad
+    trace file refused naming its line, percentiles interpolated as numpy's."""
     import random as _random
 
     from optimized.benchmarks import serve as bench
@@ -297,10 +297,18 @@ def test_bench_workloads_arrivals_and_percentiles() -> None:
     assert bench.gamma_arrivals(5, float("inf"), 1.0, _random.Random(0)) == [0.0] * 5
     times = bench.gamma_arrivals(4000, 20.0, 1.0, _random.Random(0))
     assert times == sorted(times) and 4000 / times[-1] == pytest.approx(20.0, rel=0.1)
-    jobs = bench.trace_jobs(bench.AZURE_CODE, 3, 257, 4096, 16.0, 2.0, None, seed=0)
+    jobs = bench.trace_jobs(bench.trace_rows(bench.AZURE_CODE, 3), 257, 4096, 16.0, 2.0, None, seed=0)
     # The trace's first rows: (0.0, 4808, 10), (0.052, 3180, 8), (0.098189, 110, 27).
     assert [(j.arrival, len(j.prompt), j.output_len) for j in jobs] == [
         (0.0, 300, 5), (0.052, 199, 4), (0.098189, 7, 14)]
+    for text, message in (("arrived_at,num_prefill_tokens\n0,1\n", "line 2: no column 'num_decode_tokens'"),
+                          ("arrived_at,num_prefill_tokens,num_decode_tokens\n0,x,1\n", "line 2: not a number"),
+                          ("arrived_at,num_prefill_tokens,num_decode_tokens\nnan,1,1\n", "line 2: a time must be"),
+                          ("arrived_at,num_prefill_tokens,num_decode_tokens\n", "no requests")):
+        bad = tmp_path / "bad.csv"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            bench.trace_rows(bad, 3)
     stats = bench.percentiles([1.0, 2.0, 3.0, 4.0])
     assert stats == {"mean": 2.5, "p50": 2.5, "p90": pytest.approx(3.7), "p99": pytest.approx(3.97)}
 

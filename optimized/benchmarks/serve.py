@@ -85,18 +85,35 @@ def gamma_arrivals(n: int, rate: float, burstiness: float, rng: random.Random) -
     return out
 
 
-def trace_jobs(path: Path, n: int, vocab: int, max_model_len: int, prompt_scale: float, output_scale: float,
-               rate: float | None, seed: int) -> list[Job]:
-    """The first ``n`` requests of a trace, lengths scaled down; ``rate``: replace its arrivals by Poisson ones."""
-    rng = random.Random(seed)
-    rows = []
+Row = tuple[float, int, int]
+
+
+def trace_rows(path: Path, n: int) -> list[Row]:
+    """The first ``n`` rows of a trace CSV (arrived_at, num_prefill_tokens, num_decode_tokens); a ValueError naming
+    the line and column when one is missing or not a number (checked before any model is loaded)."""
+    rows: list[Row] = []
     with path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            rows.append((float(row["arrived_at"]), int(row["num_prefill_tokens"]), int(row["num_decode_tokens"])))
+        for line, row in enumerate(csv.DictReader(f), start=2):
+            try:
+                rows.append((float(row["arrived_at"]), int(row["num_prefill_tokens"]), int(row["num_decode_tokens"])))
+            except KeyError as e:
+                raise ValueError(f"{path}: line {line}: no column {e.args[0]!r} "
+                                 "(columns arrived_at,num_prefill_tokens,num_decode_tokens)") from None
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}: line {line}: not a number in {dict(row)!r}") from None
+            if not (math.isfinite(rows[-1][0]) and rows[-1][1] >= 0 and rows[-1][2] >= 0):
+                raise ValueError(f"{path}: line {line}: a time must be finite and lengths >= 0, got {rows[-1]}")
             if len(rows) == n:
                 break
     if not rows:
         raise ValueError(f"{path}: no requests (columns arrived_at,num_prefill_tokens,num_decode_tokens)")
+    return rows
+
+
+def trace_jobs(rows: list[Row], vocab: int, max_model_len: int, prompt_scale: float, output_scale: float,
+               rate: float | None, seed: int) -> list[Job]:
+    """The trace's requests, lengths scaled down; ``rate``: replace its arrivals by Poisson ones."""
+    rng = random.Random(seed)
     arrivals = gamma_arrivals(len(rows), rate, 1.0, rng) if rate is not None else [r[0] - rows[0][0] for r in rows]
     jobs = []
     for at, prefill, decode in zip(arrivals, (r[1] for r in rows), (r[2] for r in rows), strict=True):
@@ -310,13 +327,15 @@ def main(args: argparse.Namespace) -> int:
     from optimized.engine.llm import LLM
 
     kwargs = llm_kwargs(args)
+    rows = None
+    if args.trace_file is not None:  # read and checked first: a bad file is refused before any model loads
+        rows = trace_rows(AZURE_CODE if str(args.trace_file) == "azure-code" else args.trace_file, args.requests)
     probe = LLM(**{**kwargs, "num_kvcache_blocks": 1, "check": False})  # vocabulary and max_model_len only
     vocab, max_len = probe.engine.limits.vocab_size, probe.engine.limits.max_model_len
     del probe
-    if args.trace_file is not None:
-        path = AZURE_CODE if str(args.trace_file) == "azure-code" else args.trace_file
-        jobs = trace_jobs(path, args.requests, vocab, max_len, args.trace_prompt_scale, args.trace_output_scale,
-                          args.rate, args.workload_seed)
+    if rows is not None:
+        jobs = trace_jobs(rows, vocab, max_len, args.trace_prompt_scale, args.trace_output_scale, args.rate,
+                          args.workload_seed)
     else:
         rate = math.inf if args.rate is None else args.rate
         jobs = random_jobs(args.requests, min(args.max_input_len, max_len - 1), args.max_output_len, vocab,
