@@ -23,7 +23,7 @@ reference (spec/optimized-scheduler.md):
   what the reference's eager registrations would have left (OPT-8);
 * ``can_allocate`` remembers the walk it made for a waiting sequence
   (walk_memo.py) and reuses it while nothing the walk read has changed (OPT-14);
-* every chain hash is computed by ``chain_hashes``.
+* every chain hash is computed by ``chain_hash``.
 """
 
 from __future__ import annotations
@@ -43,15 +43,19 @@ from optimized.core.walk_memo import WalkMemo
 I64 = npt.NDArray[np.int64]
 
 
+def chain_hash(prefix: int, piece: bytes) -> int:
+    """The prefix-cache chain hash of one block's token bytes: xxh64 over the previous block's hash (8 bytes
+    little-endian; nothing before a sequence's first block, ``prefix == -1``) then the bytes. The one place the
+    chain hash is computed."""
+    return xxh64_intdigest(prefix.to_bytes(8, "little") + piece if prefix != -1 else piece)
+
+
 def chain_hashes(prefix: int, pieces: Iterable[bytes]) -> list[int]:
-    """The prefix-cache chain hash of each block's bytes in turn: xxh64 over the previous block's hash
-    (8 bytes little-endian; nothing before a sequence's first block, ``prefix == -1``) then the block's
-    token bytes. The one place the chain hash is computed."""
+    """``chain_hash`` of each block in turn, each chained on the one before."""
     out: list[int] = []
-    append, to_bytes = out.append, int.to_bytes
     for piece in pieces:
-        prefix = xxh64_intdigest(to_bytes(prefix, 8, "little") + piece if prefix != -1 else piece)
-        append(prefix)
+        prefix = chain_hash(prefix, piece)
+        out.append(prefix)
     return out
 
 
@@ -246,7 +250,7 @@ class KVCacheManager:
             else:
                 if n < i:
                     self.extend_chain(seq, i)
-                h = chain_hashes(chain[i - 1] if i else -1, (piece,))[0]
+                h = chain_hash(chain[i - 1] if i else -1, piece)
                 chain.append(h)
                 core.pieces.append(piece)
             hashes[block_id] = h
