@@ -40,7 +40,7 @@ from kernels.rotary import rotary_cos_sin
 from kernels.sampling import sample
 from optimized.engine.graph_runner import DecodeMetadata, GraphFactory, GraphRunner, cuda_graph_factory
 from optimized.models.decoder import AttentionContext, CausalLM
-from optimized.parallel.group import Group
+from optimized.parallel.group import Group, TensorParallelError
 from optimized.parallel.step import StepMessage, send_step
 
 PLACEHOLDER = -1  # the token handed to postprocess for an unfinished prefill chunk
@@ -229,9 +229,7 @@ class ModelRunner:
         inp = prepare(seqs, is_prefill, self.block_size)
         step = StepMessage(is_prefill, graphed, inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q,
                            inp.context_lens, inp.block_tables, inp.logit_rows)
-        if self.tp is not None:
-            send_step(self.tp, step)  # TP-5: the workers run this very forward on their shards
-        logits = self.forward(step)
+        logits = self.forward(step) if self.tp is None else self._forward_everywhere(self.tp, step)
         tokens = [PLACEHOLDER] * len(seqs)
         if logits is None:
             return tokens
@@ -239,6 +237,21 @@ class ModelRunner:
         for i, t in zip(inp.sample_rows.tolist(), drawn, strict=True):
             tokens[i] = t
         return tokens
+
+    def _forward_everywhere(self, tp: Group, step: StepMessage) -> torch.Tensor | None:
+        """Rank 0 under tensor parallelism: the step to the workers, then its own forward (TP-5). An exception of
+        rank 0's own ends the group at once, naming rank 0, so no worker waits out a collective (TP-8); an
+        interruption (KeyboardInterrupt) ends it too and propagates unchanged."""
+        try:
+            send_step(tp, step)  # the workers run this very forward on their shards
+            return self.forward(step)
+        except TensorParallelError:
+            raise
+        except Exception as e:
+            raise tp.fail_here(e) from e
+        except BaseException as e:
+            tp.fail_here(e)
+            raise
 
     @torch.inference_mode()
     def forward(self, step: StepMessage) -> torch.Tensor | None:
