@@ -1,13 +1,15 @@
 """Starting a tensor-parallel engine: refusals first, then the workers, then each rank's runner (TP-1, TP-6, TP-7).
 
 Invariant: everything that can be refused by name (the size, the model's divisibility, the device count, a torchrun
-world of another size) is refused before any process starts or any group is joined. Then either rank 0 spawns
-``size - 1`` workers (multiprocessing spawn) around a rendezvous store on a free port the OS picks, or, when
-torchrun set ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, every rank joins torchrun's ``env://``
-store. Every rank then checks that all ranks agree on the checkpoint and the settings, loads its shard and sizes
-its KV cache, the same number of blocks on every rank; ``build_runner`` is that one sequence, run by rank 0 and by
-every worker alike, so their collectives pair up. A worker exits when rank 0 says stop, when a collective with rank
-0 fails (rank 0 died: its sockets closed), or when its parent process is gone (a watchdog thread).
+world of another size, the timeout variables, the checkpoint's headers, rank 0's piece or KV cache not fitting in
+memory) is refused before any process starts or any group is joined. Then either rank 0 spawns ``size - 1``
+workers (multiprocessing spawn) around a private rendezvous store (a file in a 0700 folder), or, when torchrun set
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, every rank joins torchrun's ``env://`` store. Every rank
+then checks that all ranks agree on the checkpoint and the settings, loads its shard, waits (under the start
+timeout) for every rank to have loaded, and sizes its KV cache, the same number of blocks on every rank;
+``build_runner`` is that one sequence, run by rank 0 and by every worker alike, so their collectives pair up. A
+worker exits when rank 0 says stop, when a collective with rank 0 fails (rank 0 died or ended the group: its
+connections closed), or when its parent process is gone (the watchdog).
 """
 
 from __future__ import annotations
@@ -298,7 +300,7 @@ def _wait_joined(store: Any, procs: list[BaseProcess]) -> None:
 
 def spawned_worker(spec: RunnerSpec, rank: int, folder: str, parent: int) -> None:
     """The entry of a spawned worker process: join rank 0's store, serve, exit."""
-    watch_parent(parent)
+    watch_parent(parent, folder)  # rank 0 killed: nobody else removes the store's folder
     torch.set_num_threads(spec.threads)
     store = open_store(Path(folder))
     try:
