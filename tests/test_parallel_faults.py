@@ -539,8 +539,8 @@ def _slow_rank_1(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
 def test_slow_shard_load_waits_for_the_start_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     """TP-8: a rank loading its shard for longer than a collective may take still starts (the start has its own,
     longer timeout); TP-3: every rank gets the least of the ranks' KV block budgets (5 of 9 and 5)."""
-    _slow_rank_1(monkeypatch, 2.0)
-    monkeypatch.setenv("NANOVERIFY_TP_TIMEOUT", "1")
+    _slow_rank_1(monkeypatch, 1.5)
+    monkeypatch.setenv("NANOVERIFY_TP_TIMEOUT", "0.8")
     spec = _spec("qwen3", num_kvcache_blocks=None)
     runners, errors = _on_two_ranks(lambda group: launch.build_runner(spec, group))
     assert errors == [None, None]
@@ -551,11 +551,11 @@ def test_slow_shard_load_waits_for_the_start_timeout(monkeypatch: pytest.MonkeyP
 def test_rank_too_slow_to_start_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     """TP-8: a rank that has not loaded its shard within NANOVERIFY_TP_START_TIMEOUT fails the start on rank 0 with
     an error naming that rank and the variable; the slow rank then stops too."""
-    _slow_rank_1(monkeypatch, 1.0)
-    monkeypatch.setenv("NANOVERIFY_TP_START_TIMEOUT", "0.3")
+    _slow_rank_1(monkeypatch, 0.8)
+    monkeypatch.setenv("NANOVERIFY_TP_START_TIMEOUT", "0.2")
     _, errors = _on_two_ranks(lambda group: launch.build_runner(_spec("qwen3"), group))
     assert isinstance(errors[0], TensorParallelError)
-    assert "tensor-parallel rank 1 did not load its shard within 0.3 s (NANOVERIFY_TP_START_TIMEOUT)" in str(errors[0])
+    assert "tensor-parallel rank 1 did not load its shard within 0.2 s (NANOVERIFY_TP_START_TIMEOUT)" in str(errors[0])
     assert isinstance(errors[1], TensorParallelError)
 
 
