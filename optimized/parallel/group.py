@@ -3,9 +3,13 @@
 Invariant: every collective either completes on every rank or raises ``TensorParallelError`` on rank 0 within
 the collective timeout (TP-8), naming the rank at fault when it can be known: a worker that raised left its
 exception text in the rendezvous store before exiting, a worker that died left an exit code (spawned workers),
-rank 0 itself raised in a step. After a failure the group is dead: every later call raises the same error at once,
-rank 0's side of the groups is aborted (its peers' collectives fail at once) and the workers rank 0 spawned are
-killed, so no process outlives the failure.
+rank 0 itself raised in a step, a rank did not load its shard within the start timeout. After a failure the group
+is dead: every later call raises the same error at once, the failing rank's side of the process groups is freed
+(gloo closes its connections, so a peer's collective fails at once) and the workers rank 0 spawned are killed, so
+no process outlives the failure.
+
+The timeouts are read from the environment when a group is made (``NANOVERIFY_TP_TIMEOUT``,
+``NANOVERIFY_TP_START_TIMEOUT``), never at import. A spawned group's store is a file in a private folder.
 
 Two torch process groups over one store: ``compute`` (a step's payload, all-reduces and the logits gather; a
 short timeout) and ``control`` (the step header a worker waits on between steps, however long the engine stays
