@@ -37,10 +37,17 @@ GREEDY = [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS]
 SEEDED = [SamplingParams(temperature=0.9, top_k=50, top_p=0.9, max_tokens=m, seed=i) for i, m in enumerate(MAX_TOKENS)]
 
 
+GRAPHED = "qwen3"  # this family's engines decode through the graph runner (its eager stand-ins on the CPU)
+
+
+def _settings(family: str) -> dict[str, Any]:
+    return {**SETTINGS, "enforce_eager": family != GRAPHED}
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def tp2(request: pytest.FixtureRequest) -> Iterator[tuple[str, LLM]]:
     family = str(request.param)
-    with LLM(str(checkpoint(family)), tensor_parallel_size=2, **SETTINGS) as llm:
+    with LLM(str(checkpoint(family)), tensor_parallel_size=2, **_settings(family)) as llm:
         yield family, llm
 
 
@@ -51,13 +58,15 @@ def _tokens(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
 @pytest.mark.clause("TP-2", "TP-3", "TP-4", "TP-5")
 def test_tp2_greedy_equals_transformers_and_tp1(tp2: tuple[str, LLM]) -> None:
     """TP-2, TP-3, TP-4, TP-5: TP=2 greedy float64 is transformers' and TP=1's token for token, with prefix-cache
-    hits, chunked prefill and preemption happening, every step shadowed by the reference on rank 0."""
+    hits, chunked prefill and preemption happening, every step shadowed by the reference on rank 0. TP-5: one
+    family decodes through the graph runner on every rank (the header's graphed flag), eagerly elsewhere."""
     family, llm = tp2
     folder = checkpoint(family)
-    before = llm.engine.stats.steps
+    before, graphed = llm.engine.stats.steps, llm.engine.runner.graph_steps
     got = _tokens(llm, GREEDY)
     assert got == hf_greedy(folder, PROMPTS, MAX_TOKENS)
-    assert got == _tokens(LLM(str(folder), **SETTINGS), GREEDY)
+    assert got == _tokens(LLM(str(folder), **_settings(family)), GREEDY)
+    assert (llm.engine.runner.graph_steps > graphed) == (family == GRAPHED)
     st = llm.engine.stats
     assert st.prefix_cache_hit_tokens > 0 and st.chunked_prefills > 0 and st.preemptions > 0, st
     assert st.compared_steps == st.steps > before
@@ -75,7 +84,7 @@ def test_tp2_seeded_sampling_equals_tp1(tp2: tuple[str, LLM]) -> None:
     """TP-4: seeded sampling draws the same tokens at TP=2 as at TP=1 (rank 0 samples from the gathered logits)."""
     family, llm = tp2
     got = _tokens(llm, SEEDED)
-    assert got == _tokens(LLM(str(checkpoint(family)), **SETTINGS), SEEDED)
+    assert got == _tokens(LLM(str(checkpoint(family)), **_settings(family)), SEEDED)
     assert len({t for out in got for t in out}) > 20
 
 
@@ -90,23 +99,31 @@ def _one_kv_head_checkpoint(folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.clause("TP-2", "TP-3", "TP-9")
+@pytest.mark.clause("TP-2", "TP-3", "TP-9", "TP-10")
 def test_one_kv_head_is_replicated_and_odd_vocabulary_padded(tmp_path: Path) -> None:
     """TP-2, TP-3: one KV head over two ranks is replicated (each rank holds it, its cache too), and a vocabulary of
     255 is cut into two pieces of 128 (the last padded): output is still transformers' token for token. TP-9:
-    leaving the ``with`` block stops the worker (exit status 0), and the closed LLM refuses to step."""
+    leaving the ``with`` block stops the worker (exit status 0), and the closed LLM refuses to step. TP-10: rank 0
+    runs on its share of the threads (2 // 2) while open, the caller's count back after close."""
     folder = _one_kv_head_checkpoint(tmp_path / "kv1")
     c = load_config(folder)
     assert [Shard(r, 2).kv_rows(c) for r in (0, 1)] == [(0, 16), (0, 16)]
     assert [Shard(r, 2).vocab_range(c) for r in (0, 1)] == [(0, 128), (128, 255)]
     params = [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS]
-    with LLM(str(folder), tensor_parallel_size=2, dtype="float64", kvcache_block_size=4,
-             num_kvcache_blocks=64) as llm:
-        got = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        assert llm.engine.runner.kv_cache.shape[-2] == 1
-        assert llm.engine.runner.model.embed_tokens.weight.shape[0] == 128
-        group = llm.engine.runner.tp
-        assert group is not None
+    torch.set_num_threads(2)  # the module's one thread (engine_env) comes back below
+    try:
+        with LLM(str(folder), tensor_parallel_size=2, dtype="float64", kvcache_block_size=4,
+                 num_kvcache_blocks=64) as llm:
+            threads_while_open = torch.get_num_threads()
+            got = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+            assert llm.engine.runner.kv_cache.shape[-2] == 1
+            assert llm.engine.runner.model.embed_tokens.weight.shape[0] == 128
+            group = llm.engine.runner.tp
+            assert group is not None
+        threads_after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(1)
+    assert (threads_while_open, threads_after) == (1, 2)
     assert got == hf_greedy(folder, PROMPTS, MAX_TOKENS)
     assert [w.exitcode for w in group.workers] == [0]  # TP-9: leaving the with block stopped the worker
     with pytest.raises(TensorParallelError, match="the LLM was closed"):

@@ -40,7 +40,7 @@ from kernels.rotary import rotary_cos_sin
 from kernels.sampling import sample
 from optimized.engine.graph_runner import DecodeMetadata, GraphFactory, GraphRunner, cuda_graph_factory
 from optimized.models.decoder import AttentionContext, CausalLM
-from optimized.parallel.group import Group
+from optimized.parallel.group import Group, TensorParallelError
 from optimized.parallel.step import StepMessage, send_step
 
 PLACEHOLDER = -1  # the token handed to postprocess for an unfinished prefill chunk
@@ -80,15 +80,11 @@ I64 = npt.NDArray[np.int64]
 
 
 @dataclass
-class StepInputs:
-    input_ids: I64
-    positions: I64
-    slot_mapping: I64
-    cu_seqlens_q: I64
-    context_lens: I64
-    block_tables: I64
-    sample_rows: I64  # which sequences of the batch get a token
-    logit_rows: I64  # their last token's row in the flat batch
+class StepInputs(StepMessage):
+    """One step's inputs: what every tensor-parallel rank runs (``StepMessage``, TP-5) and, for rank 0 alone, which
+    sequences of the batch get a token."""
+
+    sample_rows: I64
 
 
 def _block_tables(seqs: Sequence[ScheduledSeq]) -> I64:
@@ -99,7 +95,7 @@ def _block_tables(seqs: Sequence[ScheduledSeq]) -> I64:
     return table
 
 
-def prepare(seqs: Sequence[ScheduledSeq], is_prefill: bool, block_size: int) -> StepInputs:
+def prepare(seqs: Sequence[ScheduledSeq], is_prefill: bool, block_size: int, graphed: bool = False) -> StepInputs:
     """The flat batch of one step: each sequence's granted positions, their slots and the rows to sample."""
     num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
     if is_prefill:
@@ -120,6 +116,8 @@ def prepare(seqs: Sequence[ScheduledSeq], is_prefill: bool, block_size: int) -> 
     block_tables = _block_tables(seqs)
     sample_rows = np.flatnonzero(ends == num_tokens)
     return StepInputs(
+        is_prefill=is_prefill,
+        graphed=graphed,
         input_ids=input_ids,
         positions=positions,
         slot_mapping=batch_slot_mapping(block_tables, starts, ends, block_size),
@@ -226,12 +224,8 @@ class ModelRunner:
         self, seqs: Sequence[ScheduledSeq], is_prefill: bool, draws: Sequence[DrawParams], graphed: bool = False
     ) -> list[int]:
         """One forward, rows in the order given; ``graphed`` decode steps run through the graph runner."""
-        inp = prepare(seqs, is_prefill, self.block_size)
-        step = StepMessage(is_prefill, graphed, inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q,
-                           inp.context_lens, inp.block_tables, inp.logit_rows)
-        if self.tp is not None:
-            send_step(self.tp, step)  # TP-5: the workers run this very forward on their shards
-        logits = self.forward(step)
+        inp = prepare(seqs, is_prefill, self.block_size, graphed)
+        logits = self.forward(inp) if self.tp is None else self._forward_everywhere(self.tp, inp)
         tokens = [PLACEHOLDER] * len(seqs)
         if logits is None:
             return tokens
@@ -239,6 +233,21 @@ class ModelRunner:
         for i, t in zip(inp.sample_rows.tolist(), drawn, strict=True):
             tokens[i] = t
         return tokens
+
+    def _forward_everywhere(self, tp: Group, step: StepMessage) -> torch.Tensor | None:
+        """Rank 0 under tensor parallelism: the step to the workers, then its own forward (TP-5). An exception of
+        rank 0's own ends the group at once, naming rank 0, so no worker waits out a collective (TP-8); an
+        interruption (KeyboardInterrupt) ends it too and propagates unchanged."""
+        try:
+            send_step(tp, step)  # the workers run this very forward on their shards
+            return self.forward(step)
+        except TensorParallelError:
+            raise
+        except Exception as e:
+            raise tp.fail_here(e) from e
+        except BaseException as e:
+            tp.fail_here(e)
+            raise
 
     @torch.inference_mode()
     def forward(self, step: StepMessage) -> torch.Tensor | None:

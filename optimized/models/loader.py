@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from optimized.models.checkpoint_files import FLOAT_DTYPES, TensorInfo, read_safetensors_header, regular_file
 from optimized.models.config import ModelConfig, load_config
 from optimized.models.decoder import CausalLM, TensorParallel
-from optimized.parallel.sharding import source_slice
+from optimized.parallel.sharding import Shard, source_slice
 
 # Checkpoint name suffix -> (packed parameter suffix, shard index) within a layer.
 _PACKED = {
@@ -169,13 +169,13 @@ def _device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check_fits(c: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None) -> None:
-    """Refuse, naming the sizes, a config whose model (under ``tp``: this rank's piece of it, TP-2) would not fit
+def check_fits(c: ModelConfig, dtype: torch.dtype, device: torch.device, shard: Shard | None = None) -> None:
+    """Refuse, naming the sizes, a config whose model (with ``shard``: that rank's piece of it, TP-2) would not fit
     in the device's memory (CKPT-2)."""
-    held = c if tp is None else tp.shard.local_config(c)
+    held = c if shard is None else shard.local_config(c)
     needed, available = _bytes_needed(held, dtype), _device_memory(device)
     if needed > available:
-        piece = "" if tp is None else f" for rank {tp.shard.rank}'s piece of {tp.shard.size}"
+        piece = "" if shard is None else f" for rank {shard.rank}'s piece of {shard.size}"
         raise ValueError(
             f"config.json: vocab_size={c.vocab_size}, hidden_size={c.hidden_size}, "
             f"intermediate_size={c.intermediate_size}, num_hidden_layers={c.num_layers}, "
@@ -303,15 +303,24 @@ def load_weights(model: CausalLM, model_dir: Path, files: list[Path] | None = No
     _zero_padding(model)
 
 
+def check_checkpoint(
+    c: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, shard: Shard | None = None
+) -> list[Path]:
+    """What is refused before any weight is read: the model (or ``shard``'s piece) not fitting the device (CKPT-2),
+    headers that do not hold the model (CKPT-2); the weights files."""
+    check_fits(c, dtype, device, shard)
+    files = _safetensors_files(model_dir)
+    check_headers(c, model_dir, files)
+    return files
+
+
 def load_model(
     model_dir: Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None
 ) -> CausalLM:
     """Config, then weights, then the model (this rank's piece under ``tp``) in ``dtype`` on ``device``, in
     inference mode."""
     config = load_config(model_dir)
-    check_fits(config, dtype, device, tp)
-    files = _safetensors_files(model_dir)
-    check_headers(config, model_dir, files)
+    files = check_checkpoint(config, model_dir, dtype, device, None if tp is None else tp.shard)
     # Built on the meta device and materialised uninitialised: the loader fills every parameter.
     with torch.device("meta"):
         model = CausalLM(config, tp).to(dtype)

@@ -10,21 +10,23 @@ The figures recorded in spec/parallel.md (TP-10) come from this.
 from __future__ import annotations
 
 import multiprocessing
+import shutil
 import statistics
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
-from torch._C._distributed_c10d import TCPStore
 
-from optimized.parallel.group import COLLECTIVE_TIMEOUT, Group
+from optimized.parallel.group import Group, open_store, private_store
 
 HIDDEN = 256  # the default model's hidden size
 TOKENS = (1, 16, 64, 256, 1024)
 REPEATS = 200
 
 
-def _timings(store: TCPStore, rank: int, hidden: int) -> list[float]:
+def _timings(store: Any, rank: int, hidden: int) -> list[float]:
     """This rank's median seconds per all-reduce at each size in TOKENS."""
     torch.set_num_threads(1)
     group = Group(store, rank, 2, torch.device("cpu"))
@@ -40,16 +42,19 @@ def _timings(store: TCPStore, rank: int, hidden: int) -> list[float]:
     return medians
 
 
-def _worker(port: int, hidden: int) -> None:
-    _timings(TCPStore("127.0.0.1", port, 2, False, COLLECTIVE_TIMEOUT), 1, hidden)
+def _worker(folder: str, hidden: int) -> None:
+    _timings(open_store(Path(folder)), 1, hidden)
 
 
 def main(hidden: int = HIDDEN) -> None:
-    store = TCPStore("127.0.0.1", 0, 2, True, COLLECTIVE_TIMEOUT, wait_for_workers=False)
-    proc = multiprocessing.get_context("spawn").Process(target=_worker, args=(store.port, hidden))
-    proc.start()
-    medians = _timings(store, 0, hidden)
-    proc.join()
+    store, folder = private_store()
+    try:
+        proc = multiprocessing.get_context("spawn").Process(target=_worker, args=(str(folder), hidden))
+        proc.start()
+        medians = _timings(store, 0, hidden)
+        proc.join()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     print(f"gloo all-reduce between 2 processes on this machine, float32 [tokens, {hidden}], median of {REPEATS}:")
     for tokens, seconds in zip(TOKENS, medians, strict=True):
         size = tokens * hidden * 4

@@ -1,10 +1,15 @@
 """One tensor-parallel process group: the collectives a step needs, and what rank 0 says when one fails.
 
 Invariant: every collective either completes on every rank or raises ``TensorParallelError`` on rank 0 within
-``COLLECTIVE_TIMEOUT`` (TP-8), naming the rank at fault when it can be known: a worker that raised left its
-exception text in the rendezvous store before exiting, a worker that died left an exit code (spawned workers).
-After a failure the group is dead: every later call raises the same error at once, and the workers rank 0 spawned
-are killed, so no process outlives the failure.
+the collective timeout (TP-8), naming the rank at fault when it can be known: a worker that raised left its
+exception text in the rendezvous store before exiting, a worker that died left an exit code (spawned workers),
+rank 0 itself raised in a step, a rank did not load its shard within the start timeout. After a failure the group
+is dead: every later call raises the same error at once, the failing rank's side of the process groups is freed
+(gloo closes its connections, so a peer's collective fails at once) and the workers rank 0 spawned are killed, so
+no process outlives the failure.
+
+The timeouts are read from the environment when a group is made (``NANOVERIFY_TP_TIMEOUT``,
+``NANOVERIFY_TP_START_TIMEOUT``), never at import. A spawned group's store is a file in a private folder.
 
 Two torch process groups over one store: ``compute`` (a step's payload, all-reduces and the logits gather; a
 short timeout) and ``control`` (the step header a worker waits on between steps, however long the engine stays
@@ -14,12 +19,17 @@ process may hold several engines' groups at once (tests do).
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,13 +38,59 @@ from torch.distributed.distributed_c10d import PrefixStore
 
 from optimized.parallel.sharding import Shard
 
-COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("NANOVERIFY_TP_TIMEOUT", "60")))
+TIMEOUT_VARIABLE = "NANOVERIFY_TP_TIMEOUT"  # seconds a collective may take (default 60)
+START_TIMEOUT_VARIABLE = "NANOVERIFY_TP_START_TIMEOUT"  # seconds every rank may take to load its shard (default 600)
 IDLE_TIMEOUT = timedelta(days=30)  # a worker waiting for rank 0's next step
 ERROR_KEY = "nanoverify/error/"  # + rank: a worker's exception text
+FAILED_KEY = "nanoverify/failed/"  # + rank: why that rank's group ended (its whole message)
 
 
 class TensorParallelError(RuntimeError):
     """A rank failed (died, raised or timed out); the message names it when known."""
+
+
+def _seconds(variable: str, default: float) -> timedelta:
+    """The timeout the environment ``variable`` sets, read now: a finite positive number of seconds, else a
+    ValueError naming the variable."""
+    text = os.environ.get(variable)
+    if text is None:
+        return timedelta(seconds=default)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > _MAX_SECONDS:
+        raise ValueError(f"{variable} must be a finite positive number of seconds (at most {_MAX_SECONDS:.0f}), "
+                         f"got {text!r}")
+    return timedelta(seconds=seconds)
+
+
+_MAX_SECONDS = 30 * 86400.0
+
+
+def collective_timeout() -> timedelta:
+    """How long one collective may take (``NANOVERIFY_TP_TIMEOUT``, default 60 s)."""
+    return _seconds(TIMEOUT_VARIABLE, 60.0)
+
+
+def start_timeout() -> timedelta:
+    """How long every rank may take to start and load its shard (``NANOVERIFY_TP_START_TIMEOUT``, default 600 s)."""
+    return _seconds(START_TIMEOUT_VARIABLE, 600.0)
+
+
+def private_store() -> tuple[Any, Path]:
+    """A rendezvous store only this user can reach: a file in a fresh folder of mode 0700 (``tempfile.mkdtemp``),
+    no listening socket (TP-6). The caller removes the folder when the group ends."""
+    folder = Path(tempfile.mkdtemp(prefix="nanoverify-tp-"))
+    return open_store(folder), folder
+
+
+def open_store(folder: Path) -> Any:
+    """The store in ``folder`` (a worker opens rank 0's)."""
+    # -1: no count of users (the folder is removed as a whole). FileStore is public, but torch does not re-export it.
+    store = dist.FileStore(str(folder / "store"), -1)  # type: ignore[attr-defined]
+    store.set_timeout(collective_timeout())
+    return store
 
 
 @dataclass
@@ -46,10 +102,6 @@ class CommStats:
     all_reduce_seconds: float = 0.0
     gathers: int = 0
     gather_bytes: int = 0
-    gather_seconds: float = 0.0
-    broadcasts: int = 0
-    broadcast_bytes: int = 0
-    broadcast_seconds: float = 0.0
 
 
 def _process_group(
@@ -87,16 +139,21 @@ class Group:
         device: torch.device,
         workers: Sequence[BaseProcess] = (),
         loopback: bool = True,
+        store_folder: Path | None = None,
     ) -> None:
-        """``loopback``: every rank runs on this machine (spawned); torchrun's ranks may not."""
+        """``loopback``: every rank runs on this machine (spawned); torchrun's ranks may not. ``store_folder``:
+        the private store's folder, removed once the workers are gone (rank 0 of a spawned group)."""
         self.shard = Shard(rank, size)
         self.store = store
+        self.store_folder = store_folder
         self.device = device
         self.workers = list(workers)  # rank i + 1 is workers[i]
         self.failure: str | None = None
+        self.threads_before: int | None = None  # rank 0: the caller's torch thread count, restored on close
         self.stats = CommStats()
-        self.compute = _process_group(PrefixStore("compute/", store), rank, size, device, COLLECTIVE_TIMEOUT, loopback)
-        self.control = _process_group(PrefixStore("control/", store), rank, size, device, IDLE_TIMEOUT, loopback)
+        timeout = collective_timeout()
+        self.compute: Any = _process_group(PrefixStore("compute/", store), rank, size, device, timeout, loopback)
+        self.control: Any = _process_group(PrefixStore("control/", store), rank, size, device, IDLE_TIMEOUT, loopback)
 
     @property
     def rank(self) -> int:
@@ -134,10 +191,10 @@ class Group:
         self.stats.gathers += 1
         self.stats.gather_bytes += t.numel() * t.element_size()
         if self.rank != 0:
-            self.stats.gather_seconds += self._wait(lambda: self.compute.gather([], [t], opts))
+            self._wait(lambda: self.compute.gather([], [t], opts))
             return t
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        self.stats.gather_seconds += self._wait(lambda: self.compute.gather([parts], [t], opts))
+        self._wait(lambda: self.compute.gather([parts], [t], opts))
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, t: torch.Tensor, idle: bool = False) -> torch.Tensor:
@@ -145,11 +202,7 @@ class Group:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         group = self.control if idle else self.compute
-        seconds = self._wait(lambda: group.broadcast([t], opts))
-        if not idle or self.rank == 0:  # a worker's wait for the next step is idle time, not communication
-            self.stats.broadcasts += 1
-            self.stats.broadcast_bytes += t.numel() * t.element_size()
-            self.stats.broadcast_seconds += seconds
+        self._wait(lambda: group.broadcast([t], opts))
         return t
 
     def agree_min(self, value: int) -> int:
@@ -172,28 +225,77 @@ class Group:
 
     def fail(self, cause: BaseException) -> TensorParallelError:
         """The group is dead: the error naming the rank at fault (when known); the spawned workers are killed."""
-        if self.failure is None:
-            self.failure = self._diagnose(cause)
-            self.kill_workers()
-        return TensorParallelError(self.failure)
+        return self.end(self._diagnose(cause)) if self.failure is None else TensorParallelError(self.failure)
+
+    def fail_here(self, cause: BaseException) -> TensorParallelError:
+        """This rank raised outside a collective (rank 0's forward, after the step went out, TP-8): the group is
+        dead, its peers are stopped at once, and the error names this rank."""
+        if self.failure is not None:
+            return TensorParallelError(self.failure)
+        return self.end(f"tensor-parallel rank {self.rank} raised {type(cause).__name__}: {cause}")
+
+    def end(self, failure: str) -> TensorParallelError:
+        """Mark the group dead with ``failure`` and return its error: the peers are told (the store), this rank's
+        side of the collectives is aborted (a peer waiting in one fails at once), the spawned workers killed."""
+        self.failure = failure
+        with contextlib.suppress(RuntimeError):  # the store may be gone with its host
+            self.store.set(f"{FAILED_KEY}{self.rank}", failure)
+        if self.device.type == "cuda":
+            for group in (self.compute, self.control):
+                with contextlib.suppress(RuntimeError):
+                    group.abort()
+        # Freed, a gloo group closes its connections: a peer waiting in a collective with this rank fails at once.
+        self.compute = self.control = None
+        self.kill_workers()
+        return TensorParallelError(failure)
+
+    def wait_for_ranks(self, stage: str, timeout: timedelta) -> None:
+        """Every rank got to ``stage`` (e.g. "load its shard") within ``timeout``, or TensorParallelError naming
+        the rank that raised, died, or did not get there in time (TP-8): a store poll, not a collective, so a slow
+        rank is named rather than blamed on a collective's timeout."""
+        self.check_alive()
+        self.store.set(f"nanoverify/{stage}/{self.rank}", "1")
+        waiting = set(range(self.size)) - {self.rank}
+        deadline = time.monotonic() + timeout.total_seconds()
+        while waiting:
+            for rank in sorted(waiting):
+                fault = self._fault_of(rank)
+                if fault is not None:
+                    raise self.end(fault)
+                if self.store.check([f"nanoverify/{stage}/{rank}"]):
+                    waiting.discard(rank)
+            if waiting and time.monotonic() > deadline:
+                raise self.end(f"tensor-parallel rank {min(waiting)} did not {stage} within "
+                               f"{timeout.total_seconds():g} s ({START_TIMEOUT_VARIABLE})")
+            time.sleep(0.02)
+
+    def _fault_of(self, rank: int) -> str | None:
+        """Why ``rank`` cannot go on, when it said so (an exception, an ended group) or died; else None."""
+        text = self._error_of(rank)
+        if text is not None:
+            return f"tensor-parallel rank {rank} raised {text}"
+        ended = self._error_of(rank, FAILED_KEY)
+        if ended is not None:
+            return ended
+        if 1 <= rank <= len(self.workers) and self.workers[rank - 1].exitcode not in (None, 0):
+            proc = self.workers[rank - 1]
+            return f"tensor-parallel rank {rank} (pid {proc.pid}) {_exit_text(proc.exitcode)}"
+        return None
 
     def _diagnose(self, cause: BaseException) -> str:
         deadline = time.monotonic() + 2.0  # a worker that closed its sockets is reaped within moments
         while True:
-            for rank in range(1, self.size):
-                text = self._error_of(rank)
-                if text is not None:
-                    return f"tensor-parallel rank {rank} raised {text}"
-            for rank, proc in enumerate(self.workers, start=1):
-                if proc.exitcode is not None and proc.exitcode != 0:
-                    return f"tensor-parallel rank {rank} (pid {proc.pid}) {_exit_text(proc.exitcode)}"
+            for rank in range(self.size):
+                fault = None if rank == self.rank else self._fault_of(rank)
+                if fault is not None:
+                    return fault
             if time.monotonic() > deadline:
                 first = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
                 return f"a tensor-parallel collective failed on rank {self.rank} ({first})"
             time.sleep(0.05)
 
-    def _error_of(self, rank: int) -> str | None:
-        key = f"{ERROR_KEY}{rank}"
+    def _error_of(self, rank: int, prefix: str = ERROR_KEY) -> str | None:
+        key = f"{prefix}{rank}"
         try:
             if self.store.check([key]):
                 return bytes(self.store.get(key)).decode("utf-8", "replace")
@@ -202,11 +304,15 @@ class Group:
         return None
 
     def kill_workers(self) -> None:
+        """Kill the spawned workers still running, then remove the private store's folder (nobody is left to
+        read it)."""
         for proc in self.workers:
             if proc.is_alive():
                 proc.kill()
         for proc in self.workers:
             proc.join(timeout=5)
+        if self.store_folder is not None:
+            shutil.rmtree(self.store_folder, ignore_errors=True)
 
     def join_workers(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the spawned workers to exit, then kill any left."""

@@ -1,13 +1,15 @@
 """Starting a tensor-parallel engine: refusals first, then the workers, then each rank's runner (TP-1, TP-6, TP-7).
 
 Invariant: everything that can be refused by name (the size, the model's divisibility, the device count, a torchrun
-world of another size) is refused before any process starts or any group is joined. Then either rank 0 spawns
-``size - 1`` workers (multiprocessing spawn) around a rendezvous store on a free port the OS picks, or, when
-torchrun set ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, every rank joins torchrun's ``env://``
-store. Every rank then checks that all ranks agree on the checkpoint and the settings, loads its shard and sizes
-its KV cache, the same number of blocks on every rank; ``build_runner`` is that one sequence, run by rank 0 and by
-every worker alike, so their collectives pair up. A worker exits when rank 0 says stop, when a collective with rank
-0 fails (rank 0 died: its sockets closed), or when its parent process is gone (a watchdog thread).
+world of another size, the timeout variables, the checkpoint's headers, rank 0's piece or KV cache not fitting in
+memory) is refused before any process starts or any group is joined. Then either rank 0 spawns ``size - 1``
+workers (multiprocessing spawn) around a private rendezvous store (a file in a 0700 folder), or, when torchrun set
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, every rank joins torchrun's ``env://`` store. Every rank
+then checks that all ranks agree on the checkpoint and the settings, loads its shard, waits (under the start
+timeout) for every rank to have loaded, and sizes its KV cache, the same number of blocks on every rank;
+``build_runner`` is that one sequence, run by rank 0 and by every worker alike, so their collectives pair up. A
+worker exits when rank 0 says stop, when a collective with rank 0 fails (rank 0 died or ended the group: its
+connections closed), or when its parent process is gone (the watchdog).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from multiprocessing.process import BaseProcess
@@ -25,14 +27,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._C._distributed_c10d import TCPStore
 from torch.distributed.rendezvous import rendezvous
 
 from optimized.engine.model_runner import ModelRunner
 from optimized.models.config import ModelConfig
-from optimized.parallel.group import COLLECTIVE_TIMEOUT, ERROR_KEY, Group, TensorParallelError
-from optimized.parallel.sharding import check_divisible
+from optimized.parallel.group import (
+    ERROR_KEY,
+    Group,
+    TensorParallelError,
+    collective_timeout,
+    open_store,
+    private_store,
+    start_timeout,
+)
+from optimized.parallel.sharding import Shard, check_divisible
 from optimized.parallel.step import receive_step, send_stop
+from optimized.parallel.watchdog import watch_parent
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _JOINED = "nanoverify/joined/"
@@ -62,13 +72,18 @@ def torchrun_rank() -> int | None:
     """This process's rank when torchrun (``env://``) launched it, else None."""
     if not all(os.environ.get(k) for k in TORCHRUN_VARIABLES):
         return None
-    return int(os.environ["RANK"])
+    text = os.environ["RANK"]
+    if not text.isdigit():
+        raise ValueError(f"the environment variable RANK must be a non-negative integer (torchrun sets it), got "
+                         f"{text!r}")
+    return int(text)
 
 
 def check_plan(size: int, c: ModelConfig, device: torch.device) -> None:
     """The refusals that need no process (TP-1): divisibility, the device count, torchrun's world size."""
     if size == 1:
         return
+    collective_timeout(), start_timeout()  # their variables, read and refused by name now (TP-5)
     check_divisible(c, size)
     if device.type == "cuda" and torchrun_rank() is None and torch.cuda.device_count() < size:
         raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, this machine has "
@@ -90,13 +105,42 @@ def _device(spec: RunnerSpec, rank: int) -> torch.device:
 # Agreement across ranks (TP-7) ---------------------------------------------------------------------------------
 
 
+SAMPLES, SAMPLE_BYTES = 16, 64 * 1024  # the blocks of a weights file whose sha256 every rank compares
+
+
+def sampled_digest(path: Path) -> str:
+    """sha256 of a safetensors file's header (names, dtypes, shapes, offsets) and of ``SAMPLES`` blocks of
+    ``SAMPLE_BYTES`` spread evenly over the file, first and last included (the whole file when it is smaller)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        digest.update(prefix)
+        if len(prefix) == 8:
+            digest.update(f.read(min(int.from_bytes(prefix, "little"), size)))
+        if size <= SAMPLES * SAMPLE_BYTES:
+            f.seek(0)
+            digest.update(f.read())
+        else:
+            for i in range(SAMPLES):
+                f.seek(i * (size - SAMPLE_BYTES) // (SAMPLES - 1))
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
 def _setup(spec: RunnerSpec) -> dict[str, Any]:
-    """What every rank must agree on: the checkpoint (config bytes, file names and sizes) and the settings."""
+    """What every rank must agree on: the checkpoint (config bytes, file names and sizes, each file's sampled
+    digest) and the settings."""
     folder = Path(spec.model_dir)
     config = (folder / "config.json").read_bytes()
-    files = sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors"))
+    paths = sorted(folder.glob("*.safetensors"))
     settings = {k: v for k, v in asdict(spec).items() if k not in ("model_dir", "threads")}
-    return {"config.json sha256": hashlib.sha256(config).hexdigest(), "checkpoint files": files, **settings}
+    return {
+        "config.json sha256": hashlib.sha256(config).hexdigest(),
+        "checkpoint files": [(p.name, p.stat().st_size) for p in paths],
+        "checkpoint sampled sha256": [sampled_digest(p) for p in paths],
+        **settings,
+    }
 
 
 def check_same(group: Group, spec: RunnerSpec) -> None:
@@ -128,6 +172,7 @@ def build_runner(spec: RunnerSpec, group: Group) -> ModelRunner:
     per_block = ModelRunner.kv_bytes_per_block(net, spec.block_size)
     blocks = kv_cache_blocks(group.device, per_block, spec.num_kvcache_blocks, spec.gpu_memory_utilization,
                              spec.cpu_kvcache_gib)
+    group.wait_for_ranks("load its shard", start_timeout())  # a slow rank is named, not a collective timeout
     blocks = group.agree_min(blocks)
     return ModelRunner(
         net,
@@ -145,24 +190,58 @@ def engine_runner(spec: RunnerSpec) -> ModelRunner:
     """Rank 0's runner, its workers started (spawned, or joined under torchrun). On a torchrun rank other than 0
     this serves rank 0 until it stops and then exits the process (TP-6): it never returns there."""
     rank = torchrun_rank()
+    check_before_start(spec)
     group = _join_torchrun(spec, rank) if rank is not None else _spawn(spec)
     if group.rank != 0:
         code = serve(group, spec)
         sys.stdout.flush()
         os._exit(code)
+    group.threads_before = torch.get_num_threads()
+    torch.set_num_threads(spec.threads)  # TP-10: rank 0 runs on its share of the cores, as every worker does
     try:
         return build_runner(spec, group)
     except TensorParallelError:
+        _restore_threads(group)
         raise
     except BaseException:
         group.kill_workers()
+        _restore_threads(group)
         raise
+
+
+def _restore_threads(group: Group) -> None:
+    """The caller's thread count back, unless something else changed it since."""
+    before = group.threads_before
+    if before is not None and torch.get_num_threads() == max(1, before // group.size):
+        torch.set_num_threads(before)
+    group.threads_before = None
+
+
+def check_before_start(spec: RunnerSpec) -> None:
+    """What this rank can refuse alone, refused before any process starts (TP-1): the checkpoint's headers
+    (CKPT-2), its piece's fit in memory (CKPT-2, TP-2) and a ``num_kvcache_blocks`` beyond this machine's memory."""
+    from optimized.engine.llm import DTYPES, kv_cache_blocks
+    from optimized.models.config import load_config
+    from optimized.models.loader import check_checkpoint
+
+    folder, dtype, device = Path(spec.model_dir), DTYPES[spec.dtype], torch.device(spec.device)
+    c = load_config(folder)
+    shard = Shard(0, spec.size)
+    check_checkpoint(c, folder, dtype, device, shard)
+    if spec.num_kvcache_blocks is not None:
+        mine = shard.local_config(c)
+        per_block = 2 * mine.num_layers * spec.block_size * mine.num_kv_heads * mine.head_dim * dtype.itemsize
+        kv_cache_blocks(device, per_block, spec.num_kvcache_blocks, spec.gpu_memory_utilization,
+                        spec.cpu_kvcache_gib)
 
 
 def close(runner: ModelRunner) -> None:
     """Rank 0: tell the workers to stop and wait for them (killed if they do not exit in time). Idempotent."""
     group = runner.tp
-    if group is None or group.failure is not None:
+    if group is None:
+        return
+    _restore_threads(group)
+    if group.failure is not None:
         return
     with contextlib.suppress(TensorParallelError):  # a worker already gone: the join below finds it
         send_stop(group)
@@ -174,12 +253,13 @@ def close(runner: ModelRunner) -> None:
 
 
 def _spawn(spec: RunnerSpec) -> Group:
+    """The workers, around a store in a private folder (TP-6): rank 0's group holds them and the folder."""
     import multiprocessing
 
-    store = TCPStore("127.0.0.1", 0, spec.size, True, COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    store, folder = private_store()
     ctx = multiprocessing.get_context("spawn")
     procs: list[BaseProcess] = [
-        ctx.Process(target=spawned_worker, args=(spec, rank, store.port, os.getpid()), daemon=True,
+        ctx.Process(target=spawned_worker, args=(spec, rank, str(folder), os.getpid()), daemon=True,
                     name=f"nanoverify-tp-rank{rank}")
         for rank in range(1, spec.size)
     ]
@@ -187,18 +267,20 @@ def _spawn(spec: RunnerSpec) -> Group:
         for proc in procs:
             proc.start()
         _wait_joined(store, procs)
-        return Group(store, 0, spec.size, _device(spec, 0), procs)
+        return Group(store, 0, spec.size, _device(spec, 0), procs, store_folder=folder)
     except BaseException:
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
             proc.join(timeout=5)
+        shutil.rmtree(folder, ignore_errors=True)
         raise
 
 
 def _wait_joined(store: Any, procs: list[BaseProcess]) -> None:
     """Every worker connected to the store, or TensorParallelError naming the first that died or raised first."""
-    deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+    limit = start_timeout().total_seconds()
+    deadline = time.monotonic() + limit
     waiting = dict(enumerate(procs, start=1))
     while waiting:
         for rank, proc in list(waiting.items()):
@@ -212,26 +294,15 @@ def _wait_joined(store: Any, procs: list[BaseProcess]) -> None:
                                           f"{proc.exitcode} before joining")
         if time.monotonic() > deadline:
             raise TensorParallelError(f"tensor-parallel ranks {sorted(waiting)} did not join within "
-                                      f"{COLLECTIVE_TIMEOUT.total_seconds():.0f} s")
+                                      f"{limit:g} s")
         time.sleep(0.02)
 
 
-def _watch_parent(parent: int) -> None:
-    """Exit this process as soon as ``parent`` is no longer its parent (it died; we were re-parented)."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.2)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="nanoverify-parent-watchdog", daemon=True).start()
-
-
-def spawned_worker(spec: RunnerSpec, rank: int, port: int, parent: int) -> None:
+def spawned_worker(spec: RunnerSpec, rank: int, folder: str, parent: int) -> None:
     """The entry of a spawned worker process: join rank 0's store, serve, exit."""
-    _watch_parent(parent)
+    watch_parent(parent, folder)  # rank 0 killed: nobody else removes the store's folder
     torch.set_num_threads(spec.threads)
-    store = TCPStore("127.0.0.1", port, spec.size, False, COLLECTIVE_TIMEOUT)
+    store = open_store(Path(folder))
     try:
         store.set(f"{_JOINED}{rank}", "1")
         group = Group(store, rank, spec.size, _device(spec, rank))
@@ -256,6 +327,7 @@ def serve(group: Group, spec: RunnerSpec) -> int:
     except BaseException as e:
         if not isinstance(e, TensorParallelError):
             _report(group.store, group.rank, e)
+            group.end(f"tensor-parallel rank {group.rank} raised {type(e).__name__}: {e}")  # rank 0 hears at once
         return 1
     return 0
 
@@ -266,7 +338,7 @@ def serve(group: Group, spec: RunnerSpec) -> int:
 def _join_torchrun(spec: RunnerSpec, rank: int) -> Group:
     """Join the group torchrun set up (``env://``); a worker rank also watches its parent (torchrun's agent)."""
     if rank != 0:
-        _watch_parent(os.getppid())
+        watch_parent(os.getppid())
         torch.set_num_threads(spec.threads)
-    store, rank, size = next(rendezvous("env://", timeout=COLLECTIVE_TIMEOUT))
+    store, rank, size = next(rendezvous("env://", timeout=start_timeout()))
     return Group(store, rank, size, _device(spec, rank), loopback=False)

@@ -24,7 +24,8 @@ I64 = np.ndarray
 
 @dataclass
 class StepMessage:
-    """One step as a worker needs it (``optimized.engine.model_runner.StepInputs`` less the sampling rows)."""
+    """One step as every rank runs it (rank 0's ``optimized.engine.model_runner.StepInputs`` adds the sampling
+    rows)."""
 
     is_prefill: bool
     graphed: bool
