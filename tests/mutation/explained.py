@@ -73,6 +73,8 @@ EXPLAINED: tuple[Explained, ...] = (
       for before, after in (("1024", "1025"), ("2 * k > len(buf)", "(2 * k >= len(buf))"))),
     Explained("optimized/core/kv_cache_manager.py", "if i >= end:", "i >= end", "(i > end)",
               "equivalent: at i == end the rest of extend_chain hashes an empty run of blocks, which adds nothing"),
+    Explained("optimized/core/kv_cache_manager.py", "looked = chain[: m + 1] if m < last else chain[:m]", "1", "2",
+              "equivalent: a hash past the one that missed gets an index above cached, which reads() ignores"),
     Explained("optimized/core/kv_cache_manager.py", "if self._memo is not None and self._memo.seq is seq:",
               "self._memo.seq is seq", "(self._memo.seq is not seq)",
               "equivalent: the memo is a cache; dropping another sequence's walk only makes can_allocate walk "
