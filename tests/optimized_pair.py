@@ -128,10 +128,13 @@ class Pair:
         assert all(group.finishes.values())
         assert sorted(booked) == sorted(id(seq) for seq in group.members)
 
-    def agree(self) -> None:
-        """OPT-1: the same queues, sequences and block-manager state; every invariant holds."""
+    def agree(self, invariants: bool = True) -> None:
+        """OPT-1: the same queues, sequences and block-manager state; every invariant holds (``invariants``: a
+        test that forces hash collisions turns this off, since INV-2, no block twice in one table, assumes none,
+        and the reference breaks it too then)."""
         r, o = snapshot(self.ref), snapshot(self.opt)
-        assert check_state(o) == []
+        if invariants:
+            assert check_state(o) == []
         assert (r.free_block_ids, r.used_block_ids, r.hash_to_block_id) == \
                (o.free_block_ids, o.used_block_ids, o.hash_to_block_id)
         assert [(b.ref_count, b.hash, b.token_ids) for b in r.blocks] == \

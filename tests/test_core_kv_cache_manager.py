@@ -323,7 +323,7 @@ def test_decisions_and_the_remembered_walk_stay_the_references_when_hashes_colli
                 prompt, max_tokens, _ = arrivals.pop(0)
                 p.add(prompt, max_tokens)
             steps += 1
-            p.agree()
+            p.agree(invariants=False)  # INV-2 assumes no collision (the reference breaks it too then)
             bm.flush()
             memo = bm._memo
             if memo is not None:
@@ -333,3 +333,54 @@ def test_decisions_and_the_remembered_walk_stay_the_references_when_hashes_colli
                 checked += 1
             contents.update(bm._contents.values())
     assert checked > 50 and len(contents) > 2 * 5  # many more distinct blocks than hash values
+
+
+def _five_hash_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both schedulers' chain hash reduced to five values: a run of (1, 1) blocks chains 2, 2, 2, ..."""
+    import reference.block_manager as rbm
+
+    real_reference, real_optimized = rbm.compute_hash, xxhash.xxh64_intdigest
+    monkeypatch.setattr(rbm, "compute_hash", lambda token_ids, prefix=-1: real_reference(token_ids, prefix) % 5)
+    monkeypatch.setattr(kvm, "xxh64_intdigest", lambda data: real_optimized(data) % 5)
+
+
+@pytest.mark.clause("OPT-13", "OPT-14")
+def test_hits_that_repeat_a_block_are_each_a_holder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OPT-13: after a hash collision a walk's hits can name one block twice ([2, 2, 2]); taking them adds a holder
+    per hit, and the block stays used while any holder runs (hold's fast path is for hits that do not repeat)."""
+    _five_hash_values(monkeypatch)
+    p = Pair(block_size=2, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=64)
+    p.add([1] * 7, 6)
+    assert p.step()
+    p.add([1] * 7, 2)
+    steps, repeated = 1, False
+    while p.step():
+        p.agree(invariants=False)
+        table = p.opt_seqs[1].block_table
+        repeated = repeated or len(set(table)) < len(table)
+        steps += 1
+    assert steps > 3 and repeated  # the repeated hits were taken
+
+
+@pytest.mark.clause("OPT-14")
+def test_a_freed_block_frees_every_hit_that_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OPT-14: a remembered walk whose hits repeat one block (a collision) marks every one of them free when that
+    block is released, as a fresh walk would; else the admission test counts freed hits as held."""
+    from reference.extensions import abort
+
+    _five_hash_values(monkeypatch)
+    p = Pair(block_size=2, num_blocks=5, max_num_seqs=4, max_num_batched_tokens=16)
+    p.add([1, 1, 1, 1, 9], 5)  # its blocks 0 and 1 both hash to 2 (the table keeps block 1)
+    p.add([7, 7, 7], 5)  # no block is left free
+    p.step()
+    p.add([1] * 7, 2)  # walks hits [1, 1, 1], all used, and waits: the walk is kept
+    p.step()
+    bm = p.opt.block_manager
+    assert bm._memo is not None and bm._memo.hits[:3] == [1, 1, 1]
+    abort(p.ref, p.ref_seqs[0])
+    p.opt.abort(p.opt_seqs[0])  # block 1 goes free
+    bm.flush()
+    memo, fresh = bm._memo, bm._walk(p.opt_seqs[2])
+    assert memo is not None and (memo.cached, memo.used) == (fresh.cached, fresh.used) == (3, 0)
+    while p.step():
+        p.agree(invariants=False)

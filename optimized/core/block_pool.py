@@ -48,7 +48,7 @@ class BlockPool:
     def hold(self, hits: list[int], all_used: bool) -> None:
         """One more holder for each of ``hits`` (prefix-cache hits); a free one is revived where it stands.
 
-        ``all_used``: every hit is used (a shared prefix), so none leaves the queue. Hits never repeat a block.
+        ``all_used``: every hit is used and none repeats (a shared prefix), so none leaves the queue.
         """
         extra, free = self._extra, self.free
         if all_used:

@@ -372,8 +372,8 @@ class KVCacheManager:
         memo = self._memo
         assert memo is not None and memo.seq is seq and num_cached_blocks <= memo.cached
         hits = memo.hits[:num_cached_blocks]
-        # The table maps each block from one hash at most, so the walk's hits never repeat a block.
-        self.pool.hold(hits, num_cached_blocks == memo.cached and memo.used == len(hits))
+        # Hits repeat a block only after a hash collision (two chain positions, one hash): the slow path then.
+        self.pool.hold(hits, num_cached_blocks == memo.cached and memo.used == len(hits) == len(set(hits)))
         self._memo = None
         block_table = seq.block_table
         block_table.extend(hits)

@@ -67,11 +67,15 @@ class WalkMemo:
             self.used = sum(self.held)
 
     def freed(self, block_ids: list[int]) -> None:
-        """These blocks went back to the free queue: a hit among them is no longer used."""
+        """These blocks went back to the free queue: every hit among them is no longer used.
+
+        A hash collision can make two hits one block: each of them is freed.
+        """
         if self.blocks.keys().isdisjoint(block_ids):
             return
-        for block_id in block_ids:
-            index = self.blocks.get(block_id, -1)
-            if 0 <= index < self.cached and self.held[index]:
-                self.held[index] = False
+        gone = set(block_ids)
+        held, hits = self.held, self.hits
+        for index in range(self.cached):
+            if held[index] and hits[index] in gone:
+                held[index] = False
                 self.used -= 1

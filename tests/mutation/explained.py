@@ -80,14 +80,12 @@ EXPLAINED: tuple[Explained, ...] = (
               "equivalent: the memo is a cache; dropping another sequence's walk only makes can_allocate walk "
               "again, and a walk kept for the aborted sequence is never asked for (it cannot be added again)"),
     Explained("optimized/core/kv_cache_manager.py",
-              "self.pool.hold(hits, num_cached_blocks == memo.cached and memo.used == len(hits))",
+              "self.pool.hold(hits, num_cached_blocks == memo.cached and memo.used == len(hits) == len(set(hits)))",
               "num_cached_blocks == memo.cached", "(num_cached_blocks != memo.cached)",
               "equivalent: the scheduler allocates every hit of the walk (num_cached_blocks is can_allocate's "
               "answer), where the edit only turns off hold's fast path, whose other path does the same"),
     Explained("optimized/core/scheduler.py", "prefix_hit_tokens: int = 0", "0", "1",
               "equivalent: both schedule paths pass prefix_hit_tokens; the core never uses the default"),
-    Explained("optimized/core/walk_memo.py", "index = self.blocks.get(block_id, -1)", "1", "2",
-              "equivalent: any negative default fails the 0 <= index test that follows"),
     Explained("optimized/core/walk_memo.py", "if index < self.cached:", "index < self.cached",
               "(index <= self.cached)",
               "equivalent: cutting at index == cached keeps every hit, and used already equals sum(held)"),
