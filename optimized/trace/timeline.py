@@ -78,9 +78,10 @@ class _Observer:
         self.preempted: set[int] = set()
         self.running: set[int] = set()
         self.blocks = (0, 0, 0)
+        self.counts = CacheCounts()
 
     def scheduled(self, scheduler: Any) -> None:
-        self.blocks = _blocks(scheduler)
+        self.blocks = self.counts.look(scheduler)
 
     def stepped(self, record: Step, scheduler: Any, batch: list[Any], id_of: dict[int, int]) -> None:
         waiting = [id_of[s.seq_id] for s in scheduler.waiting]
@@ -99,7 +100,8 @@ class _Observer:
             ended = dict.fromkeys(granted, "failed")
         start, end = self._span(record)
         # The empty decode runs nothing: the cache as its schedule() left it.
-        used, free, cached = _blocks(scheduler) if record.empty_decode else self.blocks
+        after = self.counts.look(scheduler)  # the held blocks re-read once per step, so none is missed
+        used, free, cached = after if record.empty_decode else self.blocks
         self.frames.append(Frame(record.step, start, end, states, granted, used, free, cached, len(running),
                                  len(waiting), ended))
 
@@ -109,12 +111,28 @@ class _Observer:
         return float(record.step), float(record.step + 1)
 
 
-def _blocks(scheduler: Any) -> tuple[int, int, int]:
-    """Used, free, and free-but-cached block counts of a reference scheduler."""
-    bm = scheduler.block_manager
-    free = list(bm.free_block_ids)
-    cached = sum(bm.blocks[b].hash != -1 for b in free)
-    return len(bm.used_block_ids), len(free), cached
+class CacheCounts:
+    """Used, free and free-but-cached block counts of a reference scheduler, kept without a scan of the cache.
+
+    A block changes between free and used, or gains or loses its hash, only while some live sequence's table holds
+    it (allocation puts a block in a table, release takes it out of one, hashes are set on held blocks). So at each
+    look only the blocks held now or at the last look are re-read, and the free-but-cached set stays exact.
+    """
+
+    def __init__(self) -> None:
+        self.free_cached: set[int] = set()
+        self.last_held: set[int] = set()
+
+    def look(self, scheduler: Any) -> tuple[int, int, int]:
+        bm = scheduler.block_manager
+        held = {b for s in (*scheduler.running, *scheduler.waiting) for b in s.block_table}
+        for block_id in held | self.last_held:
+            if block_id not in bm.used_block_ids and bm.blocks[block_id].hash != -1:
+                self.free_cached.add(block_id)
+            else:
+                self.free_cached.discard(block_id)
+        self.last_held = held
+        return len(bm.used_block_ids), len(bm.free_block_ids), len(self.free_cached)
 
 
 def build_timeline(trace: Trace, axis: str = "steps") -> Timeline:
