@@ -186,6 +186,8 @@ class Engine:
         if self.busy is not None:
             raise RuntimeError(f"the engine failed inside {self.busy} ({self.broken_by}) and its state is undefined: "
                                "make a new LLM")
+        if self.recorder is not None:  # TRACE-1: a closed or broken trace refuses the change before it begins
+            self.recorder.require_writable()
 
     def add(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
         self.require_trusted()

@@ -305,9 +305,11 @@ class LLM:
         from optimized.parallel import launch
 
         with self._lock:
-            launch.close(self.engine.runner)
-            if self.engine.recorder is not None:
-                self.engine.recorder.close()
+            try:
+                launch.close(self.engine.runner)
+            finally:  # the trace is closed even when stopping the workers raised
+                if self.engine.recorder is not None:
+                    self.engine.recorder.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -63,16 +63,25 @@ class Recorder:
         else:
             self.file = out
         self.wall_times = wall_times
+        self.name = str(out) if isinstance(out, (str, Path)) else "the trace stream"
         self.broken: str | None = None  # why an earlier write failed: the file is no longer the whole run
+        self.closed = False  # close() was called: nothing more is recorded
         self.steps = 0  # schedule() calls recorded: the number the next step gets
         self._tables: dict[int, tuple[list[int], str]] = {}  # request id -> its last block table and its JSON
         self._origin = time.perf_counter()
         self._write(json.dumps(header(config, eos_token_ids, **extra)) + "\n")
 
-    def _write(self, text: str, flush: bool = True) -> None:
-        """Append ``text`` (flushed unless told not to); after a failed write, every later one raises (TRACE-4)."""
+    def require_writable(self) -> None:
+        """Raise unless a record can still be written: refused before a change begins, so nothing is half done."""
+        if self.closed:
+            raise RuntimeError(f"the trace {self.name} was closed (LLM.close()): this LLM records nothing more, "
+                               "make a new LLM")
         if self.broken is not None:
             raise OSError(f"the trace is incomplete since an earlier write failed ({self.broken})")
+
+    def _write(self, text: str, flush: bool = True) -> None:
+        """Append ``text`` (flushed unless told not to); after a failed write, every later one raises (TRACE-4)."""
+        self.require_writable()
         try:
             self.file.write(text)
             if flush:
@@ -140,13 +149,17 @@ class Recorder:
         self.steps += 1
 
     def close(self) -> None:
-        """Flush, and close a file this recorder opened; again is a no-op."""
-        if self.file.closed:
+        """Flush, and close a file this recorder opened, even when the flush raises; again is a no-op."""
+        if self.closed:
             return
-        self.file.flush()
-        closer = getattr(self, "_closer", None)
-        if closer is not None:
-            closer()
+        self.closed = True
+        try:
+            if not self.file.closed:
+                self.file.flush()
+        finally:
+            closer = getattr(self, "_closer", None)
+            if closer is not None:
+                closer()
 
 
 # --- the engine's side ---------------------------------------------------------------------------------------
