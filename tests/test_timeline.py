@@ -260,7 +260,7 @@ def test_a_trace_that_stops_replaying_is_drawn_up_to_its_first_difference(
     lines = record_workload(FIGURES["preemption"].workload()).splitlines(keepends=True)
     k = next(i for i, line in enumerate(lines) if json.loads(line).get("step") == 3)
     record = json.loads(lines[k])
-    record["batch"][0][2][0] += 1
+    record["batch"][0][2:] = [2, [9]]  # a version-2 entry [id, tokens, kept, added]: the third block 9, not 8
     lines[k] = json.dumps(record) + "\n"
     timeline = build_timeline(text_trace("".join(lines)))
     assert [f.step for f in timeline.frames] == [0, 1, 2]

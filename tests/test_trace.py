@@ -128,8 +128,12 @@ def rewrite(path: Path, out: Path, step: int, change: Any) -> None:
 
 
 def other_block(obj: dict[str, Any]) -> None:
-    table = obj["batch"][-1][2]
-    table[-1] = (table[-1] + 1) % 12
+    """A version-2 entry [id, tokens, kept, added]: another last block, or one block fewer kept."""
+    entry = obj["batch"][-1]
+    if entry[3]:
+        entry[3][-1] = (entry[3][-1] + 1) % 12
+    else:
+        entry[2] -= 1
 
 
 def fewer_tokens(obj: dict[str, Any]) -> None:
@@ -199,7 +203,7 @@ def variant(**changes: Any) -> str:
 
 @pytest.mark.clause("TRACE-4")
 @pytest.mark.parametrize(("lines", "message"), [
-    ([header_line(version=2), ADD, variant()], "line 1: version: must be 1, got 2"),
+    ([header_line(version=3), ADD, variant()], "line 1: version: must be 1 or 2, got 3"),
     ([header_line(), ADD, variant(tokens=None)], "line 3: step record: missing field 'tokens'"),
     ([header_line(), ADD, variant(tokens=[5, 6])], "line 3: tokens: has 2 tokens for a batch of 1"),
     ([header_line(), ADD, variant(batch=[[0, 3, [8]]])], "line 3: batch[0][2]: holds a block id past num_blocks=8"),

@@ -4,6 +4,7 @@ closes whatever raised on the way, and nothing is written that the reader would 
 from __future__ import annotations
 
 import io
+import json
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 
 from optimized import SamplingParams
 from optimized.trace.recorder import Recorder
+from optimized.trace.schema import TraceError, read_trace
 from reference import SchedulerConfig
 from tests.engine_fixtures import make_llm
 
@@ -92,4 +94,89 @@ def test_an_unused_stream_recorder() -> None:
     out = io.StringIO()
     rec = Recorder(out, SchedulerConfig(num_blocks=4, block_size=4))
     rec.close()
-    assert not out.closed and out.getvalue().startswith('{"version": 1')
+    assert not out.closed and out.getvalue().startswith('{"version": 2')
+
+
+@pytest.mark.clause("TRACE-2")
+def test_a_step_line_grows_with_the_blocks_added_not_with_the_tables() -> None:
+    """TRACE-2: version 2 writes a batch entry's table as [kept, added] against the request's last recorded one: a
+    decode step of four 100-block tables is a short line; the reader rebuilds the whole tables."""
+    out = io.StringIO()
+    rec = Recorder(out, SchedulerConfig(num_blocks=1024, block_size=4))
+    tables = {rid: list(range(100 * rid, 100 * rid + 100)) for rid in range(4)}
+    for rid in tables:
+        rec.add(rid, [1, 2, 3], 8, True)
+    rec.step(rec.decided(True, [(rid, 3, t) for rid, t in tables.items()], []), [5] * 4, [])
+    tables[2] = [*tables[2], 900]  # request 2 opens a block
+    rec.step(rec.decided(False, [(rid, 1, t) for rid, t in tables.items()], []), [6] * 4, [])
+    decode = out.getvalue().splitlines()[-1]
+    assert len(decode) < 150, decode
+    assert '"batch":[[0,1,100,[]],[1,1,100,[]],[2,1,100,[900]],[3,1,100,[]]]' in decode
+    trace = read_trace(out.getvalue().encode().splitlines(keepends=True))
+    assert [dict((i, t) for i, _, t in s.batch) for s in trace.steps][-1] == tables
+
+
+@pytest.mark.clause("TRACE-2", "TRACE-4")
+def test_version_1_traces_still_replay(tmp_path: Path) -> None:
+    """TRACE-2, TRACE-4: a figure's trace rewritten with whole tables under a version-1 header reads to the same
+    steps and replays identically; a version-2 entry keeping more blocks than were recorded is refused by line."""
+    from optimized.trace.figures import FIGURES
+    from optimized.trace.replay import replay_trace
+    from optimized.trace.workload import record_workload
+
+    text = record_workload(FIGURES["preemption"].workload())
+    v2 = read_trace(text.encode().splitlines(keepends=True))
+    records = [json.loads(line) for line in text.splitlines()]
+    records[0]["version"] = 1
+    steps = iter(v2.steps)
+    for record in records[1:]:
+        if "batch" in record:
+            record["batch"] = [[i, n, t] for i, n, t in next(steps).batch]
+    v1 = read_trace([(json.dumps(r) + "\n").encode() for r in records])
+    assert v1.steps == v2.steps
+    assert all(replay_trace(v1, impl).ok for impl in ("reference", "optimized"))
+    lines = text.splitlines(keepends=True)
+    lines[6] = lines[6].replace("[0,1,2,[]]", "[0,1,3,[]]")  # step 1 keeps 3 of request 0's 2 recorded blocks
+    with pytest.raises(TraceError, match=r"^line 7: batch\[0\]\[2\]: keeps 3 blocks of a last recorded table of 2$"):
+        read_trace([line.encode() for line in lines])
+
+
+@pytest.mark.clause("TRACE-4")
+def test_the_recorder_refuses_a_line_the_reader_would_refuse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRACE-4: the reader refuses a line over 1 MiB; the recorder never writes one: an add record that long
+    refuses the request at the door (ValueError, nothing added, the engine trusted), a step record that long is a
+    write that failed (ValueError naming the limit, nothing written, every later write refused)."""
+    from optimized.cli.replay import read_input
+    from optimized.verify.conformance import MAX_LINE_BYTES
+
+    path = tmp_path / "long.jsonl"
+    long_add = json.dumps({"add": {"id": 0, "prompt": [123456] * 150_000, "max_tokens": 1, "ignore_eos": False,
+                                   "arrive": 0}})
+    assert len(long_add) > MAX_LINE_BYTES
+    path.write_text(json.dumps({"version": 2, "config": {"block_size": 4, "num_blocks": 8, "max_num_seqs": 2,
+                                                         "max_num_batched_tokens": 8, "eos": 0}}) + "\n" + long_add)
+    with pytest.raises(TraceError, match=f"^line 2: longer than {MAX_LINE_BYTES} bytes$"):
+        read_input(str(path))
+
+    out = io.StringIO()
+    rec = Recorder(out, SchedulerConfig(num_blocks=1 << 20, block_size=4))
+    with pytest.raises(ValueError, match=f"past the trace reader's {MAX_LINE_BYTES}-byte line limit"):
+        rec.add(0, [123456] * 150_000, 1, False)
+    rec.add(0, [1, 2, 3], 1, False)  # refused, not broken: the next add is written
+    before = out.getvalue()
+    huge = [(rid, 1, list(range(rid * 4096, rid * 4096 + 4096))) for rid in range(64)]  # 256k new blocks
+    with pytest.raises(ValueError, match=f"cannot record step 0: its line would be .* past the trace reader's "
+                                         f"{MAX_LINE_BYTES}-byte line limit"):
+        rec.step(rec.decided(True, huge, []), [5] * 64, [])
+    assert out.getvalue() == before and rec.broken is not None
+    with pytest.raises(OSError, match="the trace is incomplete since an earlier write failed"):
+        rec.step(rec.decided(True, [(0, 3, [0])], []), [5], [])
+
+    import optimized.trace.recorder as recorder_module
+
+    monkeypatch.setattr(recorder_module, "MAX_LINE_BYTES", 200)
+    llm = make(trace=tmp_path / "t.jsonl")
+    with pytest.raises(ValueError, match="past the trace reader's 200-byte line limit"):
+        llm.add_request([200 + k % 50 for k in range(30)], GREEDY)
+    assert llm.engine.trusted and not llm.engine.by_arrival and not llm.has_unfinished_requests()
+    assert llm.generate([[1, 2]], GREEDY, use_tqdm=False)[0].token_ids

@@ -326,7 +326,10 @@ class LLM:
 
     def _validated(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
         """ENG-9: the prompt's token ids and its params, or a ValueError naming the limit (nothing changed)."""
-        return validate_request(self._tokens(prompt), params, self.engine.limits), params
+        ids = validate_request(self._tokens(prompt), params, self.engine.limits)
+        if self.engine.recorder is not None:  # TRACE-4: nor an add record the trace reader would refuse
+            self.engine.recorder.check_add(ids, params.max_tokens, params.ignore_eos)
+        return ids, params
 
     def _add(self, ids: list[int], params: SamplingParams) -> Request:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)

@@ -5,12 +5,13 @@ without a malformed field anywhere: every record is validated (by line and
 field) before anything is replayed, so a bad file changes nothing and never
 half-replays. A last line cut short (the recording process died mid-write) is
 not an error: it is reported in ``Trace.truncated`` and every line before it
-replays. A trace is JSON lines: a header ``{"version": 1, "config": {...}}``,
+replays. A trace is JSON lines: a header ``{"version": 2, "config": {...}}``,
 then, in the order they happened, ``add`` records (a request arrived before
 step ``arrive``), ``abort`` records, ``cut`` records (a stop token ended a
 request early: its ``max_tokens`` lowered to what it produced) and the
 conformance step records of CONF-3, extended with the model's ``tokens`` or a
-``failed`` reason.
+``failed`` reason; in version 2 a batch entry's block table is written as the
+change from the request's last recorded one (``Tables``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Any, BinaryIO
 from optimized.verify.conformance import CONFIG_FIELDS, MAX_LINE_BYTES
 from optimized.verify.conformance import _json_line as json_line
 
-VERSION = 1
+VERSION = 2  # what the recorder writes: block tables as deltas (TRACE-2); version 1 (whole tables) still reads
+VERSIONS = (1, 2)
 # A trace is a whole run: allowed longer than a workload file (CLI-7's 64 MiB); each line still at most 1 MiB.
 MAX_TRACE_BYTES = 1 << 30
 INT64_MIN = -(1 << 63)
@@ -139,13 +141,13 @@ def _key(obj: dict[str, Any], key: str, where: str) -> Any:
     return obj[key]
 
 
-def parse_header(obj: Any) -> tuple[dict[str, int], list[int]]:
+def parse_header(obj: Any) -> tuple[dict[str, int], list[int], int]:
     """The header's scheduler config (CONF-1's fields, the header's own bounds) and EOS ids; TraceError naming the
     field."""
     if not is_trace_header(obj):
-        raise _fail("header", "the first record must be the header {\"version\": 1, \"config\": {...}}")
-    if obj["version"] != VERSION:
-        raise _fail("version", f"must be {VERSION}, got {obj['version']!r}"[:200])
+        raise _fail("header", "the first record must be the header {\"version\": 2, \"config\": {...}}")
+    if isinstance(obj["version"], bool) or obj["version"] not in VERSIONS:
+        raise _fail("version", f"must be 1 or 2, got {obj['version']!r}"[:200])
     cfg = _key(obj, "config", "header")
     if not isinstance(cfg, dict):
         raise _fail("config", "must be an object")
@@ -154,7 +156,7 @@ def parse_header(obj: Any) -> tuple[dict[str, int], list[int]]:
         if config[name] > most:
             raise _fail(f"config.{name}", f"must be at most {most}, got {config[name]}")
     eos_ids = _ints(cfg.get("eos_token_ids", []), "config.eos_token_ids")
-    return config, eos_ids
+    return config, eos_ids, obj["version"]
 
 
 def _added(obj: Any, first: int) -> Added:
@@ -175,22 +177,45 @@ def _added(obj: Any, first: int) -> Added:
     return Added(rid, prompt, max_tokens, ignore_eos, arrive)
 
 
-def _batch(value: Any, block_limit: int) -> list[tuple[int, int, list[int]]]:
+class Tables:
+    """Each request's block table as last recorded: a version-2 entry ``[id, tokens, k, added]`` is the last
+    table's first ``k`` blocks, then ``added``; a version-1 entry ``[id, tokens, table]`` the whole table."""
+
+    def __init__(self, version: int, num_blocks: int) -> None:
+        self.delta = version >= 2
+        self.num_blocks = num_blocks
+        self.last: dict[int, list[int]] = {}
+
+    def entry(self, entry: Any, where: str) -> tuple[int, int, list[int]]:
+        shape = "[request id, tokens, kept, added blocks]" if self.delta else "[request id, tokens, block table]"
+        if not isinstance(entry, list) or len(entry) != (4 if self.delta else 3):
+            raise _fail(where, f"must be {shape}")
+        rid, tokens = _int(entry[0], f"{where}[0]"), _int(entry[1], f"{where}[1]", 1)
+        added = _ints(entry[-1], f"{where}[{len(entry) - 1}]")
+        if any(b >= self.num_blocks for b in added):
+            raise _fail(f"{where}[{len(entry) - 1}]", f"holds a block id past num_blocks={self.num_blocks}")
+        if not self.delta:
+            return rid, tokens, added
+        last = self.last.get(rid, [])
+        kept = _int(entry[2], f"{where}[2]")
+        if kept > len(last):
+            raise _fail(f"{where}[2]", f"keeps {kept} blocks of a last recorded table of {len(last)}")
+        table = last if kept == len(last) and not added else [*last[:kept], *added]
+        self.last[rid] = table
+        return rid, tokens, table
+
+    def forget(self, request_ids: list[int]) -> None:
+        for rid in request_ids:
+            self.last.pop(rid, None)
+
+
+def _batch(value: Any, tables: Tables) -> list[tuple[int, int, list[int]]]:
     if not isinstance(value, list):
-        raise _fail("batch", "must be a list of [request id, tokens, block table]")
-    batch = []
-    for i, entry in enumerate(value):
-        where = f"batch[{i}]"
-        if not isinstance(entry, list) or len(entry) != 3:
-            raise _fail(where, "must be [request id, tokens, block table]")
-        table = _ints(entry[2], f"{where}[2]")
-        if any(b >= block_limit for b in table):
-            raise _fail(f"{where}[2]", f"holds a block id past num_blocks={block_limit}")
-        batch.append((_int(entry[0], f"{where}[0]"), _int(entry[1], f"{where}[1]", 1), table))
-    return batch
+        raise _fail("batch", "must be a list of batch entries")
+    return [tables.entry(entry, f"batch[{i}]") for i, entry in enumerate(value)]
 
 
-def _step(obj: dict[str, Any], expected: int, num_blocks: int) -> Step:
+def _step(obj: dict[str, Any], expected: int, tables: Tables) -> Step:
     number = _int(obj["step"], "step")
     if number < expected:
         raise _fail("step", f"is {number}, expected at least {expected} (step numbers increase, and a step "
@@ -203,7 +228,7 @@ def _step(obj: dict[str, Any], expected: int, num_blocks: int) -> Step:
         _key(obj, key, "step record")
     if not isinstance(obj["prefill"], bool):
         raise _fail("prefill", "must be true or false")
-    batch = _batch(obj["batch"], num_blocks)
+    batch = _batch(obj["batch"], tables)
     if not batch:
         raise _fail("batch", "must not be empty (a step with nothing to run is the empty decode)")
     preempted, wall = _ints(obj["preempted"], "preempted"), _wall(obj.get("wall"))
@@ -232,8 +257,9 @@ def _wall(value: Any) -> tuple[float, float] | None:
 class _Builder:
     """Collects a trace's events, validating each record against what came before it."""
 
-    def __init__(self, config: dict[str, int], eos_ids: list[int]) -> None:
+    def __init__(self, config: dict[str, int], eos_ids: list[int], version: int) -> None:
         self.trace = Trace(config, [], eos_ids)
+        self.tables = Tables(version, config["num_blocks"])
         self.next = 0  # the least number the next step record may have
         self.ids: dict[int, Added] = {}
 
@@ -249,7 +275,8 @@ class _Builder:
         elif "cut" in obj:
             self._cut(obj)
         elif "step" in obj:
-            step = _step(obj, self.next, self.trace.config["num_blocks"])
+            step = _step(obj, self.next, self.tables)
+            self.tables.forget([rid for rid, _, _ in step.batch] if step.failed is not None else step.finished)
             self.trace.events.append(step)
             self.next = step.step + 1
         else:
@@ -268,6 +295,7 @@ class _Builder:
         if before < self.next:
             raise _fail("abort.before", f"is {before}, but step {self.next - 1} precedes this record")
         self.trace.events.append(Aborted(rid, before))
+        self.tables.forget([rid])
         self.next = before
 
     def _cut(self, obj: dict[str, Any]) -> None:
