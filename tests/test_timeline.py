@@ -288,3 +288,16 @@ def test_timeline_garbage_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.
         out, err = capsys.readouterr()
         assert out == "" and len(err.splitlines()) == 1 and err.startswith("nanoverify timeline: "), (args, err)
     assert set(tmp_path.iterdir()) == written
+
+
+@pytest.mark.clause("TRACE-4", "TRACE-9")
+def test_timeline_says_when_the_last_line_was_cut_short(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """TRACE-4: a trace whose last line a crash cut short is drawn from the lines before it, with the warning the
+    replay prints."""
+    text = record_workload(FIGURES["preemption"].workload()).encode()
+    cut = tmp_path / "crashed.jsonl"
+    cut.write_bytes(text[: len(text) - 20])
+    truncated = read_trace(cut.read_bytes().splitlines(keepends=True)).truncated
+    assert truncated is not None
+    assert main(["timeline", str(cut), "--format", "perfetto"]) == 0
+    assert capsys.readouterr().err.splitlines() == [f"nanoverify timeline: warning: {truncated}"]

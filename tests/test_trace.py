@@ -294,20 +294,52 @@ def test_invariants_are_checked_at_every_step(impl: str) -> None:
     assert re.match(r"step 3: invariant INV-\d+ after schedule\(\): ", outcome.difference), outcome.difference
 
 
-@pytest.mark.clause("TRACE-5")
-def test_an_abort_of_a_request_the_replay_finished_is_a_difference(tmp_path: Path) -> None:
-    """TRACE-5: the record aborts a request that, replayed, has already finished: named, before its step."""
-    text = record_workload(FIGURES["preemption"].workload())
-    lines = text.splitlines(keepends=True)
-    first_finish = next(i for i, line in enumerate(lines) if json.loads(line).get("finished"))
-    done = json.loads(lines[first_finish])
-    lines.insert(first_finish + 1, json.dumps({"abort": done["finished"][0], "before": done["step"] + 1}) + "\n")
-    trace = read_trace([line.encode() for line in lines])
-    for impl in ("reference", "optimized"):
-        outcome = replay_trace(trace, impl)
-        assert outcome.difference == (f"before step {done['step'] + 1}: abort of request {done['finished'][0]}, "
-                                      "which the replay has finished")
-        assert outcome.identical == done["step"] + 1
+def preemption_lines() -> list[str]:
+    return record_workload(FIGURES["preemption"].workload()).splitlines(keepends=True)
+
+
+def after_first_finish(record: dict[str, Any]) -> list[str]:
+    """The preemption figure's trace with ``record`` inserted after the first step that finished a request."""
+    lines = preemption_lines()
+    k = next(i for i, line in enumerate(lines) if json.loads(line).get("finished"))
+    return [*lines[: k + 1], json.dumps(record) + "\n", *lines[k + 1 :]]
+
+
+def twice_aborted() -> list[str]:
+    lines = preemption_lines()
+    k = next(i for i, line in enumerate(lines) if json.loads(line).get("step") == 0)
+    abort = json.dumps({"abort": 3, "before": 1}) + "\n"
+    return [*lines[: k + 1], abort, abort, *lines[k + 1 :]]
+
+
+def walls(lines: list[str], spans: list[list[float]]) -> list[str]:
+    """The first steps of ``lines`` given the wall times ``spans``."""
+    out, it = [], iter(spans)
+    for line in lines:
+        record = json.loads(line)
+        if "batch" in record and (span := next(it, None)) is not None:
+            record["wall"] = span
+        out.append(json.dumps(record) + "\n")
+    return out
+
+
+@pytest.mark.clause("TRACE-4")
+@pytest.mark.parametrize(("lines", "message"), [
+    (after_first_finish({"abort": 0, "before": 6}), "line 12: abort: request 0 was finished before"),
+    (twice_aborted(), "line 8: abort: request 3 was aborted before"),
+    (after_first_finish({"abort": 3, "before": 7}), "line 12: abort.before: is 7, but the next step is 6"),
+    (after_first_finish({"cut": 1, "max_tokens": 2}), "line 12: cut: request 1 was finished before"),
+    ([header_line(), json.dumps({"step": 0, "error": "empty decode"})],
+     "line 2: step: step 0 comes before any request was added: there is nothing to schedule"),
+    (walls(preemption_lines(), [[0.0, 1.0], [0.5, 2.0]]),
+     "line 7: wall: starts at 0.5, before the previous step's end 1.0"),
+])
+def test_an_inconsistent_trace_is_refused_by_line(lines: list[str], message: str) -> None:
+    """TRACE-4: an abort or a cut of a request that already ended (finished, aborted, failed), an abort whose
+    `before` is not the next step, a step record before any request was added, and a step starting before the
+    previous one ended are malformed files, refused by line and field (exit 2), not replay differences."""
+    with pytest.raises(TraceError, match="^" + re.escape(message)):
+        read_trace([line.encode() for line in lines])
 
 
 @pytest.mark.clause("TRACE-4")

@@ -261,7 +261,11 @@ class _Builder:
         self.trace = Trace(config, [], eos_ids)
         self.tables = Tables(version, config["num_blocks"])
         self.next = 0  # the least number the next step record may have
+        self.following = 0  # the number of the step after the last step record: the one an abort precedes
+        self.aborted_before: int | None = None  # the step the aborts since the last step record precede
         self.ids: dict[int, Added] = {}
+        self.ended: dict[int, str] = {}  # request id -> how it ended ("finished", "aborted", "failed")
+        self.wall_end = 0.0  # the last recorded step's end, in seconds
 
     def take(self, obj: Any) -> None:
         if not isinstance(obj, dict):
@@ -275,12 +279,26 @@ class _Builder:
         elif "cut" in obj:
             self._cut(obj)
         elif "step" in obj:
-            step = _step(obj, self.next, self.tables)
-            self.tables.forget([rid for rid, _, _ in step.batch] if step.failed is not None else step.finished)
-            self.trace.events.append(step)
-            self.next = step.step + 1
+            self._step(_step(obj, self.next, self.tables))
         else:
             raise _fail("record", "must hold one of 'add', 'abort', 'cut', 'step'")
+
+    def _step(self, step: Step) -> None:
+        if not self.ids:
+            raise _fail("step", f"step {step.step} comes before any request was added: there is nothing to schedule")
+        if self.aborted_before is not None and step.step != self.aborted_before:
+            raise _fail("step", f"is {step.step}, but the aborts before it were recorded before step "
+                        f"{self.aborted_before}")
+        if step.wall is not None:
+            if step.wall[0] < self.wall_end:
+                raise _fail("wall", f"starts at {step.wall[0]}, before the previous step's end {self.wall_end}")
+            self.wall_end = step.wall[1]
+        ended = [rid for rid, _, _ in step.batch] if step.failed is not None else step.finished
+        self.tables.forget(ended)
+        self.ended.update(dict.fromkeys(ended, "failed" if step.failed is not None else "finished"))
+        self.trace.events.append(step)
+        self.next = self.following = step.step + 1
+        self.aborted_before = None
 
     def _add(self, added: Added) -> None:
         if added.id in self.ids:
@@ -290,26 +308,31 @@ class _Builder:
         self.next = added.arrive
 
     def _abort(self, obj: dict[str, Any]) -> None:
-        rid = self._known(obj["abort"], "abort")
+        rid = self._live(obj["abort"], "abort")
         before = _int(_key(obj, "before", "abort"), "abort.before")
-        if before < self.next:
-            raise _fail("abort.before", f"is {before}, but step {self.next - 1} precedes this record")
+        if before != self.following:
+            raise _fail("abort.before", f"is {before}, but the next step is {self.following} (an abort is "
+                        "recorded before the step that follows it)")
         self.trace.events.append(Aborted(rid, before))
         self.tables.forget([rid])
-        self.next = before
+        self.ended[rid] = "aborted"
+        self.aborted_before = before
 
     def _cut(self, obj: dict[str, Any]) -> None:
-        rid = self._known(obj["cut"], "cut")
+        rid = self._live(obj["cut"], "cut")
         asked = self.ids[rid].max_tokens
         lowered = _int(_key(obj, "max_tokens", "cut"), "cut.max_tokens", 1)
         if lowered > asked or rid in self.trace.cuts:
             raise _fail("cut.max_tokens", f"{lowered} must not exceed the asked {asked}, once per request")
         self.trace.cuts[rid] = lowered
 
-    def _known(self, value: Any, what: str) -> int:
+    def _live(self, value: Any, what: str) -> int:
+        """The id of a request added and not yet ended."""
         rid = _int(value, what)
         if rid not in self.ids:
             raise _fail(what, f"request {rid} was never added")
+        if rid in self.ended:
+            raise _fail(what, f"request {rid} was {self.ended[rid]} before")
         return rid
 
 
