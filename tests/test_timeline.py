@@ -22,7 +22,7 @@ from optimized.trace.figures import FIGURES
 from optimized.trace.recorder import Recorder
 from optimized.trace.replay import replay_trace
 from optimized.trace.schema import Added, Trace, read_trace
-from optimized.trace.timeline import build_timeline, ordinal, perfetto, png, shown_rows
+from optimized.trace.timeline import build_timeline, ordinal, perfetto, png, shown_rows, track_ids
 from optimized.trace.workload import record_workload, workload_trace
 from optimized.verify.conformance import parse_workload
 from reference.extensions import abort, abort_step
@@ -83,6 +83,8 @@ def check_trace_events(doc: dict[str, Any]) -> dict[tuple[int, int], list[dict[s
     for event in doc["traceEvents"]:
         missing = REQUIRED[event["ph"]] - set(event)
         assert not missing, (event, missing)
+        # Viewers hold process and thread ids in 32 bits.
+        assert all(0 <= event.get(key, 0) < 1 << 31 for key in ("pid", "tid")), event
         if event["ph"] == "X":
             assert event["dur"] >= 0 and event["ts"] >= 0
             tracks[(event["pid"], event["tid"])].append(event)
@@ -114,8 +116,9 @@ def test_perfetto_events_are_valid_and_slices_do_not_overlap(source: str) -> Non
     doc = perfetto(timeline)
     tracks = check_trace_events(doc)
     assert timeline.difference is None
+    tid_of = track_ids(timeline)
     for rid in timeline.requests:
-        steps = sorted(s for e in tracks.get((1, rid + 1), []) for s in range(e["args"]["steps"][0],
+        steps = sorted(s for e in tracks.get((1, tid_of[rid]), []) for s in range(e["args"]["steps"][0],
                                                                                e["args"]["steps"][1] + 1))
         assert steps == [f.step for f in timeline.frames if rid in f.states]
     chunk_slices = sum(e["cat"] == "chunk" for slices in tracks.values() for e in slices)
@@ -123,7 +126,8 @@ def test_perfetto_events_are_valid_and_slices_do_not_overlap(source: str) -> Non
                  if any(f.step == s.step and f.states.get(rid) == "chunk" for f in timeline.frames))
     assert chunk_slices == chunks
     preempted = {rid for s in trace.steps for rid in s.preempted}
-    assert preempted <= {e["tid"] - 1 for slices in tracks.values() for e in slices if e["cat"] == "preempted"}
+    rid_of = {tid: rid for rid, tid in tid_of.items()}
+    assert preempted <= {rid_of[e["tid"]] for slices in tracks.values() for e in slices if e["cat"] == "preempted"}
     counters = {e["name"] for e in doc["traceEvents"] if e["ph"] == "C"}
     assert counters == {"KV blocks", "queues", "tokens per step"}
 
@@ -301,3 +305,20 @@ def test_timeline_says_when_the_last_line_was_cut_short(tmp_path: Path, capsys: 
     assert truncated is not None
     assert main(["timeline", str(cut), "--format", "perfetto"]) == 0
     assert capsys.readouterr().err.splitlines() == [f"nanoverify timeline: warning: {truncated}"]
+
+
+@pytest.mark.clause("TRACE-9")
+def test_a_request_id_past_32_bits_keeps_its_track_id_small() -> None:
+    """TRACE-9: a track's thread id is its request's arrival order + 1, whatever the request id (any int64); the id
+    itself names the track."""
+    big = (1 << 63) - 1
+    config = {"block_size": 4, "num_blocks": 8, "max_num_seqs": 2, "max_num_batched_tokens": 8, "eos": 0}
+    records = [{"version": 1, "config": config},
+               {"add": {"id": big, "prompt": [1, 2, 3], "max_tokens": 1, "ignore_eos": True, "arrive": 0}},
+               {"add": {"id": 5, "prompt": [4, 5], "max_tokens": 1, "ignore_eos": True, "arrive": 0}},
+               {"step": 0, "prefill": True, "batch": [[big, 3, [0]], [5, 2, [1]]], "preempted": [], "tokens": [9, 9],
+                "finished": [big, 5]}]
+    doc = perfetto(build_timeline(text_trace("".join(json.dumps(r) + "\n" for r in records))))
+    check_trace_events(doc)
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {1: f"request {big}", 2: "request 5"}

@@ -174,6 +174,12 @@ def _runs(timeline: Timeline, rid: int) -> Iterable[tuple[str, int, int]]:
         yield current
 
 
+def track_ids(timeline: Timeline) -> dict[int, int]:
+    """Each request's thread id: its arrival order + 1 (a request id may be any int64, past what a viewer's
+    32-bit thread ids hold; the id itself is in the track's name)."""
+    return {rid: order + 1 for order, rid in enumerate(timeline.requests)}
+
+
 def perfetto(timeline: Timeline) -> dict[str, Any]:
     """The timeline as a trace-event JSON object (opens in ui.perfetto.dev and chrome://tracing)."""
     axis, frames = timeline.axis, timeline.frames
@@ -181,8 +187,9 @@ def perfetto(timeline: Timeline) -> dict[str, Any]:
         {"ph": "M", "name": "process_name", "pid": REQUESTS_PID, "tid": 0, "args": {"name": "requests"}},
         {"ph": "M", "name": "process_name", "pid": SCHEDULER_PID, "tid": 0, "args": {"name": "scheduler"}},
     ]
+    tid_of = track_ids(timeline)
     for order, rid in enumerate(timeline.requests):
-        tid = rid + 1
+        tid = tid_of[rid]
         events.append({"ph": "M", "name": "thread_name", "pid": REQUESTS_PID, "tid": tid,
                        "args": {"name": f"request {rid}"}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": REQUESTS_PID, "tid": tid,
@@ -196,10 +203,10 @@ def perfetto(timeline: Timeline) -> dict[str, Any]:
                            "ts": ts, "dur": max(_us(frames[last].end, axis) - ts, 0.0), "args": args})
     for frame in frames:
         for rid, how in frame.ended.items():
-            events.append({"ph": "i", "s": "t", "name": how, "pid": REQUESTS_PID, "tid": rid + 1,
+            events.append({"ph": "i", "s": "t", "name": how, "pid": REQUESTS_PID, "tid": tid_of[rid],
                            "ts": _us(frame.end, axis), "args": {"step": frame.step}})
         events += _counters(frame, axis)
-    events += [{"ph": "i", "s": "t", "name": "aborted", "pid": REQUESTS_PID, "tid": rid + 1, "ts": _us(t, axis),
+    events += [{"ph": "i", "s": "t", "name": "aborted", "pid": REQUESTS_PID, "tid": tid_of[rid], "ts": _us(t, axis),
                 "args": {}} for rid, t in timeline.aborts]
     other = {"axis": "1 ms per scheduler step" if axis == "steps" else "wall time",
              "num_blocks": timeline.num_blocks}
