@@ -237,12 +237,20 @@ def test_the_spec_figures_are_what_the_reference_does(name: str) -> None:
         assert replay_trace(trace, impl).ok
     assert (FIGURE_DIR / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert f"figures/{name}.png" in (ROOT / "spec" / "trace.md").read_text(encoding="utf-8")
+    assert f"](figures/{name}.png)" in defining_chapter(figure.clause), "the figure sits beside its clause"
     states = {s for f in build_timeline(trace).frames for s in f.states.values()}
     shows = {"chunked-prefill": "chunk" in states, "preemption": "preempted" in states,
              "head-of-line-blocking": _blocked_behind_the_head(trace),
              "empty-decode": trace.steps[-1].empty_decode, "prefix-cache-hit": _hit(trace)}
     assert shows[name]
-    assert re.search(rf"\*\*{figure.clause}\*\*", "".join(p.read_text() for p in (ROOT / "spec").glob("*.md")))
+
+
+def defining_chapter(clause: str) -> str:
+    """The text of the one spec chapter that defines ``clause`` (``**ID**``)."""
+    chapters = [p.read_text(encoding="utf-8") for p in sorted((ROOT / "spec").glob("*.md"))]
+    defining = [text for text in chapters if re.search(rf"\*\*{clause}\*\*", text)]
+    assert len(defining) == 1, clause
+    return defining[0]
 
 
 def _blocked_behind_the_head(trace: Trace) -> bool:
@@ -322,3 +330,44 @@ def test_a_request_id_past_32_bits_keeps_its_track_id_small() -> None:
     check_trace_events(doc)
     names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
     assert names == {1: f"request {big}", 2: "request 5"}
+
+
+def grants(trace: Trace, rid: int, prefill: bool = True) -> list[int]:
+    """The tokens request ``rid`` was granted in each prefill (or decode) step, in order."""
+    return [n for s in trace.steps if s.prefill == prefill for i, n, _ in s.batch if i == rid]
+
+
+@pytest.mark.clause("TRACE-11")
+def test_each_figure_shows_what_its_caption_says() -> None:
+    """TRACE-11: the facts spec/trace.md states of each figure, read off its committed trace and its drawing."""
+    traces = {name: text_trace((FIGURE_DIR / f"{name}.trace.jsonl").read_text()) for name in FIGURES}
+    chunked = traces["chunked-prefill"]
+    assert grants(chunked, 0) == [8, 8, 6] and [s.batch[0][0] for s in chunked.steps if s.prefill] == [0, 0, 0, 1]
+    assert [len(s.batch) for s in chunked.steps if s.prefill] == [1, 1, 1, 1]  # request 1 prefilled alone
+    states = [f.states for f in build_timeline(chunked).frames]
+    assert [s[1] for s in states[:3]] == ["waiting"] * 3 and states[3][0] == "stalled"
+
+    preemption = traces["preemption"]
+    first = preemption.steps[0]
+    assert [n for _, n, _ in first.batch] == [7] * 4 and sum(len(t) for *_, t in first.batch) == 8
+    assert preemption.config["num_blocks"] == 10
+    opening = next(s for s in preemption.steps if s.preempted)
+    assert opening.preempted == [3] and [i for i, *_ in opening.batch] == [0, 1, 2]
+    assert grants(preemption, 3) == [7, 7 + 2 - 4]  # recomputed: its 9 tokens less the one block still cached
+
+    blocked = traces["head-of-line-blocking"]
+    prompts = {e.id: len(e.prompt) for e in blocked.events if isinstance(e, Added)}
+    assert (prompts[1], prompts[2]) == (24, 3) and _blocked_behind_the_head(blocked)
+    free = [blocked.config["num_blocks"] - len(t) for s in blocked.steps if not s.prefill for i, _, t in s.batch
+            if i == 0]
+    assert all(1 <= f < 6 for f in free)  # room for request 2's one block, never for request 1's six
+
+    empty = traces["empty-decode"]
+    assert [s.prefill for s in empty.steps[:-1]] == [True, False] and empty.steps[-1].empty_decode  # 2nd decode
+
+    hit = traces["prefix-cache-hit"]
+    assert grants(hit, 1) == [3] and grants(hit, 2) == [1]
+    assert hit.steps[1].batch[0][2][:3] == hit.steps[0].batch[0][2][:3]  # request 1 shares request 0's 3 blocks
+    both_done = next(s.step for s in hit.steps if {0, 1} <= set(s.finished))
+    revived = next(s for s in hit.steps if s.batch[0][0] == 2)  # after both finished, their freed blocks again
+    assert revived.step > both_done and revived.batch[0][2][:3] == hit.steps[0].batch[0][2][:3]

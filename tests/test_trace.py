@@ -101,6 +101,7 @@ def test_an_eventful_run_replays_identically_through_both(recorded: tuple[Path, 
     assert stats.prefix_cache_hit_tokens > 0 and stats.chunked_prefills > 0 and stats.preemptions > 0
     assert any(s.preempted for s in steps) and any(s.failed for s in steps)
     assert len(steps) == stats.steps + stats.failed_steps == stats.compared_steps + 1
+    assert [s.step for s in steps] == list(range(len(steps)))  # 0, 1, 2, ...: the failed step has its number
     assert {type(e).__name__ for e in trace.events} == {"Added", "Aborted", "Step"}
     assert list(trace.cuts.values()) == [3]  # the stop cut: max_tokens lowered to the three tokens drawn
     assert trace.config["num_blocks"] == 12 and trace.truncated is None
@@ -210,6 +211,7 @@ def variant(**changes: Any) -> str:
     ([header_line(), "{not json", variant()], "line 2: not JSON"),
     ([header_line(), ADD, ADD], "line 3: add.id: 0 was added before"),
     ([header_line(), ADD, variant(), json.dumps({"abort": 7, "before": 1})], "line 4: abort: request 7 was never"),
+    ([header_line(), ADD, json.dumps({"cut": 7, "max_tokens": 1}), variant()], "line 3: cut: request 7 was never"),
     ([header_line(), ADD, variant(step=0), variant(step=0)], "line 4: step: is 0, expected at least 1"),
     ([header_line(), ADD], "the trace holds no step: nothing to replay"),
     ([ADD, variant()], "line 1: header: the first record must be the header"),
@@ -255,12 +257,6 @@ def test_trace_arguments_are_checked_before_loading() -> None:
         LLM(trace=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="trace_wall_times must be a bool"):
         LLM(trace="x.jsonl", trace_wall_times=1)  # type: ignore[arg-type]
-
-
-def test_step_decisions_are_conf_3_records() -> None:
-    """A replayed step compares as CONF-3 writes it."""
-    assert Step(3, True, [(1, 2, [0])], [], [9], [1]).decisions() == {
-        "step": 3, "prefill": True, "batch": [[1, 2, [0]]], "preempted": [], "finished": [1]}
 
 
 class BreakARefCount:

@@ -71,18 +71,6 @@ class Step:
     empty_decode: bool = False
     wall: tuple[float, float] | None = None
 
-    def decisions(self) -> dict[str, Any]:
-        """The record as CONF-3 writes it (what a replay must reproduce)."""
-        if self.empty_decode:
-            return {"step": self.step, "error": "empty decode"}
-        record: dict[str, Any] = {"step": self.step, "prefill": self.prefill,
-                                  "batch": [[i, n, list(t)] for i, n, t in self.batch], "preempted": self.preempted}
-        if self.failed is not None:
-            record["failed"] = self.failed
-        else:
-            record["finished"] = self.finished
-        return record
-
 
 Event = Added | Aborted | Step
 
