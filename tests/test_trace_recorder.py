@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import re
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -180,3 +182,33 @@ def test_the_recorder_refuses_a_line_the_reader_would_refuse(tmp_path: Path, mon
         llm.add_request([200 + k % 50 for k in range(30)], GREEDY)
     assert llm.engine.trusted and not llm.engine.by_arrival and not llm.has_unfinished_requests()
     assert llm.generate([[1, 2]], GREEDY, use_tqdm=False)[0].token_ids
+
+
+@pytest.mark.clause("TRACE-1")
+def test_a_trace_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRACE-1: a trace in a missing folder, a folder, or a file without write permission is a ValueError naming
+    it, raised before any model loads."""
+    import optimized.engine.llm as llm_module
+    from optimized import LLM
+
+    def no_load(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(llm_module, "load_config", no_load)
+    locked = tmp_path / "locked.jsonl"
+    locked.write_text("")
+    locked.chmod(0o444)
+    for path, why in ((tmp_path / "missing" / "t.jsonl", "does not exist"), (tmp_path, "is a folder"),
+                      (locked, "cannot be written")):
+        if why == "cannot be written" and os.access(locked, os.W_OK):  # root writes anyway: nothing to refuse
+            continue
+        with pytest.raises(ValueError, match=f"trace '{re.escape(str(path))}'.*{why}"):
+            LLM(trace=path)
+
+
+def test_a_recorder_steps_forward_only() -> None:
+    rec = Recorder(io.StringIO(), SchedulerConfig(num_blocks=4, block_size=4))
+    rec.at_step(3)
+    with pytest.raises(ValueError, match="step 2 is before step 3"):
+        rec.at_step(2)

@@ -14,6 +14,7 @@ idles arrives before the step that follows.
 from __future__ import annotations
 
 import json
+import os
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -94,6 +95,12 @@ class Recorder:
             raise
 
     # --- between steps ----------------------------------------------------------------------------------
+    def at_step(self, number: int) -> None:
+        """The next step record is numbered ``number`` (a workload's loop jumps there while idle, TRACE-8)."""
+        if number < self.steps:
+            raise ValueError(f"step {number} is before step {self.steps}, the next one: step numbers increase")
+        self.steps = number
+
     def add(self, request_id: int, prompt: Sequence[int], max_tokens: int, ignore_eos: bool) -> None:
         """A request arrived (it is scheduled from the next step on); written with that step."""
         self.write_add(self.add_line(request_id, prompt, max_tokens, ignore_eos))
@@ -253,4 +260,17 @@ def trace_file(path: object, wall_times: object) -> Path | None:
         return None
     if not isinstance(path, (str, Path)) or str(path) == "":
         raise ValueError(f"trace must be a file path or None, got {path!r}")
-    return Path(path)
+    return _writable(Path(path))
+
+
+def _writable(path: Path) -> Path:
+    """``path`` if a trace can be written there (a file to create in an existing, writable folder, or a writable
+    file to empty); else a ValueError naming it, before the model loads."""
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"trace {str(path)!r} is a folder, not a file")
+    if not folder.is_dir():
+        raise ValueError(f"trace {str(path)!r}: its folder {str(folder)!r} does not exist")
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        raise ValueError(f"trace {str(path)!r} cannot be written (no write permission)")
+    return path
