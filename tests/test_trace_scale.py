@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import deque
 from collections.abc import Iterator
+from importlib import resources
 from typing import Any
 
 import pytest
@@ -105,8 +106,8 @@ def test_a_step_costs_nothing_in_proportion_to_the_cache(monkeypatch: pytest.Mon
 
 @pytest.mark.clause("TRACE-9")
 def test_the_kept_counts_are_the_counted_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TRACE-9: the free-but-cached count kept without a scan equals a scan of the cache at every step, over runs
-    with prefix hits, preemption and recompute."""
+    """TRACE-9: the free-but-cached count kept without a scan equals a scan of the cache at every step, over the
+    figures and the 80 shipped samples (prefix hits, preemption and recompute, the empty decode)."""
     from optimized.trace import timeline as draw
     from optimized.trace.figures import FIGURES
 
@@ -123,5 +124,9 @@ def test_the_kept_counts_are_the_counted_ones(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(draw.CacheCounts, "look", compared)
     for name in FIGURES:
         build_timeline(workload_trace(FIGURES[name].workload()))
+    text = resources.files("optimized.verify").joinpath("data/conformance.jsonl").read_text(encoding="utf-8")
+    for line in text.splitlines():  # the 80 shipped samples
+        if line.strip():
+            build_timeline(workload_trace(parse_workload(json.loads(line)["workload"])))
     assert seen and all(kept == counted for kept, counted in seen)
     assert any(counted[2] for _, counted in seen)

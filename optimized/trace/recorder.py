@@ -5,10 +5,11 @@ every event so far is on disk, in the order it happened, so a crash loses at
 most the step in flight (and the adds and aborts since the last step). The
 recorder knows nothing of the engine: a caller hands it request ids, the
 schedule's decisions and the model's tokens; ``record_engine_step`` and
-``record_engine_failure`` adapt the engine's own objects (and a server
-adding requests between steps calls ``add`` as ``LLM`` does). Arrivals are
-stamped with the number of the next step, so a request added while the engine
-idles arrives before the step that follows.
+``record_engine_failure`` adapt the engine's own objects (a server records
+through the ``LLM`` calls it makes, like any caller). Arrivals are stamped with
+the number of the next step, so a request added while the engine idles arrives
+before the step that follows. No line is written that the reader would refuse
+(over 1 MiB), and once closed or broken the recorder refuses every write.
 """
 
 from __future__ import annotations
