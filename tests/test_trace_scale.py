@@ -130,3 +130,23 @@ def test_the_kept_counts_are_the_counted_ones(monkeypatch: pytest.MonkeyPatch) -
             build_timeline(workload_trace(parse_workload(json.loads(line)["workload"])))
     assert seen and all(kept == counted for kept, counted in seen)
     assert any(counted[2] for _, counted in seen)
+
+
+def conf3(step: Any) -> dict[str, Any]:
+    """A trace's step as CONF-3 writes it (whole block tables)."""
+    if step.empty_decode:
+        return {"step": step.step, "error": "empty decode"}
+    return {"step": step.step, "prefill": step.prefill, "batch": [[i, n, list(t)] for i, n, t in step.batch],
+            "preempted": step.preempted, "finished": step.finished}
+
+
+@pytest.mark.clause("TRACE-8")
+def test_a_workloads_trace_is_its_conformance_trace() -> None:
+    """TRACE-8: each of the 80 shipped samples, recorded through the reference, holds step records that, with
+    their tables rebuilt from version 2's changes, are the sample's conformance trace."""
+    text = resources.files("optimized.verify").joinpath("data/conformance.jsonl").read_text(encoding="utf-8")
+    samples = [json.loads(line) for line in text.splitlines() if line.strip()]
+    assert len(samples) == 80
+    for sample in samples:
+        trace = workload_trace(parse_workload(sample["workload"]))
+        assert [conf3(s) for s in trace.steps] == sample["trace"]
