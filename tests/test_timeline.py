@@ -22,7 +22,7 @@ from optimized.trace.figures import FIGURES
 from optimized.trace.recorder import Recorder
 from optimized.trace.replay import replay_trace
 from optimized.trace.schema import Added, Trace, read_trace
-from optimized.trace.timeline import build_timeline, ordinal, perfetto, png, shown_rows
+from optimized.trace.timeline import build_timeline, ordinal, perfetto, png, shown_rows, track_ids
 from optimized.trace.workload import record_workload, workload_trace
 from optimized.verify.conformance import parse_workload
 from reference.extensions import abort, abort_step
@@ -83,6 +83,8 @@ def check_trace_events(doc: dict[str, Any]) -> dict[tuple[int, int], list[dict[s
     for event in doc["traceEvents"]:
         missing = REQUIRED[event["ph"]] - set(event)
         assert not missing, (event, missing)
+        # Viewers hold process and thread ids in 32 bits.
+        assert all(0 <= event.get(key, 0) < 1 << 31 for key in ("pid", "tid")), event
         if event["ph"] == "X":
             assert event["dur"] >= 0 and event["ts"] >= 0
             tracks[(event["pid"], event["tid"])].append(event)
@@ -114,8 +116,9 @@ def test_perfetto_events_are_valid_and_slices_do_not_overlap(source: str) -> Non
     doc = perfetto(timeline)
     tracks = check_trace_events(doc)
     assert timeline.difference is None
+    tid_of = track_ids(timeline)
     for rid in timeline.requests:
-        steps = sorted(s for e in tracks.get((1, rid + 1), []) for s in range(e["args"]["steps"][0],
+        steps = sorted(s for e in tracks.get((1, tid_of[rid]), []) for s in range(e["args"]["steps"][0],
                                                                                e["args"]["steps"][1] + 1))
         assert steps == [f.step for f in timeline.frames if rid in f.states]
     chunk_slices = sum(e["cat"] == "chunk" for slices in tracks.values() for e in slices)
@@ -123,7 +126,8 @@ def test_perfetto_events_are_valid_and_slices_do_not_overlap(source: str) -> Non
                  if any(f.step == s.step and f.states.get(rid) == "chunk" for f in timeline.frames))
     assert chunk_slices == chunks
     preempted = {rid for s in trace.steps for rid in s.preempted}
-    assert preempted <= {e["tid"] - 1 for slices in tracks.values() for e in slices if e["cat"] == "preempted"}
+    rid_of = {tid: rid for rid, tid in tid_of.items()}
+    assert preempted <= {rid_of[e["tid"]] for slices in tracks.values() for e in slices if e["cat"] == "preempted"}
     counters = {e["name"] for e in doc["traceEvents"] if e["ph"] == "C"}
     assert counters == {"KV blocks", "queues", "tokens per step"}
 
@@ -233,12 +237,20 @@ def test_the_spec_figures_are_what_the_reference_does(name: str) -> None:
         assert replay_trace(trace, impl).ok
     assert (FIGURE_DIR / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert f"figures/{name}.png" in (ROOT / "spec" / "trace.md").read_text(encoding="utf-8")
+    assert f"](figures/{name}.png)" in defining_chapter(figure.clause), "the figure sits beside its clause"
     states = {s for f in build_timeline(trace).frames for s in f.states.values()}
     shows = {"chunked-prefill": "chunk" in states, "preemption": "preempted" in states,
              "head-of-line-blocking": _blocked_behind_the_head(trace),
              "empty-decode": trace.steps[-1].empty_decode, "prefix-cache-hit": _hit(trace)}
     assert shows[name]
-    assert re.search(rf"\*\*{figure.clause}\*\*", "".join(p.read_text() for p in (ROOT / "spec").glob("*.md")))
+
+
+def defining_chapter(clause: str) -> str:
+    """The text of the one spec chapter that defines ``clause`` (``**ID**``)."""
+    chapters = [p.read_text(encoding="utf-8") for p in sorted((ROOT / "spec").glob("*.md"))]
+    defining = [text for text in chapters if re.search(rf"\*\*{clause}\*\*", text)]
+    assert len(defining) == 1, clause
+    return defining[0]
 
 
 def _blocked_behind_the_head(trace: Trace) -> bool:
@@ -260,7 +272,7 @@ def test_a_trace_that_stops_replaying_is_drawn_up_to_its_first_difference(
     lines = record_workload(FIGURES["preemption"].workload()).splitlines(keepends=True)
     k = next(i for i, line in enumerate(lines) if json.loads(line).get("step") == 3)
     record = json.loads(lines[k])
-    record["batch"][0][2][0] += 1
+    record["batch"][0][2:] = [2, [9]]  # a version-2 entry [id, tokens, kept, added]: the third block 9, not 8
     lines[k] = json.dumps(record) + "\n"
     timeline = build_timeline(text_trace("".join(lines)))
     assert [f.step for f in timeline.frames] == [0, 1, 2]
@@ -288,3 +300,74 @@ def test_timeline_garbage_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.
         out, err = capsys.readouterr()
         assert out == "" and len(err.splitlines()) == 1 and err.startswith("nanoverify timeline: "), (args, err)
     assert set(tmp_path.iterdir()) == written
+
+
+@pytest.mark.clause("TRACE-4", "TRACE-9")
+def test_timeline_says_when_the_last_line_was_cut_short(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """TRACE-4: a trace whose last line a crash cut short is drawn from the lines before it, with the warning the
+    replay prints."""
+    text = record_workload(FIGURES["preemption"].workload()).encode()
+    cut = tmp_path / "crashed.jsonl"
+    cut.write_bytes(text[: len(text) - 20])
+    truncated = read_trace(cut.read_bytes().splitlines(keepends=True)).truncated
+    assert truncated is not None
+    assert main(["timeline", str(cut), "--format", "perfetto"]) == 0
+    assert capsys.readouterr().err.splitlines() == [f"nanoverify timeline: warning: {truncated}"]
+
+
+@pytest.mark.clause("TRACE-9")
+def test_a_request_id_past_32_bits_keeps_its_track_id_small() -> None:
+    """TRACE-9: a track's thread id is its request's arrival order + 1, whatever the request id (any int64); the id
+    itself names the track."""
+    big = (1 << 63) - 1
+    config = {"block_size": 4, "num_blocks": 8, "max_num_seqs": 2, "max_num_batched_tokens": 8, "eos": 0}
+    records = [{"version": 1, "config": config},
+               {"add": {"id": big, "prompt": [1, 2, 3], "max_tokens": 1, "ignore_eos": True, "arrive": 0}},
+               {"add": {"id": 5, "prompt": [4, 5], "max_tokens": 1, "ignore_eos": True, "arrive": 0}},
+               {"step": 0, "prefill": True, "batch": [[big, 3, [0]], [5, 2, [1]]], "preempted": [], "tokens": [9, 9],
+                "finished": [big, 5]}]
+    doc = perfetto(build_timeline(text_trace("".join(json.dumps(r) + "\n" for r in records))))
+    check_trace_events(doc)
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {1: f"request {big}", 2: "request 5"}
+
+
+def grants(trace: Trace, rid: int, prefill: bool = True) -> list[int]:
+    """The tokens request ``rid`` was granted in each prefill (or decode) step, in order."""
+    return [n for s in trace.steps if s.prefill == prefill for i, n, _ in s.batch if i == rid]
+
+
+@pytest.mark.clause("TRACE-11")
+def test_each_figure_shows_what_its_caption_says() -> None:
+    """TRACE-11: the facts spec/trace.md states of each figure, read off its committed trace and its drawing."""
+    traces = {name: text_trace((FIGURE_DIR / f"{name}.trace.jsonl").read_text()) for name in FIGURES}
+    chunked = traces["chunked-prefill"]
+    assert grants(chunked, 0) == [8, 8, 6] and [s.batch[0][0] for s in chunked.steps if s.prefill] == [0, 0, 0, 1]
+    assert [len(s.batch) for s in chunked.steps if s.prefill] == [1, 1, 1, 1]  # request 1 prefilled alone
+    states = [f.states for f in build_timeline(chunked).frames]
+    assert [s[1] for s in states[:3]] == ["waiting"] * 3 and states[3][0] == "stalled"
+
+    preemption = traces["preemption"]
+    first = preemption.steps[0]
+    assert [n for _, n, _ in first.batch] == [7] * 4 and sum(len(t) for *_, t in first.batch) == 8
+    assert preemption.config["num_blocks"] == 10
+    opening = next(s for s in preemption.steps if s.preempted)
+    assert opening.preempted == [3] and [i for i, *_ in opening.batch] == [0, 1, 2]
+    assert grants(preemption, 3) == [7, 7 + 2 - 4]  # recomputed: its 9 tokens less the one block still cached
+
+    blocked = traces["head-of-line-blocking"]
+    prompts = {e.id: len(e.prompt) for e in blocked.events if isinstance(e, Added)}
+    assert (prompts[1], prompts[2]) == (24, 3) and _blocked_behind_the_head(blocked)
+    free = [blocked.config["num_blocks"] - len(t) for s in blocked.steps if not s.prefill for i, _, t in s.batch
+            if i == 0]
+    assert all(1 <= f < 6 for f in free)  # room for request 2's one block, never for request 1's six
+
+    empty = traces["empty-decode"]
+    assert [s.prefill for s in empty.steps[:-1]] == [True, False] and empty.steps[-1].empty_decode  # 2nd decode
+
+    hit = traces["prefix-cache-hit"]
+    assert grants(hit, 1) == [3] and grants(hit, 2) == [1]
+    assert hit.steps[1].batch[0][2][:3] == hit.steps[0].batch[0][2][:3]  # request 1 shares request 0's 3 blocks
+    both_done = next(s.step for s in hit.steps if {0, 1} <= set(s.finished))
+    revived = next(s for s in hit.steps if s.batch[0][0] == 2)  # after both finished, their freed blocks again
+    assert revived.step > both_done and revived.batch[0][2][:3] == hit.steps[0].batch[0][2][:3]

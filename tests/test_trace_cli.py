@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from optimized.cli import main
-from optimized.trace.cost import order
+from optimized.trace.cost import order, verdict
 from optimized.trace.recorder import Recorder, record_engine_failure
 from optimized.trace.replay import replay_trace
 from optimized.trace.schema import read_trace
@@ -94,5 +95,8 @@ def test_bench_throughput_trace_prints_both_sides_and_the_cost(capsys: pytest.Ca
                  "--max-input-len", "6", "--max-output-len", "3", "--threads", "1"])
     out = capsys.readouterr().out.splitlines()
     assert code == 0
-    assert [line.split(":")[0] for line in out[-3:]] == ["without trace", "with trace", "cost of tracing"]
+    assert [line.split(":")[0] for line in out[-4:]] == ["without trace", "with trace", "cost of tracing", "verdict"]
+    assert re.fullmatch(r"verdict: (within|OVER) the 3% target: the recorder's own time is \d+\.\d\d% of an "
+                        r"untraced run", out[-1]), out[-1]
+    assert verdict(0.5).startswith("verdict: within the 3% target") and verdict(3.5).startswith("verdict: OVER")
     assert sum(": traced " in line for line in out) == 3 and sum(": untraced " in line for line in out) == 3

@@ -39,6 +39,8 @@ def main(args: argparse.Namespace) -> int:
     loaded = read_input(args.file)
     if isinstance(loaded, Trace):
         trace = loaded
+        if trace.truncated is not None:  # as replay says it (TRACE-4)
+            print(f"nanoverify timeline: warning: {trace.truncated}", file=sys.stderr)
     else:
         if args.index >= len(loaded):
             raise ValueError(f"--index {args.index}: the input holds {len(loaded)} workloads")

@@ -186,6 +186,8 @@ class Engine:
         if self.busy is not None:
             raise RuntimeError(f"the engine failed inside {self.busy} ({self.broken_by}) and its state is undefined: "
                                "make a new LLM")
+        if self.recorder is not None:  # TRACE-1: a closed or broken trace refuses the change before it begins
+            self.recorder.require_writable()
 
     def add(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
         self.require_trusted()
@@ -196,6 +198,9 @@ class Engine:
         """``add`` for a request the caller has already passed through ``validate_request``."""
         self.require_trusted()
         request = self._request(token_ids, params, seed)
+        recorder = self.recorder  # TRACE-1: its add record made first, so a line it must refuse changes nothing
+        line = None if recorder is None else recorder.add_line(request.arrival, token_ids, params.max_tokens,
+                                                                 params.ignore_eos)
         with self._adding:
             self.scheduler.add(request.seq, request.stop_ids)
             if self.shadow is not None:
@@ -203,8 +208,8 @@ class Engine:
             self.live[request.seq.seq_id] = request
             self.by_arrival[request.arrival] = request
             self._arrivals += 1
-            if self.recorder is not None:
-                self.recorder.add(request.arrival, token_ids, params.max_tokens, params.ignore_eos)
+            if recorder is not None and line is not None:
+                recorder.write_add(line)
         return request
 
     def _request(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:

@@ -305,9 +305,11 @@ class LLM:
         from optimized.parallel import launch
 
         with self._lock:
-            launch.close(self.engine.runner)
-            if self.engine.recorder is not None:
-                self.engine.recorder.close()
+            try:
+                launch.close(self.engine.runner)
+            finally:  # the trace is closed even when stopping the workers raised
+                if self.engine.recorder is not None:
+                    self.engine.recorder.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -324,7 +326,10 @@ class LLM:
 
     def _validated(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
         """ENG-9: the prompt's token ids and its params, or a ValueError naming the limit (nothing changed)."""
-        return validate_request(self._tokens(prompt), params, self.engine.limits), params
+        ids = validate_request(self._tokens(prompt), params, self.engine.limits)
+        if self.engine.recorder is not None:  # TRACE-4: nor an add record the trace reader would refuse
+            self.engine.recorder.check_add(ids, params.max_tokens, params.ignore_eos)
+        return ids, params
 
     def _add(self, ids: list[int], params: SamplingParams) -> Request:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)

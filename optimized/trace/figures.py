@@ -20,8 +20,7 @@ from optimized.verify.conformance import Workload, parse_workload
 
 @dataclass(frozen=True)
 class Figure:
-    clause: str
-    caption: str
+    clause: str  # the clause it illustrates, beside which spec/ shows it
     config: dict[str, int]
     requests: list[tuple[list[int], int, int]]  # (prompt, max_tokens, arrive)
 
@@ -43,33 +42,20 @@ def _tokens(first: int, count: int) -> list[int]:
 
 
 SHARED = _tokens(1, 12)
+# What each shows is said beside it in spec/ (TRACE-11) and checked by tests/test_timeline.py.
 FIGURES = {
-    "chunked-prefill": Figure(
-        "CHUNK-1", "A 22-token prompt under an 8-token budget is prefilled in chunks of 8, 8 and 6; request 1 waits "
-        "behind it (only the first of a batch may be chunked) and is prefilled alone once the chunk is done, "
-        "while request 0 sits running but unscheduled.",
-        _config(32, 8), [(_tokens(1, 22), 4, 0), (_tokens(40, 6), 4, 0)]),
-    "preemption": Figure(
-        "PREEMPT-2", "Four 7-token prompts fill 8 of 10 blocks. At the first decode step that opens a block, "
-        "requests 0 and 1 take the last two; request 2 needs one more, so the newest, request 3, is preempted "
-        "(discard and recompute). It waits at the head of the queue and is prefilled again, from the prefix cache "
-        "where its released blocks still hold their hash.",
-        _config(10), [(_tokens(10 * i + 1, 7), 6, 0) for i in range(4)]),
+    # A 22-token prompt under an 8-token budget, prefilled in chunks of 8, 8 and 6; request 1 waits behind it.
+    "chunked-prefill": Figure("CHUNK-1", _config(32, 8), [(_tokens(1, 22), 4, 0), (_tokens(40, 6), 4, 0)]),
+    # Four 7-token prompts fill 8 of 10 blocks; the first decode step that opens a block preempts request 3.
+    "preemption": Figure("PREEMPT-2", _config(10), [(_tokens(10 * i + 1, 7), 6, 0) for i in range(4)]),
+    # Request 1 (6 blocks) cannot start while request 0 runs; request 2 (1 block) would fit but waits behind it.
     "head-of-line-blocking": Figure(
-        "EDGE-3", "Request 1 (24 tokens, 6 blocks) cannot get its blocks while request 0 runs; request 2 (3 tokens, "
-        "1 block) would fit but waits behind it, because the prefill scan stops at the head of the queue.",
-        _config(10), [(_tokens(1, 20), 10, 0), (_tokens(30, 24), 3, 1), (_tokens(60, 3), 3, 2)]),
-    "empty-decode": Figure(
-        "EDGE-2", "Request 0 (7 tokens + 3) needs 3 blocks of a 2-block cache: at its second decode step it needs a "
-        "block, preempts itself, and the decode batch is empty: the lesson's assert fires (ADMIT-1 refuses such "
-        "a request at the door).",
-        _config(2), [(_tokens(1, 7), 3, 0), (_tokens(20, 2), 2, 0)]),
+        "EDGE-3", _config(10), [(_tokens(1, 20), 10, 0), (_tokens(30, 24), 3, 1), (_tokens(60, 3), 3, 2)]),
+    # Request 0 needs 3 blocks of a 2-block cache: its second decode step preempts itself, the batch is empty.
+    "empty-decode": Figure("EDGE-2", _config(2), [(_tokens(1, 7), 3, 0), (_tokens(20, 2), 2, 0)]),
+    # Three prompts open with the same 12 tokens: a hit on used blocks, then on freed blocks still cached.
     "prefix-cache-hit": Figure(
-        "CACHE-5", "Three prompts open with the same 12 tokens. Request 1 arrives while request 0 runs and shares its "
-        "3 full blocks (a hit on used blocks: 3 tokens computed); request 2 arrives after both finished and revives "
-        "the freed blocks, still cached (CACHE-3): it computes 1 token, since the last block is never taken from "
-        "the cache (CACHE-4).",
-        _config(16), [([*SHARED, 50, 51], 3, 0), ([*SHARED, 60, 61, 62], 3, 1), ([*SHARED, 70], 3, 9)]),
+        "CACHE-5", _config(16), [([*SHARED, 50, 51], 3, 0), ([*SHARED, 60, 61, 62], 3, 1), ([*SHARED, 70], 3, 9)]),
 }
 
 

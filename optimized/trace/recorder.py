@@ -5,15 +5,17 @@ every event so far is on disk, in the order it happened, so a crash loses at
 most the step in flight (and the adds and aborts since the last step). The
 recorder knows nothing of the engine: a caller hands it request ids, the
 schedule's decisions and the model's tokens; ``record_engine_step`` and
-``record_engine_failure`` adapt the engine's own objects (and a server
-adding requests between steps calls ``add`` as ``LLM`` does). Arrivals are
-stamped with the number of the next step, so a request added while the engine
-idles arrives before the step that follows.
+``record_engine_failure`` adapt the engine's own objects (a server records
+through the ``LLM`` calls it makes, like any caller). Arrivals are stamped with
+the number of the next step, so a request added while the engine idles arrives
+before the step that follows. No line is written that the reader would refuse
+(over 1 MiB), and once closed or broken the recorder refuses every write.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,8 +23,10 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from optimized.trace.schema import VERSION
+from optimized.verify.conformance import MAX_LINE_BYTES
 
 Entry = tuple[int, int, Sequence[int]]  # request id, tokens scheduled, block table
+INT64_MAX = (1 << 63) - 1  # the widest request id or step number an add record can hold
 
 
 class SchedulerKnobs(Protocol):
@@ -63,16 +67,26 @@ class Recorder:
         else:
             self.file = out
         self.wall_times = wall_times
+        self.name = str(out) if isinstance(out, (str, Path)) else "the trace stream"
         self.broken: str | None = None  # why an earlier write failed: the file is no longer the whole run
+        self.closed = False  # close() was called: nothing more is recorded
         self.steps = 0  # schedule() calls recorded: the number the next step gets
-        self._tables: dict[int, tuple[list[int], str]] = {}  # request id -> its last block table and its JSON
+        self._tables: dict[int, list[int]] = {}  # request id -> a copy of its last recorded block table
+        self._batch: list[int] = []  # the request ids of the step last decided
         self._origin = time.perf_counter()
         self._write(json.dumps(header(config, eos_token_ids, **extra)) + "\n")
 
-    def _write(self, text: str, flush: bool = True) -> None:
-        """Append ``text`` (flushed unless told not to); after a failed write, every later one raises (TRACE-4)."""
+    def require_writable(self) -> None:
+        """Raise unless a record can still be written: refused before a change begins, so nothing is half done."""
+        if self.closed:
+            raise RuntimeError(f"the trace {self.name} was closed (LLM.close()): this LLM records nothing more, "
+                               "make a new LLM")
         if self.broken is not None:
             raise OSError(f"the trace is incomplete since an earlier write failed ({self.broken})")
+
+    def _write(self, text: str, flush: bool = True) -> None:
+        """Append ``text`` (flushed unless told not to); after a failed write, every later one raises (TRACE-4)."""
+        self.require_writable()
         try:
             self.file.write(text)
             if flush:
@@ -82,11 +96,36 @@ class Recorder:
             raise
 
     # --- between steps ----------------------------------------------------------------------------------
+    def at_step(self, number: int) -> None:
+        """The next step record is numbered ``number`` (a workload's loop jumps there while idle, TRACE-8)."""
+        if number < self.steps:
+            raise ValueError(f"step {number} is before step {self.steps}, the next one: step numbers increase")
+        self.steps = number
+
     def add(self, request_id: int, prompt: Sequence[int], max_tokens: int, ignore_eos: bool) -> None:
         """A request arrived (it is scheduled from the next step on); written with that step."""
+        self.write_add(self.add_line(request_id, prompt, max_tokens, ignore_eos))
+
+    def check_add(self, prompt: Sequence[int], max_tokens: int, ignore_eos: bool) -> None:
+        """ValueError when the request's ``add`` record, whatever its id and step, would be a line the reader
+        refuses (over 1 MiB): the request is refused with the other limits (ENG-9), before anything changes."""
+        self.add_line(INT64_MAX, prompt, max_tokens, ignore_eos, arrive=INT64_MAX)
+
+    def add_line(self, request_id: int, prompt: Sequence[int], max_tokens: int, ignore_eos: bool,
+                 arrive: int | None = None) -> str:
+        """The ``add`` record's line, made before the request is added anywhere (ValueError as ``check_add``)."""
+        self.require_writable()
         record = {"id": request_id, "prompt": [int(t) for t in prompt], "max_tokens": max_tokens,
-                  "ignore_eos": ignore_eos, "arrive": self.steps}
-        self._write(json.dumps({"add": record}) + "\n", flush=False)
+                  "ignore_eos": ignore_eos, "arrive": self.steps if arrive is None else arrive}
+        line = json.dumps({"add": record}) + "\n"
+        if len(line) > MAX_LINE_BYTES:
+            raise ValueError(f"the trace's add record for this prompt would be {len(line)} bytes, past the trace "
+                             f"reader's {MAX_LINE_BYTES}-byte line limit: the request is refused")
+        return line
+
+    def write_add(self, line: str) -> None:
+        """Write an ``add_line`` (with the next step's flush)."""
+        self._write(line, flush=False)
 
     def abort(self, request_id: int) -> None:
         self._forget([request_id])
@@ -96,21 +135,25 @@ class Recorder:
     def decided(self, prefill: bool, batch: Sequence[Entry], preempted: Iterable[int]) -> str:
         """What ``schedule()`` decided, serialized now (block tables change when the step finishes sequences);
         hand it to ``step`` or ``failed`` once the step has run."""
-        table = self._table_json
-        entries = ",".join([f"[{i},{n},{table(i, t)}]" for i, n, t in batch])
+        change = self._table_change
+        entries = ",".join([f"[{i},{n},{change(i, t)}]" for i, n, t in batch])
+        self._batch = [i for i, _, _ in batch]
         return (f'{{"step":{self.steps},"prefill":{"true" if prefill else "false"},"batch":[{entries}],'
                 f'"preempted":{json.dumps(sorted(preempted))}')
 
-    def _table_json(self, request_id: int, table: Sequence[int]) -> str:
-        """A block table as JSON. A decode step mostly repeats last step's tables: the text is reused when the table
-        equals the copy it was made from (one C-speed comparison, never trusting that tables only grow)."""
-        cached = self._tables.get(request_id)
-        if cached is not None and cached[0] == table:
-            return cached[1]
-        copy = list(table)
-        text = json.dumps(copy, separators=(",", ":"))
-        self._tables[request_id] = (copy, text)
-        return text
+    def _table_change(self, request_id: int, table: Sequence[int]) -> str:
+        """``k,[added]``: the table is the request's last recorded one's first ``k`` blocks, then ``added`` (TRACE-2).
+        A decode step mostly repeats or extends last step's table: compared with the kept copy (C-speed, never
+        trusting that tables only grow), so a step's line grows with the blocks added, not with the tables."""
+        last = self._tables.get(request_id, [])
+        kept = len(last)
+        if len(table) < kept or table[:kept] != last:
+            kept = next((k for k, (a, b) in enumerate(zip(last, table, strict=False)) if a != b),
+                        min(len(last), len(table)))
+        if kept == len(last) == len(table):
+            return f"{kept},[]"
+        self._tables[request_id] = list(table)
+        return f"{kept},{json.dumps(list(table[kept:]), separators=(',', ':'))}"
 
     def step(self, decided: str, tokens: Sequence[int], finished: Sequence[int],
              cuts: Sequence[tuple[int, int]] = (), start: float | None = None) -> None:
@@ -122,6 +165,7 @@ class Recorder:
 
     def failed(self, decided: str, reason: str, start: float | None = None) -> None:
         """A step whose model run raised: its batch was aborted (FAULT-2), nothing it computed kept."""
+        self._forget(self._batch)  # FAULT-2 aborted the batch: the reader forgets these tables too
         self._end_step("", f'{decided},"failed":{json.dumps(reason)}', start)
 
     def _forget(self, request_ids: Iterable[int]) -> None:
@@ -136,17 +180,25 @@ class Recorder:
             end = time.perf_counter() - self._origin
             begin = end if start is None else start - self._origin
             body += f',"wall":[{begin:.6f},{end:.6f}]'
+        if len(body) + 2 > MAX_LINE_BYTES:  # the reader would refuse the line: a write that failed (TRACE-4)
+            self.broken = f"step {self.steps}'s record would be {len(body) + 2} bytes, past {MAX_LINE_BYTES}"
+            raise ValueError(f"the trace cannot record step {self.steps}: its line would be {len(body) + 2} bytes, "
+                             f"past the trace reader's {MAX_LINE_BYTES}-byte line limit")
         self._write(f"{head}{body}}}\n")
         self.steps += 1
 
     def close(self) -> None:
-        """Flush, and close a file this recorder opened; again is a no-op."""
-        if self.file.closed:
+        """Flush, and close a file this recorder opened, even when the flush raises; again is a no-op."""
+        if self.closed:
             return
-        self.file.flush()
-        closer = getattr(self, "_closer", None)
-        if closer is not None:
-            closer()
+        self.closed = True
+        try:
+            if not self.file.closed:
+                self.file.flush()
+        finally:
+            closer = getattr(self, "_closer", None)
+            if closer is not None:
+                closer()
 
 
 # --- the engine's side ---------------------------------------------------------------------------------------
@@ -209,4 +261,17 @@ def trace_file(path: object, wall_times: object) -> Path | None:
         return None
     if not isinstance(path, (str, Path)) or str(path) == "":
         raise ValueError(f"trace must be a file path or None, got {path!r}")
-    return Path(path)
+    return _writable(Path(path))
+
+
+def _writable(path: Path) -> Path:
+    """``path`` if a trace can be written there (a file to create in an existing, writable folder, or a writable
+    file to empty); else a ValueError naming it, before the model loads."""
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"trace {str(path)!r} is a folder, not a file")
+    if not folder.is_dir():
+        raise ValueError(f"trace {str(path)!r}: its folder {str(folder)!r} does not exist")
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        raise ValueError(f"trace {str(path)!r} cannot be written (no write permission)")
+    return path

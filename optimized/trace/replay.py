@@ -8,9 +8,11 @@ its ``max_tokens`` lowered to what it produced, which finishes it in the same
 postprocess, in the same batch position (TRACE-3). The reference is driven
 through ``reference.extensions`` for aborts, as check mode's shadow drives it.
 After every ``schedule()`` the batch, prefill flag and preemptions are compared
-with the record and the batch invariants checked; after every postprocess the
-finished ids are compared and the state invariants checked. The first
-difference ends the replay and is named by step and field.
+with the record and the invariants of ``optimized.trace.checks`` checked (every
+batch invariant, INV-2 on the held blocks; the whole state every
+``FULL_EVERY``-th step and at the end); after every postprocess the finished
+ids are compared and the held blocks checked again. The first difference ends
+the replay and is named by step and field.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from types import ModuleType
 from typing import Any, Protocol
 
 import reference
-from invariants import check_batch, check_state, seq_view, snapshot
 from optimized.core.errors import EmptyDecodeError
+from optimized.trace.checks import FULL_EVERY, BlockReader, batch_violations, state_violations
 from optimized.trace.schema import Aborted, Added, Step, Trace
 from optimized.verify.conformance import implementation
 from reference import extensions
@@ -71,6 +73,9 @@ class _Driver:
         self.impl = impl
         self.scheduler = impl.Scheduler(impl.SchedulerConfig(**trace.config))
         self.is_reference = isinstance(self.scheduler, reference.Scheduler)
+        self.blocks = BlockReader(self.scheduler)
+        self.replayed = 0  # step records replayed so far
+        self.full = False  # whether the current step checks the whole state
         self.seq_of: dict[int, Any] = {}  # request id -> sequence
         self.id_of: dict[int, int] = {}  # seq_id -> request id
 
@@ -91,11 +96,13 @@ class _Driver:
                 self.scheduler.abort(seq)
         except ValueError:
             return f"before step {aborted.before}: abort of request {aborted.id}, which the replay has finished"
-        return self._violations(f"after the abort of request {aborted.id}", between_steps=True)
+        return self._violations(f"after the abort of request {aborted.id}")
 
     def step(self, record: Step) -> tuple[str | None, list[Any]]:
         """The first difference of this step (None: identical) and the replayed batch."""
         sched, n = self.scheduler, record.step
+        self.full = self.replayed % FULL_EVERY == FULL_EVERY - 1  # every FULL_EVERY-th step checks the whole state too
+        self.replayed += 1
         running_before = {s.seq_id for s in sched.running}
         empty: type[Exception] = AssertionError if self.is_reference else EmptyDecodeError
         try:
@@ -123,20 +130,24 @@ class _Driver:
         sched = self.scheduler
         if record.failed is not None:
             (extensions.abort_step(sched, batch) if self.is_reference else sched.abort_step(batch))
-            return self._violations("after the failed step", between_steps=True)
+            return self._violations("after the failed step")
         sched.postprocess(batch, record.tokens, prefill)
         finished = [self.id_of[s.seq_id] for s in batch if s.status.name == "FINISHED"]
         return first_difference("finished", record.finished, finished) or self._violations(
-            "after postprocess", between_steps=True)
+            "after postprocess")
 
     def _batch_violations(self, batch: list[Any], prefill: bool) -> str | None:
-        state = snapshot(self.scheduler)
-        found = check_state(state, between_steps=False) + check_batch(state, [seq_view(s) for s in batch], prefill)
+        found = batch_violations(self.scheduler, self.blocks, batch, prefill, self.full)
         return f"invariant {found[0].clause} after schedule(): {found[0].message}" if found else None
 
-    def _violations(self, when: str, between_steps: bool) -> str | None:
-        found = check_state(snapshot(self.scheduler), between_steps=between_steps)
+    def _violations(self, when: str, full: bool = False) -> str | None:
+        found = state_violations(self.scheduler, self.blocks, full or self.full)
         return f"invariant {found[0].clause} {when}: {found[0].message}" if found else None
+
+    def end(self) -> str | None:
+        """The whole state checked once more after the last record."""
+        found = state_violations(self.scheduler, self.blocks, full=True)
+        return f"after the last step: invariant {found[0].clause}: {found[0].message}" if found else None
 
 
 def replay_trace(trace: Trace, impl_name: str, observe: Observer | None = None) -> Outcome:
@@ -157,4 +168,4 @@ def replay_trace(trace: Trace, impl_name: str, observe: Observer | None = None) 
                     observe.stepped(event, driver.scheduler, batch, driver.id_of)
         if difference is not None:
             return Outcome(total, identical, difference)
-    return Outcome(total, identical)
+    return Outcome(total, identical, driver.end())

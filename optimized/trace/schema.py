@@ -5,12 +5,13 @@ without a malformed field anywhere: every record is validated (by line and
 field) before anything is replayed, so a bad file changes nothing and never
 half-replays. A last line cut short (the recording process died mid-write) is
 not an error: it is reported in ``Trace.truncated`` and every line before it
-replays. A trace is JSON lines: a header ``{"version": 1, "config": {...}}``,
+replays. A trace is JSON lines: a header ``{"version": 2, "config": {...}}``,
 then, in the order they happened, ``add`` records (a request arrived before
 step ``arrive``), ``abort`` records, ``cut`` records (a stop token ended a
 request early: its ``max_tokens`` lowered to what it produced) and the
 conformance step records of CONF-3, extended with the model's ``tokens`` or a
-``failed`` reason.
+``failed`` reason; in version 2 a batch entry's block table is written as the
+change from the request's last recorded one (``Tables``).
 """
 
 from __future__ import annotations
@@ -20,14 +21,19 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from optimized.verify.conformance import CONFIG_FIELDS, MAX_LINE_BYTES, parse_workload
+from optimized.verify.conformance import CONFIG_FIELDS, MAX_LINE_BYTES
 from optimized.verify.conformance import _json_line as json_line
 
-VERSION = 1
+VERSION = 2  # what the recorder writes: block tables as deltas (TRACE-2); version 1 (whole tables) still reads
+VERSIONS = (1, 2)
 # A trace is a whole run: allowed longer than a workload file (CLI-7's 64 MiB); each line still at most 1 MiB.
 MAX_TRACE_BYTES = 1 << 30
 INT64_MIN = -(1 << 63)
 STEP_KEYS = ("step", "prefill", "batch", "preempted")
+# A trace header's bounds: a workload's (CLI-7) would refuse a GPU run, whose cache has millions of blocks. Block
+# ids are int32 on the device, so no run has 2**31 blocks; a replay builds every block (memory in proportion).
+HEADER_MINIMUMS = {"block_size": 2, "num_blocks": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "eos": INT64_MIN}
+HEADER_MAXIMUMS = {"num_blocks": 1 << 31, "block_size": 1 << 16}
 
 
 class TraceError(ValueError):
@@ -64,18 +70,6 @@ class Step:
     failed: str | None = None
     empty_decode: bool = False
     wall: tuple[float, float] | None = None
-
-    def decisions(self) -> dict[str, Any]:
-        """The record as CONF-3 writes it (what a replay must reproduce)."""
-        if self.empty_decode:
-            return {"step": self.step, "error": "empty decode"}
-        record: dict[str, Any] = {"step": self.step, "prefill": self.prefill,
-                                  "batch": [[i, n, list(t)] for i, n, t in self.batch], "preempted": self.preempted}
-        if self.failed is not None:
-            record["failed"] = self.failed
-        else:
-            record["finished"] = self.finished
-        return record
 
 
 Event = Added | Aborted | Step
@@ -135,19 +129,22 @@ def _key(obj: dict[str, Any], key: str, where: str) -> Any:
     return obj[key]
 
 
-def parse_header(obj: Any) -> tuple[dict[str, int], list[int]]:
-    """The header's scheduler config (CONF-1's fields and bounds) and EOS ids; TraceError naming the field."""
+def parse_header(obj: Any) -> tuple[dict[str, int], list[int], int]:
+    """The header's scheduler config (CONF-1's fields, the header's own bounds) and EOS ids; TraceError naming the
+    field."""
     if not is_trace_header(obj):
-        raise _fail("header", "the first record must be the header {\"version\": 1, \"config\": {...}}")
-    if obj["version"] != VERSION:
-        raise _fail("version", f"must be {VERSION}, got {obj['version']!r}"[:200])
+        raise _fail("header", "the first record must be the header {\"version\": 2, \"config\": {...}}")
+    if isinstance(obj["version"], bool) or obj["version"] not in VERSIONS:
+        raise _fail("version", f"must be 1 or 2, got {obj['version']!r}"[:200])
     cfg = _key(obj, "config", "header")
-    try:
-        config = parse_workload({"config": cfg, "requests": []}).config
-    except ValueError as e:
-        raise _fail("header", str(e)) from None
+    if not isinstance(cfg, dict):
+        raise _fail("config", "must be an object")
+    config = {f: _int(_key(cfg, f, "config"), f"config.{f}", HEADER_MINIMUMS[f]) for f in CONFIG_FIELDS}
+    for name, most in HEADER_MAXIMUMS.items():
+        if config[name] > most:
+            raise _fail(f"config.{name}", f"must be at most {most}, got {config[name]}")
     eos_ids = _ints(cfg.get("eos_token_ids", []), "config.eos_token_ids")
-    return {f: config[f] for f in CONFIG_FIELDS}, eos_ids
+    return config, eos_ids, obj["version"]
 
 
 def _added(obj: Any, first: int) -> Added:
@@ -168,22 +165,45 @@ def _added(obj: Any, first: int) -> Added:
     return Added(rid, prompt, max_tokens, ignore_eos, arrive)
 
 
-def _batch(value: Any, block_limit: int) -> list[tuple[int, int, list[int]]]:
+class Tables:
+    """Each request's block table as last recorded: a version-2 entry ``[id, tokens, k, added]`` is the last
+    table's first ``k`` blocks, then ``added``; a version-1 entry ``[id, tokens, table]`` the whole table."""
+
+    def __init__(self, version: int, num_blocks: int) -> None:
+        self.delta = version >= 2
+        self.num_blocks = num_blocks
+        self.last: dict[int, list[int]] = {}
+
+    def entry(self, entry: Any, where: str) -> tuple[int, int, list[int]]:
+        shape = "[request id, tokens, kept, added blocks]" if self.delta else "[request id, tokens, block table]"
+        if not isinstance(entry, list) or len(entry) != (4 if self.delta else 3):
+            raise _fail(where, f"must be {shape}")
+        rid, tokens = _int(entry[0], f"{where}[0]"), _int(entry[1], f"{where}[1]", 1)
+        added = _ints(entry[-1], f"{where}[{len(entry) - 1}]")
+        if any(b >= self.num_blocks for b in added):
+            raise _fail(f"{where}[{len(entry) - 1}]", f"holds a block id past num_blocks={self.num_blocks}")
+        if not self.delta:
+            return rid, tokens, added
+        last = self.last.get(rid, [])
+        kept = _int(entry[2], f"{where}[2]")
+        if kept > len(last):
+            raise _fail(f"{where}[2]", f"keeps {kept} blocks of a last recorded table of {len(last)}")
+        table = last if kept == len(last) and not added else [*last[:kept], *added]
+        self.last[rid] = table
+        return rid, tokens, table
+
+    def forget(self, request_ids: list[int]) -> None:
+        for rid in request_ids:
+            self.last.pop(rid, None)
+
+
+def _batch(value: Any, tables: Tables) -> list[tuple[int, int, list[int]]]:
     if not isinstance(value, list):
-        raise _fail("batch", "must be a list of [request id, tokens, block table]")
-    batch = []
-    for i, entry in enumerate(value):
-        where = f"batch[{i}]"
-        if not isinstance(entry, list) or len(entry) != 3:
-            raise _fail(where, "must be [request id, tokens, block table]")
-        table = _ints(entry[2], f"{where}[2]")
-        if any(b >= block_limit for b in table):
-            raise _fail(f"{where}[2]", f"holds a block id past num_blocks={block_limit}")
-        batch.append((_int(entry[0], f"{where}[0]"), _int(entry[1], f"{where}[1]", 1), table))
-    return batch
+        raise _fail("batch", "must be a list of batch entries")
+    return [tables.entry(entry, f"batch[{i}]") for i, entry in enumerate(value)]
 
 
-def _step(obj: dict[str, Any], expected: int, num_blocks: int) -> Step:
+def _step(obj: dict[str, Any], expected: int, tables: Tables) -> Step:
     number = _int(obj["step"], "step")
     if number < expected:
         raise _fail("step", f"is {number}, expected at least {expected} (step numbers increase, and a step "
@@ -196,7 +216,7 @@ def _step(obj: dict[str, Any], expected: int, num_blocks: int) -> Step:
         _key(obj, key, "step record")
     if not isinstance(obj["prefill"], bool):
         raise _fail("prefill", "must be true or false")
-    batch = _batch(obj["batch"], num_blocks)
+    batch = _batch(obj["batch"], tables)
     if not batch:
         raise _fail("batch", "must not be empty (a step with nothing to run is the empty decode)")
     preempted, wall = _ints(obj["preempted"], "preempted"), _wall(obj.get("wall"))
@@ -225,10 +245,15 @@ def _wall(value: Any) -> tuple[float, float] | None:
 class _Builder:
     """Collects a trace's events, validating each record against what came before it."""
 
-    def __init__(self, config: dict[str, int], eos_ids: list[int]) -> None:
+    def __init__(self, config: dict[str, int], eos_ids: list[int], version: int) -> None:
         self.trace = Trace(config, [], eos_ids)
+        self.tables = Tables(version, config["num_blocks"])
         self.next = 0  # the least number the next step record may have
+        self.following = 0  # the number of the step after the last step record: the one an abort precedes
+        self.aborted_before: int | None = None  # the step the aborts since the last step record precede
         self.ids: dict[int, Added] = {}
+        self.ended: dict[int, str] = {}  # request id -> how it ended ("finished", "aborted", "failed")
+        self.wall_end = 0.0  # the last recorded step's end, in seconds
 
     def take(self, obj: Any) -> None:
         if not isinstance(obj, dict):
@@ -242,11 +267,26 @@ class _Builder:
         elif "cut" in obj:
             self._cut(obj)
         elif "step" in obj:
-            step = _step(obj, self.next, self.trace.config["num_blocks"])
-            self.trace.events.append(step)
-            self.next = step.step + 1
+            self._step(_step(obj, self.next, self.tables))
         else:
             raise _fail("record", "must hold one of 'add', 'abort', 'cut', 'step'")
+
+    def _step(self, step: Step) -> None:
+        if not self.ids:
+            raise _fail("step", f"step {step.step} comes before any request was added: there is nothing to schedule")
+        if self.aborted_before is not None and step.step != self.aborted_before:
+            raise _fail("step", f"is {step.step}, but the aborts before it were recorded before step "
+                        f"{self.aborted_before}")
+        if step.wall is not None:
+            if step.wall[0] < self.wall_end:
+                raise _fail("wall", f"starts at {step.wall[0]}, before the previous step's end {self.wall_end}")
+            self.wall_end = step.wall[1]
+        ended = [rid for rid, _, _ in step.batch] if step.failed is not None else step.finished
+        self.tables.forget(ended)
+        self.ended.update(dict.fromkeys(ended, "failed" if step.failed is not None else "finished"))
+        self.trace.events.append(step)
+        self.next = self.following = step.step + 1
+        self.aborted_before = None
 
     def _add(self, added: Added) -> None:
         if added.id in self.ids:
@@ -256,25 +296,31 @@ class _Builder:
         self.next = added.arrive
 
     def _abort(self, obj: dict[str, Any]) -> None:
-        rid = self._known(obj["abort"], "abort")
+        rid = self._live(obj["abort"], "abort")
         before = _int(_key(obj, "before", "abort"), "abort.before")
-        if before < self.next:
-            raise _fail("abort.before", f"is {before}, but step {self.next - 1} precedes this record")
+        if before != self.following:
+            raise _fail("abort.before", f"is {before}, but the next step is {self.following} (an abort is "
+                        "recorded before the step that follows it)")
         self.trace.events.append(Aborted(rid, before))
-        self.next = before
+        self.tables.forget([rid])
+        self.ended[rid] = "aborted"
+        self.aborted_before = before
 
     def _cut(self, obj: dict[str, Any]) -> None:
-        rid = self._known(obj["cut"], "cut")
+        rid = self._live(obj["cut"], "cut")
         asked = self.ids[rid].max_tokens
         lowered = _int(_key(obj, "max_tokens", "cut"), "cut.max_tokens", 1)
         if lowered > asked or rid in self.trace.cuts:
             raise _fail("cut.max_tokens", f"{lowered} must not exceed the asked {asked}, once per request")
         self.trace.cuts[rid] = lowered
 
-    def _known(self, value: Any, what: str) -> int:
+    def _live(self, value: Any, what: str) -> int:
+        """The id of a request added and not yet ended."""
         rid = _int(value, what)
         if rid not in self.ids:
             raise _fail(what, f"request {rid} was never added")
+        if rid in self.ended:
+            raise _fail(what, f"request {rid} was {self.ended[rid]} before")
         return rid
 
 

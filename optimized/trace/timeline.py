@@ -78,9 +78,10 @@ class _Observer:
         self.preempted: set[int] = set()
         self.running: set[int] = set()
         self.blocks = (0, 0, 0)
+        self.counts = CacheCounts()
 
     def scheduled(self, scheduler: Any) -> None:
-        self.blocks = _blocks(scheduler)
+        self.blocks = self.counts.look(scheduler)
 
     def stepped(self, record: Step, scheduler: Any, batch: list[Any], id_of: dict[int, int]) -> None:
         waiting = [id_of[s.seq_id] for s in scheduler.waiting]
@@ -99,7 +100,8 @@ class _Observer:
             ended = dict.fromkeys(granted, "failed")
         start, end = self._span(record)
         # The empty decode runs nothing: the cache as its schedule() left it.
-        used, free, cached = _blocks(scheduler) if record.empty_decode else self.blocks
+        after = self.counts.look(scheduler)  # the held blocks re-read once per step, so none is missed
+        used, free, cached = after if record.empty_decode else self.blocks
         self.frames.append(Frame(record.step, start, end, states, granted, used, free, cached, len(running),
                                  len(waiting), ended))
 
@@ -109,12 +111,28 @@ class _Observer:
         return float(record.step), float(record.step + 1)
 
 
-def _blocks(scheduler: Any) -> tuple[int, int, int]:
-    """Used, free, and free-but-cached block counts of a reference scheduler."""
-    bm = scheduler.block_manager
-    free = list(bm.free_block_ids)
-    cached = sum(bm.blocks[b].hash != -1 for b in free)
-    return len(bm.used_block_ids), len(free), cached
+class CacheCounts:
+    """Used, free and free-but-cached block counts of a reference scheduler, kept without a scan of the cache.
+
+    A block changes between free and used, or gains or loses its hash, only while some live sequence's table holds
+    it (allocation puts a block in a table, release takes it out of one, hashes are set on held blocks). So at each
+    look only the blocks held now or at the last look are re-read, and the free-but-cached set stays exact.
+    """
+
+    def __init__(self) -> None:
+        self.free_cached: set[int] = set()
+        self.last_held: set[int] = set()
+
+    def look(self, scheduler: Any) -> tuple[int, int, int]:
+        bm = scheduler.block_manager
+        held = {b for s in (*scheduler.running, *scheduler.waiting) for b in s.block_table}
+        for block_id in held | self.last_held:
+            if block_id not in bm.used_block_ids and bm.blocks[block_id].hash != -1:
+                self.free_cached.add(block_id)
+            else:
+                self.free_cached.discard(block_id)
+        self.last_held = held
+        return len(bm.used_block_ids), len(bm.free_block_ids), len(self.free_cached)
 
 
 def build_timeline(trace: Trace, axis: str = "steps") -> Timeline:
@@ -156,6 +174,12 @@ def _runs(timeline: Timeline, rid: int) -> Iterable[tuple[str, int, int]]:
         yield current
 
 
+def track_ids(timeline: Timeline) -> dict[int, int]:
+    """Each request's thread id: its arrival order + 1 (a request id may be any int64, past what a viewer's
+    32-bit thread ids hold; the id itself is in the track's name)."""
+    return {rid: order + 1 for order, rid in enumerate(timeline.requests)}
+
+
 def perfetto(timeline: Timeline) -> dict[str, Any]:
     """The timeline as a trace-event JSON object (opens in ui.perfetto.dev and chrome://tracing)."""
     axis, frames = timeline.axis, timeline.frames
@@ -163,8 +187,9 @@ def perfetto(timeline: Timeline) -> dict[str, Any]:
         {"ph": "M", "name": "process_name", "pid": REQUESTS_PID, "tid": 0, "args": {"name": "requests"}},
         {"ph": "M", "name": "process_name", "pid": SCHEDULER_PID, "tid": 0, "args": {"name": "scheduler"}},
     ]
+    tid_of = track_ids(timeline)
     for order, rid in enumerate(timeline.requests):
-        tid = rid + 1
+        tid = tid_of[rid]
         events.append({"ph": "M", "name": "thread_name", "pid": REQUESTS_PID, "tid": tid,
                        "args": {"name": f"request {rid}"}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": REQUESTS_PID, "tid": tid,
@@ -178,10 +203,10 @@ def perfetto(timeline: Timeline) -> dict[str, Any]:
                            "ts": ts, "dur": max(_us(frames[last].end, axis) - ts, 0.0), "args": args})
     for frame in frames:
         for rid, how in frame.ended.items():
-            events.append({"ph": "i", "s": "t", "name": how, "pid": REQUESTS_PID, "tid": rid + 1,
+            events.append({"ph": "i", "s": "t", "name": how, "pid": REQUESTS_PID, "tid": tid_of[rid],
                            "ts": _us(frame.end, axis), "args": {"step": frame.step}})
         events += _counters(frame, axis)
-    events += [{"ph": "i", "s": "t", "name": "aborted", "pid": REQUESTS_PID, "tid": rid + 1, "ts": _us(t, axis),
+    events += [{"ph": "i", "s": "t", "name": "aborted", "pid": REQUESTS_PID, "tid": tid_of[rid], "ts": _us(t, axis),
                 "args": {}} for rid, t in timeline.aborts]
     other = {"axis": "1 ms per scheduler step" if axis == "steps" else "wall time",
              "num_blocks": timeline.num_blocks}

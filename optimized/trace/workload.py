@@ -33,13 +33,13 @@ def record_workload(workload: Workload) -> str:
             seq = reference.Sequence(r.prompt, reference.SamplingParams(max_tokens=r.max_tokens,
                                                                          ignore_eos=r.ignore_eos), config.block_size)
             request_of[seq.seq_id] = r
-            recorder.steps = step
+            recorder.at_step(step)
             recorder.add(r.id, r.prompt, r.max_tokens, r.ignore_eos)
             scheduler.add(seq)
         if scheduler.is_finished():
             step = pending[0].arrive
             continue
-        recorder.steps = step
+        recorder.at_step(step)
         running_before = {s.seq_id for s in scheduler.running}
         try:
             batch, prefill = scheduler.schedule()
