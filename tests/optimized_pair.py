@@ -121,6 +121,19 @@ class Pair:
                [self.ref_seqs.index(s) for s in rb if s.status is reference.SequenceStatus.FINISHED]
         return True
 
+    def run(self, arrivals: list[tuple[list[int], int, int]], invariants: bool = True) -> int:
+        """Add each (prompt, max_tokens, step) just before that step, step until both are idle, agreeing after
+        every step; the number of steps."""
+        pending = sorted(arrivals, key=lambda a: a[2])
+        steps = 0
+        while pending or self.step():
+            while pending and pending[0][2] <= steps:
+                prompt, max_tokens, _ = pending.pop(0)
+                self.add(prompt, max_tokens)
+            steps += 1
+            self.agree(invariants)
+        return steps
+
     def check_calendar(self) -> None:
         """OPT-3: the finish calendar books every decode-group member exactly once, and has no empty day."""
         group = self.opt._group

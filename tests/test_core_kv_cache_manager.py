@@ -176,15 +176,7 @@ def test_a_hit_freed_before_its_admission_is_no_longer_held_in_the_walk_memo() -
     must follow, or the admission test and the chosen blocks differ from the reference's.
     """
     p = Pair(block_size=2, num_blocks=5, max_num_seqs=1, max_num_batched_tokens=16)
-    arrivals = [([1], 4, 0), ([1, 3, 1], 3, 1), ([1, 3, 1, 1, 2, 1], 2, 3)]
-    steps = 0
-    while arrivals or p.step():
-        while arrivals and arrivals[0][2] <= steps:
-            prompt, max_tokens, _ = arrivals.pop(0)
-            p.add(prompt, max_tokens)
-        steps += 1
-        p.agree()
-    assert steps > 3
+    assert p.run([([1], 4, 0), ([1, 3, 1], 3, 1), ([1, 3, 1, 1, 2, 1], 2, 3)]) > 3
 
 
 @pytest.mark.clause("OPT-15")

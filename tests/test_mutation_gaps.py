@@ -209,12 +209,4 @@ def test_a_cut_walk_forgets_the_held_hits_past_the_cut() -> None:
     from tests.optimized_pair import Pair
 
     p = Pair(block_size=2, num_blocks=6, max_num_seqs=2, max_num_batched_tokens=16)
-    arrivals = [([1, 3, 1, 1, 2], 5, 0), ([1, 3, 1, 1, 2, 1], 5, 1), ([1, 3, 1], 4, 1), ([3], 2, 5)]
-    steps = 0
-    while arrivals or p.step():
-        while arrivals and arrivals[0][2] <= steps:
-            prompt, max_tokens, _ = arrivals.pop(0)
-            p.add(prompt, max_tokens)
-        steps += 1
-        p.agree()
-    assert steps > 5
+    assert p.run([([1, 3, 1, 1, 2], 5, 0), ([1, 3, 1, 1, 2, 1], 5, 1), ([1, 3, 1], 4, 1), ([3], 2, 5)]) > 5

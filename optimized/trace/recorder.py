@@ -24,22 +24,10 @@ from typing import Any, Protocol, TextIO
 
 from optimized.trace.schema import VERSION
 from optimized.verify.conformance import MAX_LINE_BYTES
+from optimized.verify.shadow import SchedulerKnobs
 
 Entry = tuple[int, int, Sequence[int]]  # request id, tokens scheduled, block table
 INT64_MAX = (1 << 63) - 1  # the widest request id or step number an add record can hold
-
-
-class SchedulerKnobs(Protocol):
-    @property
-    def num_blocks(self) -> int: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def max_num_seqs(self) -> int: ...
-    @property
-    def max_num_batched_tokens(self) -> int: ...
-    @property
-    def eos(self) -> int: ...
 
 
 def header(config: SchedulerKnobs, eos_token_ids: Iterable[int] = (), **extra: Any) -> dict[str, Any]:
