@@ -25,7 +25,7 @@ from optimized import LLM, SamplingParams
 from optimized.cli import main as cli_main
 from optimized.serve.app import ServerOptions, build_app
 from optimized.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
-from optimized.serve.loop import EngineLoop, FinishEvent, Stream
+from optimized.serve.loop import EngineLoop, FinishEvent, Stream, TokenEvent
 from optimized.serve.metrics import Metrics
 from tests.engine_fixtures import make_llm, one_thread, with_config
 from tests.test_serve import spawn, stop
@@ -402,3 +402,50 @@ def test_a_port_in_use_is_one_line_and_status_2(capsys: pytest.CaptureFixture[st
         assert cli_main(["serve", "--model", tiny, "--port", str(port), "--num-kvcache-blocks", "16"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("nanoverify serve: could not listen on 127.0.0.1:") and str(port) in err, err
+
+
+async def _last_event(stream: Stream) -> Any:
+    """The stream's FinishEvent or FailEvent (its TokenEvents skipped)."""
+    while True:
+        event = await asyncio.wait_for(stream.queue.get(), 30)
+        if not isinstance(event, TokenEvent):
+            return event
+
+
+@pytest.mark.clause("SERVE-11", "SERVE-6")
+def test_a_hang_up_during_a_failed_step_leaves_the_loop_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-11, SERVE-6: a model fault (FAULT-1) whose request's client hangs up while the step fails: the failed
+    output, which comes from the next step, goes to the cancelled stream (nobody listens); the loop goes on and
+    serves the next request."""
+    llm = make_llm(num_kvcache_blocks=64, check=False)
+    loop = EngineLoop(llm, Metrics())
+    real = llm.engine.runner.run
+    calls = [0]
+    victim: list[Stream] = []
+
+    def fail_the_third_run(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            loop.cancel(victim[0])  # the client hangs up while the faulty step runs
+            raise RuntimeError("injected model fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "run", fail_the_third_run)
+
+    async def scenario() -> Any:
+        here = asyncio.get_running_loop()
+        victim.append(Stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), here))
+        loop.submit(victim[0])
+        while calls[0] < 3:
+            await asyncio.sleep(0.01)
+        after = Stream([4, 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), here)
+        loop.submit(after)
+        return await _last_event(after)
+
+    loop.start()
+    try:
+        last = asyncio.run(scenario())
+        assert isinstance(last, FinishEvent) and last.output.finish_reason == "length", last
+        assert loop.failure is None and loop.thread.is_alive()
+    finally:
+        loop.stop()

@@ -190,7 +190,7 @@ class EngineLoop:
             self._answer(probe, future)
         if stop:
             return False
-        if self._live:
+        if self._live or self.llm.has_unfinished_requests():  # FAULT-1's outputs come with a step, too
             self._step()
         return True
 
@@ -208,14 +208,19 @@ class EngineLoop:
         self.metrics.prefix_queries.inc(len(stream.prompt_ids))
 
     def _abort(self, stream: Stream, tell: bool = False) -> None:
-        """Abort the stream's request if it is live; ``tell``: send the handler the aborted output."""
-        if stream.request_id is None or self._live.pop(stream.request_id, None) is None:
+        """Abort the stream's request if it is live; ``tell``: send the handler the aborted output.
+
+        A request that has finished already (a failed step's, FAULT-1) keeps its stream: its output comes with the
+        next step and goes to it then."""
+        if stream.request_id is None or stream.request_id not in self._live:
             return
         output = self.llm.abort(stream.request_id)
-        if output is not None:
-            self._count_finish(output)
-            if tell:
-                self._send_rest(stream, output)
+        if output is None:
+            return
+        del self._live[stream.request_id]
+        self._count_finish(output)
+        if tell:
+            self._send_rest(stream, output)
 
     @staticmethod
     def _answer(probe: Callable[[], Any], future: Future[Any]) -> None:
@@ -248,11 +253,13 @@ class EngineLoop:
                     generated += len(tokens)
                     events.setdefault(stream.loop, []).append((stream.queue, TokenEvent(tokens, now, started)))
         for output in outputs:
-            stream = self._live.pop(output.request_id)
             self._count_finish(output)
-            generated += len(output.token_ids) - stream.sent
-            for event in self._last_events(stream, output, started):
-                events.setdefault(stream.loop, []).append((stream.queue, event))
+            owner = self._live.pop(output.request_id, None)
+            if owner is None:  # defensive: every output has a live stream (_abort keeps one whose output is due)
+                continue
+            generated += len(output.token_ids) - owner.sent
+            for event in self._last_events(owner, output, started):
+                events.setdefault(owner.loop, []).append((owner.queue, event))
         for loop, batch in events.items():  # one wake-up per event loop and step, not one per request
             deliver(loop, batch)
         self.metrics.generation_tokens.inc(generated)
