@@ -341,6 +341,39 @@ BAD: list[tuple[str, str, dict[str, Any] | bytes, int, str | None, str]] = [
      "messages.0.role", "user"),
     ("content a number", "/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": 1}]},
      400, "messages.0.content", "valid"),
+    ("lone surrogate prompt", "/v1/completions", b'{"model": "default", "prompt": "a\\ud800"}', 400, "prompt",
+     "not valid Unicode"),
+    ("lone surrogate message", "/v1/chat/completions",
+     b'{"model": "default", "messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages",
+     "not valid Unicode"),
+    ("prompt past max_model_len", "/v1/completions", {"model": "default", "prompt": "x" * 4100}, 400, "prompt",
+     "max_model_len=4096"),
+    ("prompt past the cache", "/v1/completions", {"model": "default", "prompt": "x" * 2100, "max_tokens": 1}, 400,
+     "prompt", "num_kvcache_blocks=128"),
+    ("messages past the cache, max_tokens defaulted", "/v1/chat/completions",
+     {"model": "default", "messages": [{"role": "user", "content": "x" * 2100}]}, 400, "messages",
+     "num_kvcache_blocks=128"),
+    ("echo", "/v1/completions", {"model": "default", "prompt": "x", "echo": True}, 400, "echo", "not supported"),
+    ("logprobs", "/v1/completions", {"model": "default", "prompt": "x", "logprobs": 2}, 400, "logprobs",
+     "not supported"),
+    ("chat logprobs", "/v1/chat/completions",
+     {"model": "default", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs",
+     "not supported"),
+    ("top_logprobs", "/v1/chat/completions",
+     {"model": "default", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "top_logprobs",
+     "not supported"),
+    ("best_of 2", "/v1/completions", {"model": "default", "prompt": "x", "best_of": 2}, 400, "best_of",
+     "not supported"),
+    ("suffix", "/v1/completions", {"model": "default", "prompt": "x", "suffix": "end"}, 400, "suffix",
+     "not supported"),
+    ("presence_penalty", "/v1/completions", {"model": "default", "prompt": "x", "presence_penalty": 0.5}, 400,
+     "presence_penalty", "not supported"),
+    ("frequency_penalty", "/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}],
+     "frequency_penalty": -1}, 400, "frequency_penalty", "not supported"),
+    ("logit_bias", "/v1/completions", {"model": "default", "prompt": "x", "logit_bias": {"5": 100}}, 400,
+     "logit_bias", "not supported"),
+    ("response_format json", "/v1/chat/completions", {"model": "default", "messages": [{"role": "user",
+     "content": "x"}], "response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
     ("max_completion_tokens -1", "/v1/chat/completions",
      {"model": "default", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, 400,
      "max_completion_tokens", "greater"),
@@ -366,7 +399,9 @@ def test_keys_bodies_and_the_server_keeps_serving(server: Served) -> None:
     """SERVE-10: no key or a wrong key is a 401 (the openai client's AuthenticationError) on every /v1 path;
     /health and /metrics need none. SERVE-8: a body over the limit is a 413, declared or streamed; unknown
     fields are ignored; after all the refusals the server still answers."""
-    ok = json.dumps({"model": "default", "prompt": "x", "max_tokens": 2, "logit_bias": {}, "whatever": 1})
+    ok = json.dumps({"model": "default", "prompt": "x", "max_tokens": 2, "logit_bias": {}, "whatever": 1,
+                     "echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": None,
+                     "suffix": None, "response_format": {"type": "text"}})
     for key in (None, "sk-wrong", KEY + "x", KEY[:-1]):
         for path in ("/v1/completions", "/v1/chat/completions"):
             response = server.post(path, ok, key=key)

@@ -201,7 +201,8 @@ class _Handlers:
         body = parse_request(CompletionRequest, await self._admitted_body(request))
         self._check_model(body.model)
         ids = self._tokens(body.prompt, "prompt")
-        return await self._generate(request, _Call("text_completion", body.stream, body), ids, body.max_tokens)
+        call = _Call("text_completion", body.stream, body, "prompt")
+        return await self._generate(request, call, ids, body.max_tokens)
 
     async def chat(self, request: Request) -> Response:
         self._authorize(request)
@@ -213,7 +214,7 @@ class _Handlers:
             raise ApiError(400, str(e), param="messages") from None
         ids = self._tokens(text, "messages")
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await self._generate(request, _Call("chat.completion", body.stream, body), ids, limit)
+        return await self._generate(request, _Call("chat.completion", body.stream, body, "messages"), ids, limit)
 
     async def _admitted_body(self, request: Request) -> bytes:
         if self.life.draining or self.loop.failure is not None:
@@ -226,15 +227,22 @@ class _Handlers:
                            param="model", code="model_not_found", kind="not_found_error")
 
     def _tokens(self, prompt: str | list[int], param: str) -> list[int]:
+        """The prompt's ids; text that is not valid Unicode (a lone surrogate) is a 400 naming ``param``."""
         if isinstance(prompt, list):
             return prompt
         try:
+            prompt.encode("utf-8")
             return self.llm.tokenizer.encode(prompt)
-        except ValueError as e:
+        except UnicodeEncodeError as e:
+            raise ApiError(400, f"{param}: the text is not valid Unicode: {e.reason} ({prompt[e.start:e.end]!r})",
+                           param=param) from None
+        except (ValueError, TypeError) as e:
             raise ApiError(400, f"{param}: {e}", param=param) from None
 
-    def _params(self, body: CompletionRequest | ChatRequest, ids: list[int], max_tokens: int | None) -> SamplingParams:
+    def _params(self, call: _Call, ids: list[int], max_tokens: int | None) -> SamplingParams:
         """SERVE-8: the request's sampling, refused (400 naming the field or limit) unless the engine takes it."""
+        body = call.body
+        defaulted = max_tokens is None
         if max_tokens is None:
             max_tokens = self._room(len(ids))
         try:
@@ -251,10 +259,23 @@ class _Handlers:
             self.llm.validate(ids, params)
         except ValueError as e:
             message = str(e)
-            param = "max_tokens" if "max_tokens" in message else _field_of(message)
-            raise ApiError(400, message, param=param, code="context_length_exceeded"
-                           if "max_model_len" in message or "never fit" in message else None) from None
+            if "max_model_len" in message or "never fit" in message:
+                raise self._too_long(message, call.prompt_field, ids, defaulted) from None
+            raise ApiError(400, message, param=_field_of(message)) from None
         return params
+
+    def _too_long(self, message: str, prompt_field: str, ids: list[int], defaulted: bool) -> ApiError:
+        """SERVE-8: a context-length 400 naming the prompt's field when the prompt alone cannot fit (or the
+        request left max_tokens to the server), else max_tokens."""
+        try:
+            self.llm.validate(ids, SamplingParams(max_tokens=1))
+            prompt_fits = True
+        except ValueError:
+            prompt_fits = False
+        if prompt_fits and not defaulted:
+            return ApiError(400, message, param="max_tokens", code="context_length_exceeded")
+        return ApiError(400, f"{prompt_field}: too long: {message}", param=prompt_field,
+                        code="context_length_exceeded")
 
     def _room(self, prompt_len: int) -> int:
         """The default max_tokens: all the room max_model_len and the KV cache leave (at least 1)."""
@@ -263,7 +284,7 @@ class _Handlers:
         return max(1, min(limits.max_model_len, cache) - prompt_len)
 
     async def _generate(self, request: Request, call: _Call, ids: list[int], max_tokens: int | None) -> Response:
-        params = self._params(call.body, ids, max_tokens)
+        params = self._params(call, ids, max_tokens)
         stream = Stream(ids, params, asyncio.get_running_loop())
         try:
             self.loop.submit(stream)
@@ -371,7 +392,8 @@ async def _disconnected(request: Request) -> None:
 
 def _field_of(message: str) -> str | None:
     word = message.split(" ", 1)[0].rstrip(":")
-    return word if word in {"prompt", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids"} else None
+    fields = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids"}
+    return word if word in fields else None
 
 
 def _sse_data(payload: dict[str, Any]) -> str:
@@ -404,10 +426,11 @@ class _Timing:
 class _Call:
     """One request's response shapes (completion or chat, streamed or whole)."""
 
-    def __init__(self, kind: str, streaming: bool, body: CompletionRequest | ChatRequest) -> None:
+    def __init__(self, kind: str, streaming: bool, body: CompletionRequest | ChatRequest, prompt_field: str) -> None:
         self.kind = kind
         self.streaming = streaming
         self.body = body
+        self.prompt_field = prompt_field  # "prompt" or "messages": what a too-long prompt's 400 names
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
