@@ -260,7 +260,7 @@ def metric(server: Served, name: str) -> float:
     return 0.0
 
 
-@pytest.mark.clause("SERVE-6", "SERVE-11")
+@pytest.mark.clause("SERVE-6", "SERVE-11", "SERVE-12")
 def test_clients_that_hang_up_free_their_blocks(server: Served, offline: LLM) -> None:
     """SERVE-6: 50 streaming clients, half hang up at random points; the others get complete answers (the
     offline tokens); afterwards every block is free and every invariant holds on the engine's scheduler (read
@@ -293,6 +293,8 @@ def test_clients_that_hang_up_free_their_blocks(server: Served, offline: LLM) ->
     assert state["free_blocks"] == state["num_blocks"] == BLOCKS
     assert state["violations"] == []
     assert state["compared_steps"] > compared_before
+    assert metric(server, "nanoverify:num_requests_running") == metric(server, "nanoverify:num_requests_waiting") == 0
+    assert metric(server, "nanoverify:kv_cache_usage_perc") == 0  # SERVE-12: gauges as the engine is, exactly
     aborted = metric(server, 'nanoverify:request_success_total{finished_reason="abort"}') - aborted_before
     assert aborted == 25  # 1000 tokens each: every one hung up before it could finish
     assert metric(server, "nanoverify:check_divergences_total") == 0

@@ -449,3 +449,86 @@ def test_a_hang_up_during_a_failed_step_leaves_the_loop_serving(monkeypatch: pyt
         assert loop.failure is None and loop.thread.is_alive()
     finally:
         loop.stop()
+
+
+@pytest.mark.clause("SERVE-12")
+def test_gauges_follow_a_turn_that_only_aborts() -> None:
+    """SERVE-12: a hang-up that leaves nothing to step still updates the gauges: running 0, KV cache usage 0."""
+    llm = make_llm(num_kvcache_blocks=64, check=False)
+    metrics = Metrics()
+    loop = EngineLoop(llm, metrics)
+
+    async def scenario() -> None:
+        stream = Stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                        asyncio.get_running_loop())
+        loop.submit(stream)
+        await stream.queue.get()
+        await asyncio.wrap_future(loop.call_between_steps(lambda: None))  # its step is over: the gauges say so
+        assert metrics.registry.get_sample_value("nanoverify:num_requests_running") == 1
+        loop.cancel(stream)
+
+    loop.start()
+    try:
+        asyncio.run(scenario())
+        deadline = time.monotonic() + 10
+        while llm.engine.stats.aborted_requests == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        loop.call_between_steps(lambda: None).result(10)  # the turn that aborted it is over
+        assert metrics.registry.get_sample_value("nanoverify:num_requests_running") == 0
+        assert metrics.registry.get_sample_value("nanoverify:kv_cache_usage_perc") == 0
+    finally:
+        loop.stop()
+
+
+@pytest.mark.clause("SERVE-11")
+def test_a_probe_after_the_loop_stopped_is_refused_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-11: a probe (/health?verbose=1) asked for once the loop is stopping is refused at once, never left
+    waiting for a turn that will not come."""
+    from optimized.serve.loop import Unavailable
+
+    loop = EngineLoop(make_llm(num_kvcache_blocks=16, check=False), Metrics())
+    real = loop._turn
+    late: list[Any] = []
+
+    def turn_then_a_late_probe() -> bool:
+        going = real()
+        if not going:  # the loop is about to end: a handler asks now
+            late.append(loop.call_between_steps(lambda: "answered"))
+        return going
+
+    monkeypatch.setattr(loop, "_turn", turn_then_a_late_probe)
+    loop.start()
+    loop.stop()
+    assert late and isinstance(late[0].exception(timeout=2), Unavailable)
+
+
+@pytest.mark.clause("SERVE-11", "SERVE-12")
+def test_a_divergence_found_by_an_abort_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-11, SERVE-12: check mode's shadow diverging while a hang-up is aborted fails the loop and counts one
+    divergence, as a divergence found by a step does."""
+    llm = make_llm(num_kvcache_blocks=64)
+    shadow = llm.engine.shadow
+    assert shadow is not None
+    metrics = Metrics()
+    loop = EngineLoop(llm, metrics)
+
+    def diverge(*args: Any) -> None:
+        shadow._fail(llm.engine.scheduler, "injected by the test")
+
+    monkeypatch.setattr(shadow, "abort", diverge)
+
+    async def scenario() -> Any:
+        stream = Stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                        asyncio.get_running_loop())
+        loop.submit(stream)
+        await stream.queue.get()
+        loop.cancel(stream)
+
+    loop.start()
+    try:
+        asyncio.run(scenario())
+        loop.thread.join(10)
+        assert loop.failure is not None and "diverging" in loop.failure
+        assert metrics.registry.get_sample_value("nanoverify:check_divergences_total") == 1
+    finally:
+        loop.stop()

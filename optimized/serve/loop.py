@@ -12,7 +12,9 @@ stream's events are in order and end with exactly one ``FinishEvent`` or
 ``ShadowDivergence``, ENG-15; any failure that leaves it untrusted, ENG-24)
 the loop records why in ``failure``, logs it (both schedulers' states, for a
 divergence), fails every stream with a 500 that says so and stops: nothing is
-admitted after (SERVE-11).
+admitted after (SERVE-11), no probe is taken, and every probe not answered
+fails when the loop ends. The metrics' gauges are published after every step
+and every turn that admitted or aborted (SERVE-12).
 """
 
 from __future__ import annotations
@@ -129,9 +131,9 @@ class EngineLoop:
     def call_between_steps(self, probe: Callable[[], Any]) -> Future[Any]:
         """Run ``probe`` in the loop thread between two steps; its result through the future."""
         future: Future[Any] = Future()
-        with self._cv:
-            if not self.thread.is_alive():
-                future.set_exception(Unavailable("the engine loop is not running"))
+        with self._cv:  # a stopping or failed loop may take no more probes: none would be answered
+            if self._stop or self.failure is not None or not self.thread.is_alive():
+                future.set_exception(Unavailable(self.failure or "the engine loop is not running"))
                 return future
             self._probes.append((probe, future))
             self._cv.notify()
@@ -167,6 +169,15 @@ class EngineLoop:
                 pass
         except BaseException as error:  # every way out of the loop must fail the streams
             self._die(error)
+        finally:
+            self._refuse_probes("the engine loop stopped")
+
+    def _refuse_probes(self, why: str) -> None:
+        """Fail every probe not answered: no turn will come for them."""
+        with self._cv:
+            probes, self._probes = self._probes, []
+        for _, future in probes:
+            future.set_exception(Unavailable(why))
 
     def _turn(self) -> bool:
         """Apply what the handlers asked, then one step if anything is live; False when told to stop."""
@@ -186,6 +197,8 @@ class EngineLoop:
         if abort_all:
             for stream in list(self._live.values()):
                 self._abort(stream, tell=True)
+        if arrivals or hangups or abort_all:
+            self._publish()  # admissions and aborts change the gauges too, step or no step (probes see them)
         for probe, future in probes:
             self._answer(probe, future)
         if stop:
@@ -233,13 +246,11 @@ class EngineLoop:
         started = time.perf_counter()
         try:
             outputs = self.llm.step()
-        except ShadowDivergence:
-            self.metrics.divergences.inc()
-            raise
         except Exception as e:
-            if not self.llm.engine.trusted or self.llm.interrupted is not None:
+            if isinstance(e, ShadowDivergence) or not self.llm.engine.trusted or self.llm.interrupted is not None:
                 raise
             log.error("a step failed and its batch ended with an error (FAULT-1): %s", e)
+            self._publish()
             return  # the failed requests' outputs (finish_reason "error") come with the next step
         now = time.perf_counter()
         finished = {o.request_id for o in outputs}
@@ -263,7 +274,7 @@ class EngineLoop:
         for loop, batch in events.items():  # one wake-up per event loop and step, not one per request
             deliver(loop, batch)
         self.metrics.generation_tokens.inc(generated)
-        self._after_step()
+        self._publish()
 
     def _send_rest(self, stream: Stream, output: RequestOutput) -> None:
         self.metrics.generation_tokens.inc(len(output.token_ids) - stream.sent)
@@ -284,7 +295,8 @@ class EngineLoop:
     def _count_finish(self, output: RequestOutput) -> None:
         self.metrics.success.labels(finished_reason=output.finish_reason).inc()
 
-    def _after_step(self) -> None:
+    def _publish(self) -> None:
+        """The engine's gauges and counters, as they are now (after a step, or a turn that changed them)."""
         engine = self.llm.engine
         scheduler = engine.scheduler
         free = scheduler.block_manager.pool.free.count  # O(1); free_block_ids would copy the queue
@@ -293,7 +305,8 @@ class EngineLoop:
 
     def _die(self, error: BaseException) -> None:
         """SERVE-11: the engine is untrusted: say why, fail every stream with a 500, admit nothing more."""
-        if isinstance(error, ShadowDivergence):
+        if isinstance(error, ShadowDivergence):  # found by a step or by an abort's mirror
+            self.metrics.divergences.inc()
             why = "check mode found the engine's scheduler diverging from the reference scheduler"
         else:
             why = f"the engine loop failed ({type(error).__name__}: {error})"
