@@ -411,6 +411,13 @@ def test_keys_bodies_and_the_server_keeps_serving(server: Served) -> None:
         assert server.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 401
     assert server.get("/v1/models", headers={"Authorization": f"Basic {KEY}"}).status_code == 401
     assert server.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    # Every /v1 path asks for the key first, even one that does not exist or a wrong method: 401, not 404 or 405.
+    for key, statuses in ((None, (401, 401, 401)), (KEY, (404, 405, 404))):
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        assert (server.get("/v1/nothing", headers=auth).status_code, server.get("/v1/completions", headers=auth)
+                .status_code, server.post("/v1", "{}", key=key).status_code) == statuses
+    raw = httpx.get(server.url + "/v1/models", headers={b"Authorization": b"Bearer " + KEY.encode() + b"\xe9"})
+    assert raw.status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
     assert server.get("/health").status_code == 200 and server.get("/metrics").status_code == 200

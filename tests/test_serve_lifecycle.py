@@ -347,6 +347,11 @@ def test_the_key_comes_from_the_flag_or_the_environment() -> None:
     assert api_key(None, {"NANOVERIFY_API_KEY": ""}) is None and api_key(None, {}) is None
     with pytest.raises(ValueError, match="blank"):
         api_key(None, {"NANOVERIFY_API_KEY": "  "})
+    # A key a client could not send as it is: surrounding whitespace (stripped from headers), non-ASCII.
+    for bad, source in ((" sk-1", "--api-key"), ("sk-\u00e9", "--api-key"), ("sk\n", "NANOVERIFY_API_KEY")):
+        flag, env = (bad, {}) if source == "--api-key" else (None, {"NANOVERIFY_API_KEY": bad})
+        with pytest.raises(ValueError, match=source):
+            api_key(flag, env)
     assert served_name(None) == "default" and served_name("/models/qwen3-0.6b/") == "qwen3-0.6b"
 
 

@@ -1,6 +1,7 @@
 """The HTTP side: OpenAI's endpoints over an ``EngineLoop`` (spec/serve.md).
 
-Invariants: a handler checks the key, the body and the request in full before
+Invariants: the key is checked first, for every /v1 path (``KeyCheck``); a
+handler checks the body and the request in full before
 it submits anything (SERVE-8, SERVE-10), so a refused request changes nothing;
 every error is OpenAI's JSON with a status that says whose fault it is (400
 bad input, 401 key, 404 model or path, 413 body, 503 not admitting, 500 engine
@@ -89,6 +90,34 @@ class BodyLimit:
                         code="request_too_large")
 
 
+class KeyCheck:
+    """SERVE-10: with a key set, every path under /v1 needs ``Authorization: Bearer KEY`` or is a 401, before
+    anything else (an unknown path's 404, a wrong method's 405, a body's 413). The header's raw bytes are
+    compared, in constant time."""
+
+    def __init__(self, app: ASGIApp, key: bytes | None) -> None:
+        self.app = app
+        self.key = key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._refused(scope):
+            error = ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                             code="invalid_api_key")
+            await _error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _refused(self, scope: Scope) -> bool:
+        if self.key is None or scope["type"] != "http" or not _under_v1(scope["path"]):
+            return False
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        return scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(b" \t"), self.key)
+
+
+def _under_v1(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
 def _error_response(error: ApiError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
     return JSONResponse(error.body(), error.status, headers=headers)
@@ -109,6 +138,7 @@ def build_app(llm: LLM, loop: EngineLoop, metrics: Metrics, template: ChatTempla
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, limit=options.max_body_bytes)
+    app.add_middleware(KeyCheck, key=options.api_key.encode("ascii") if options.api_key else None)  # outermost
     handler = _Handlers(llm, loop, metrics, template, options, life)
 
     @app.exception_handler(ApiError)
@@ -144,7 +174,6 @@ class _Handlers:
         self.template = template
         self.options = options
         self.life = life
-        self._key = options.api_key.encode() if options.api_key else None
 
     # --- plain endpoints --------------------------------------------------------------------------
     async def health(self, request: Request) -> JSONResponse:
@@ -180,24 +209,13 @@ class _Handlers:
     async def metrics_text(self) -> Response:
         return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def models(self, request: Request) -> JSONResponse:
-        self._authorize(request)
+    async def models(self) -> JSONResponse:
         card = {"id": self.options.served_model, "object": "model", "created": self.life.created,
                 "owned_by": "nanoverify", "max_model_len": self.llm.engine.limits.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
-    def _authorize(self, request: Request) -> None:
-        """SERVE-10: with a key set, ``Authorization: Bearer KEY`` or 401 (compared in constant time)."""
-        if self._key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._key):
-            raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-
     # --- generation -------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        self._authorize(request)
         body = parse_request(CompletionRequest, await self._admitted_body(request))
         self._check_model(body.model)
         ids = self._tokens(body.prompt, "prompt")
@@ -205,7 +223,6 @@ class _Handlers:
         return await self._generate(request, call, ids, body.max_tokens)
 
     async def chat(self, request: Request) -> Response:
-        self._authorize(request)
         body = parse_request(ChatRequest, await self._admitted_body(request))
         self._check_model(body.model)
         try:
