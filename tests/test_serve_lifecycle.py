@@ -537,3 +537,46 @@ def test_a_divergence_found_by_an_abort_is_counted(monkeypatch: pytest.MonkeyPat
         assert metrics.registry.get_sample_value("nanoverify:check_divergences_total") == 1
     finally:
         loop.stop()
+
+
+@pytest.mark.clause("SERVE-12")
+def test_prefix_cache_hits_never_exceed_queries_under_preemption() -> None:
+    """SERVE-12: prefix-cache queries and hits are counted on one base, each time a sequence is given blocks (a
+    preempted one again, with its generated tokens), both from EngineStats: hits <= queries, and preemption
+    re-admissions query more than the prompts alone."""
+    llm = make_llm(num_kvcache_blocks=12, check=False)  # 4 requests of up to 34 tokens in 48 slots: preemption
+    metrics = Metrics()
+    loop = EngineLoop(llm, metrics)
+    prompts = [[i + 1, 2, 3, 4, 5] for i in range(4)]
+    scheduler = llm.engine.scheduler
+    real_schedule = scheduler.schedule
+    looked_up = [0]  # the oracle: the tokens of each sequence that had no blocks and was scheduled
+
+    def schedule() -> Any:
+        blockless = {id(s) for s in scheduler.waiting if not s.block_table}
+        out = real_schedule()
+        looked_up[0] += sum(s.num_tokens for s in out.batch if id(s) in blockless) if out.is_prefill else 0
+        return out
+
+    scheduler.schedule = schedule  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        here = asyncio.get_running_loop()
+        streams = [Stream(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), here) for p in prompts]
+        for stream in streams:
+            loop.submit(stream)
+        for stream in streams:
+            await _last_event(stream)
+
+    loop.start()
+    try:
+        asyncio.run(scenario())
+        loop.call_between_steps(lambda: None).result(10)
+    finally:
+        loop.stop()
+    stats = llm.engine.stats
+    hits = metrics.registry.get_sample_value("nanoverify:prefix_cache_hits_total")
+    queries = metrics.registry.get_sample_value("nanoverify:prefix_cache_queries_total")
+    assert stats.preemptions > 0 and hits == stats.prefix_cache_hit_tokens > 0
+    assert hits is not None and queries is not None and hits <= queries
+    assert queries == stats.prefix_cache_query_tokens == looked_up[0] > sum(map(len, prompts))

@@ -218,7 +218,6 @@ class EngineLoop:
             return
         self._live[stream.request_id] = stream
         self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
-        self.metrics.prefix_queries.inc(len(stream.prompt_ids))
 
     def _abort(self, stream: Stream, tell: bool = False) -> None:
         """Abort the stream's request if it is live; ``tell``: send the handler the aborted output.
