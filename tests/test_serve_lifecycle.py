@@ -580,3 +580,26 @@ def test_prefix_cache_hits_never_exceed_queries_under_preemption() -> None:
     assert stats.preemptions > 0 and hits == stats.prefix_cache_hit_tokens > 0
     assert hits is not None and queries is not None and hits <= queries
     assert queries == stats.prefix_cache_query_tokens == looked_up[0] > sum(map(len, prompts))
+
+
+@pytest.mark.clause("SERVE-4", "SERVE-8")
+def test_a_streamed_refusal_is_labelled_by_its_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-4, SERVE-8: a request the engine refuses at admission (its word is final) ends a stream with an error
+    event whose type matches its 400: invalid_request_error, not server_error."""
+    llm = make_llm(num_kvcache_blocks=16, check=False)
+
+    def refuse(*args: Any) -> int:
+        raise ValueError("prompt: refused by the engine")
+
+    monkeypatch.setattr(llm, "add_request", refuse)
+    server = InProcess(llm)
+    try:
+        out: list[str] = []
+        ask = {"model": "default", "prompt": [1, 2], "max_tokens": 2, "stream": True}
+        with httpx.Client() as client:
+            stream_lines(client, server.url + "/v1/completions", ask, threading.Event(), out)
+        error = json.loads(out[0])["error"]
+        assert error["type"] == "invalid_request_error" and "refused by the engine" in error["message"]
+        assert out[-1] == "[DONE]"
+    finally:
+        server.close()

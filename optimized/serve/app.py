@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -144,13 +143,6 @@ def build_app(llm: LLM, loop: EngineLoop, metrics: Metrics, template: ChatTempla
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
         return _error_response(error)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        errors = error.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        return _error_response(ApiError(400, f"{param or 'body'}: {first['msg']}", param=param))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
@@ -335,8 +327,7 @@ class _Handlers:
                 waiter.cancel()
                 self.loop.cancel(stream)
         if isinstance(event, FailEvent):
-            raise ApiError(event.status, event.message, kind="server_error" if event.status >= 500 else
-                           "invalid_request_error")
+            raise _failure(event)
         output = event.output
         if output.finish_reason == "error":
             raise ApiError(500, "the model failed during this request's step", kind="server_error")
@@ -385,7 +376,7 @@ class _Handlers:
                     continue
                 ended = True
                 if isinstance(event, FailEvent):
-                    yield _sse_data(ApiError(event.status, event.message, kind="server_error").body())
+                    yield _sse_data(_failure(event).body())
                 elif event.output.finish_reason == "error":
                     yield _sse_data(ApiError(500, "the model failed during this request's step",
                                              kind="server_error").body())
@@ -405,6 +396,12 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client closes the connection (its body was read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _failure(event: FailEvent) -> ApiError:
+    """The loop's failure as an error whose type follows its status (a 400 is the request's fault)."""
+    return ApiError(event.status, event.message,
+                    kind="server_error" if event.status >= 500 else "invalid_request_error")
 
 
 def _field_of(message: str) -> str | None:
