@@ -211,9 +211,12 @@ def test_a_cancelled_request_is_aborted_before_the_next_step(monkeypatch: pytest
 
 @pytest.mark.clause("SERVE-10")
 def test_serve_flags_are_checked_before_anything_loads(capsys: pytest.CaptureFixture[str]) -> None:
-    """SERVE-10, CLI-2: a bad port, a blank key or a negative grace is one line and status 2, nothing loaded."""
+    """SERVE-10, CLI-2: a bad port, a blank or non-ASCII key, a negative grace, an engine option out of range is one
+    line and status 2, nothing loaded."""
     for argv, words in ((["--port", "70000"], "--port"), (["--api-key", "  "], "--api-key"),
-                        (["--shutdown-timeout", "-1"], "--shutdown-timeout")):
+                        (["--shutdown-timeout", "-1"], "--shutdown-timeout"), (["--api-key", "k\u00e9y"], "ASCII"),
+                        (["--gpu-memory-utilization", "1.5"], "(0, 1]"), (["--cpu-kvcache-gib", "0"], "> 0"),
+                        (["--attention-backend", "nope"], "--attention-backend")):
         assert cli_main(["serve", *argv]) == 2
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
@@ -603,3 +606,30 @@ def test_a_streamed_refusal_is_labelled_by_its_status(monkeypatch: pytest.Monkey
         assert out[-1] == "[DONE]"
     finally:
         server.close()
+
+
+@pytest.mark.clause("SERVE-13", "SERVE-1")
+def test_bench_serve_starts_the_server_with_every_engine_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-13: bench serve hands the server every engine flag it was given (the LLM the server builds is the one
+    the offline side builds), and no API key (its client sends none). SERVE-1: serve takes all of LLM's engine
+    options."""
+    import argparse
+
+    from optimized.benchmarks import serve as bench
+    from optimized.cli import serve as serve_command
+    from optimized.cli.engine_options import llm_kwargs
+
+    bench_parser, serve_parser = argparse.ArgumentParser(), argparse.ArgumentParser()
+    bench.add_arguments(bench_parser)
+    serve_command.add_arguments(serve_parser)
+    given = ["--tensor-parallel-size", "2", "--attention-backend", "torch", "--no-enforce-eager", "--check",
+             "--cpu-kvcache-gib", "0.25", "--gpu-memory-utilization", "0.5", "--dtype", "float64", "--seed", "-3",
+             "--max-model-len", "512", "--block-size", "8"]
+    args = bench_parser.parse_args(given)
+    assert llm_kwargs(args) == {"model": None, "tensor_parallel_size": 2, "attention_backend": "torch",
+                                "enforce_eager": False, "check": True, "cpu_kvcache_gib": 0.25,
+                                "gpu_memory_utilization": 0.5, "dtype": "float64", "seed": -3, "max_model_len": 512,
+                                "kvcache_block_size": 8}
+    assert llm_kwargs(serve_parser.parse_args(bench._server_flags(args))) == llm_kwargs(args)
+    monkeypatch.setenv("NANOVERIFY_API_KEY", "sk-bench")
+    assert "NANOVERIFY_API_KEY" not in bench.server_environment()
