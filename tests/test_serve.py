@@ -66,6 +66,7 @@ def spawn(args: list[str], log: Path) -> Served:
             return Served(proc, url, log)
         time.sleep(0.05)
     proc.kill()
+    proc.wait()
     raise AssertionError(f"the server did not start (exit {proc.poll()}):\n{log.read_text()}")
 
 
@@ -77,6 +78,7 @@ def stop(served: Served) -> int:
     finally:
         if served.proc.poll() is None:
             served.proc.kill()
+            served.proc.wait()
 
 
 @pytest.fixture(scope="module")

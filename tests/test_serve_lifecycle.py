@@ -113,6 +113,7 @@ class InProcess:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+        assert not self.thread.is_alive(), "the in-process server did not stop"
 
 
 @pytest.mark.clause("SERVE-11")
@@ -258,16 +259,23 @@ def test_a_second_signal_aborts_at_once(monkeypatch: pytest.MonkeyPatch) -> None
 
     loop = EngineLoop(make_llm(num_kvcache_blocks=16), Metrics())
     aborted: list[bool] = []
-    monkeypatch.setattr(loop, "in_flight", lambda: 1)  # a request that would run for ever
+    running = [1]  # a request that would run for ever, until the test ends
+    monkeypatch.setattr(loop, "in_flight", lambda: running[0])
     monkeypatch.setattr(loop, "abort_all", lambda: aborted.append(True))
     life = Lifecycle()
     server = NanoverifyServer(uvicorn.Config(lambda *a: None), loop, life, shutdown_timeout=60)
     server.handle_exit(signal.SIGTERM, None)
-    assert life.draining and not server.should_exit and not aborted
-    with pytest.raises(Exception, match="shutting down"):
-        loop.submit(Stream([1], SamplingParams(), asyncio.new_event_loop()))
-    server.handle_exit(signal.SIGINT, None)
-    assert aborted and server.should_exit
+    try:
+        assert life.draining and not server.should_exit and not aborted
+        with pytest.raises(Exception, match="shutting down"):
+            loop.submit(Stream([1], SamplingParams(), asyncio.new_event_loop()))
+        server.handle_exit(signal.SIGINT, None)
+        assert aborted and server.should_exit
+    finally:
+        running[0] = 0  # the drain thread ends now, not after the 60 s grace period
+        assert server.drainer is not None
+        server.drainer.join(5)
+        assert not server.drainer.is_alive()
 
 
 @pytest.mark.clause("SERVE-13")
@@ -633,3 +641,40 @@ def test_bench_serve_starts_the_server_with_every_engine_flag(monkeypatch: pytes
     assert llm_kwargs(serve_parser.parse_args(bench._server_flags(args))) == llm_kwargs(args)
     monkeypatch.setenv("NANOVERIFY_API_KEY", "sk-bench")
     assert "NANOVERIFY_API_KEY" not in bench.server_environment()
+
+
+@pytest.mark.clause("SERVE-12")
+def test_queue_time_ends_when_the_first_chunk_of_a_prompt_is_computed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-12: request_queue_time_seconds ends at the start of the step that first computed the request: for a
+    prompt prefilled in chunks, the first chunk's step, not the step of its first token."""
+    from optimized.serve.app import _Timing
+
+    llm = make_llm(num_kvcache_blocks=64, check=False, max_num_batched_tokens=8)  # 40 tokens: 5 chunks
+    metrics = Metrics()
+    loop = EngineLoop(llm, metrics)
+    step_starts: list[float] = []
+    real_step = llm.step
+
+    def step() -> Any:
+        step_starts.append(time.perf_counter())
+        return real_step()
+
+    monkeypatch.setattr(llm, "step", step)
+
+    async def scenario() -> Stream:
+        stream = Stream(list(range(1, 41)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                        asyncio.get_running_loop())
+        timing = _Timing(metrics, stream)
+        loop.submit(stream)
+        while isinstance(event := await stream.queue.get(), TokenEvent):
+            timing.tokens(event)
+        return stream
+
+    loop.start()
+    try:
+        stream = asyncio.run(scenario())
+    finally:
+        loop.stop()
+    queued = metrics.registry.get_sample_value("nanoverify:request_queue_time_seconds_sum")
+    assert queued is not None and len(step_starts) >= 6
+    assert stream.arrived + queued <= step_starts[0]  # the first step (its first chunk) began the computing

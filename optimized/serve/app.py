@@ -312,7 +312,7 @@ class _Handlers:
     async def _whole(self, request: Request, stream: Stream, call: _Call) -> JSONResponse:
         """A non-streamed answer; a client that disconnects while waiting cancels its request (SERVE-6)."""
         self.life.handlers += 1
-        timing = _Timing(self.metrics, stream.arrived)
+        timing = _Timing(self.metrics, stream)
         waiter = asyncio.ensure_future(self._finish(stream, timing))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -349,7 +349,7 @@ class _Handlers:
         self.life.handlers += 1
         model = self.options.served_model
         detokenizer = IncrementalDetokenizer(self.llm.tokenizer, stream.params.stop)
-        timing = _Timing(self.metrics, stream.arrived)
+        timing = _Timing(self.metrics, stream)
         ended = False
         pending: list[int] = []  # tokens whose text is not sent yet
         chunks = 0  # content chunks sent
@@ -419,16 +419,19 @@ def _sse_data(payload: dict[str, Any]) -> str:
 class _Timing:
     """The request histograms of one request, observed as its events arrive (SERVE-12)."""
 
-    def __init__(self, metrics: Metrics, arrived: float) -> None:
+    def __init__(self, metrics: Metrics, stream: Stream) -> None:
         self.metrics = metrics
-        self.arrived = arrived
+        self.stream = stream
+        self.arrived = stream.arrived
         self.last: float | None = None
 
     def tokens(self, event: TokenEvent) -> None:
         m = self.metrics
         if self.last is None:
             m.ttft.observe(event.at - self.arrived)
-            m.queue_time.observe(max(0.0, event.step_started - self.arrived))
+            # the loop noted when a step first computed it (a chunked prompt's first chunk) before sending this
+            began = self.stream.scheduled_at if self.stream.scheduled_at is not None else event.step_started
+            m.queue_time.observe(max(0.0, began - self.arrived))
         else:
             m.itl.observe(event.at - self.last)
         self.last = event.at

@@ -70,6 +70,7 @@ class Stream:
     arrived: float = field(default_factory=time.perf_counter)
     request_id: int | None = None
     sent: int = 0  # completion tokens sent so far
+    scheduled_at: float | None = None  # perf_counter when the first step that computed it began (SERVE-12)
     cancelled: bool = False
     done: bool = False  # its last event (output or failure) is sent
 
@@ -103,6 +104,7 @@ class EngineLoop:
         self._hangups: list[Stream] = []
         self._probes: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._live: dict[int, Stream] = {}
+        self._unscheduled: list[Stream] = []  # admitted, not computed by any step yet
         self._closing = False  # admit nothing more
         self._abort_all = False  # abort every live request, then keep serving nothing
         self._stop = False
@@ -217,6 +219,7 @@ class EngineLoop:
             stream.push(FailEvent(400, str(e)))
             return
         self._live[stream.request_id] = stream
+        self._unscheduled.append(stream)
         self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
 
     def _abort(self, stream: Stream, tell: bool = False) -> None:
@@ -251,6 +254,8 @@ class EngineLoop:
             log.error("a step failed and its batch ended with an error (FAULT-1): %s", e)
             self._publish()
             return  # the failed requests' outputs (finish_reason "error") come with the next step
+        if self._unscheduled:
+            self._note_scheduled(started)
         now = time.perf_counter()
         finished = {o.request_id for o in outputs}
         events: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
@@ -274,6 +279,18 @@ class EngineLoop:
             deliver(loop, batch)
         self.metrics.generation_tokens.inc(generated)
         self._publish()
+
+    def _note_scheduled(self, started: float) -> None:
+        """SERVE-12: the streams this step (begun at ``started``) computed first: those given blocks, or gone."""
+        by_arrival = self.llm.engine.by_arrival
+        waiting = []
+        for stream in self._unscheduled:
+            request = by_arrival.get(stream.request_id) if stream.request_id is not None else None
+            if request is None or request.seq.block_table:
+                stream.scheduled_at = started
+            else:
+                waiting.append(stream)
+        self._unscheduled = waiting
 
     def _send_rest(self, stream: Stream, output: RequestOutput) -> None:
         self.metrics.generation_tokens.inc(len(output.token_ids) - stream.sent)
