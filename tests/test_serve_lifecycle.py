@@ -388,16 +388,29 @@ def test_a_client_that_stops_waiting_for_a_whole_answer_cancels_it() -> None:
 
 
 @pytest.mark.clause("SERVE-4")
-def test_stream_interval_groups_tokens_into_fewer_chunks() -> None:
+def test_stream_interval_groups_tokens_into_fewer_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """SERVE-4: with --stream-interval 3 the first token comes at once, then a chunk once 3 tokens wait, and the
-    last chunk brings the rest: the same tokens in fewer chunks."""
-    server = InProcess(make_llm(num_kvcache_blocks=64, check=False), ServerOptions(stream_interval=3))
+    last chunk brings the rest: the same tokens in fewer chunks. The second step waits until the client has the
+    first chunk (else a slow HTTP side would rightly put two steps' tokens in it)."""
+    llm = make_llm(num_kvcache_blocks=64, check=False)
+    seen = threading.Event()
+    real = llm.engine.runner.run
+    calls = [0]
+
+    def second_run_waits_for_the_first_chunk(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            seen.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "run", second_run_waits_for_the_first_chunk)
+    server = InProcess(llm, ServerOptions(stream_interval=3))
     try:
         ask = {"model": "default", "prompt": [5, 6], "max_tokens": 11, "ignore_eos": True, "temperature": 0,
                "stream": True, "return_token_ids": True}
         out: list[str] = []
         with httpx.Client() as client:
-            stream_lines(client, server.url + "/v1/completions", ask, threading.Event(), out)
+            stream_lines(client, server.url + "/v1/completions", ask, seen, out)
         sizes = [len(json.loads(line)["choices"][0].get("token_ids", [])) for line in out[:-1]]
         assert sum(sizes) == 11 and sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]) and len(sizes) <= 5, sizes
     finally:
