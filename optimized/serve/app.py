@@ -278,13 +278,12 @@ class _Handlers:
         request left max_tokens to the server), else max_tokens."""
         try:
             self.llm.validate(ids, SamplingParams(max_tokens=1))
-            prompt_fits = True
-        except ValueError:
-            prompt_fits = False
-        if prompt_fits and not defaulted:
-            return ApiError(400, message, param="max_tokens", code="context_length_exceeded")
-        return ApiError(400, f"{prompt_field}: too long: {message}", param=prompt_field,
-                        code="context_length_exceeded")
+        except ValueError as alone:  # the prompt and one token: its own fault, whatever max_tokens says
+            why = str(alone).replace(" + max_tokens (1)", " + one completion token")
+            return ApiError(400, f"{prompt_field}: the prompt is too long: {why}", param=prompt_field,
+                            code="context_length_exceeded")
+        param = prompt_field if defaulted else "max_tokens"
+        return ApiError(400, f"{param}: {message}", param=param, code="context_length_exceeded")
 
     def _room(self, prompt_len: int) -> int:
         """The default max_tokens: all the room max_model_len and the KV cache leave (at least 1)."""
