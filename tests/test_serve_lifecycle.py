@@ -691,3 +691,35 @@ def test_queue_time_ends_when_the_first_chunk_of_a_prompt_is_computed(monkeypatc
     queued = metrics.registry.get_sample_value("nanoverify:request_queue_time_seconds_sum")
     assert queued is not None and len(step_starts) >= 6
     assert stream.arrived + queued <= step_starts[0]  # the first step (its first chunk) began the computing
+
+
+@pytest.mark.clause("SERVE-3", "SERVE-7")
+def test_a_failed_step_s_output_is_delivered_even_when_the_loop_stops_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-3, SERVE-7: a stream's events end with exactly one output or failure, even when the loop is told to
+    stop while a step fails (FAULT-1): the failed output, due with the next step, is still delivered."""
+    llm = make_llm(num_kvcache_blocks=64, check=False)
+    loop = EngineLoop(llm, Metrics())
+    real = llm.engine.runner.run
+    calls = [0]
+
+    def fail_the_second_run_and_stop(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            loop.stop()  # the server shuts down while the faulty step runs (no join: this is the loop thread)
+            raise RuntimeError("injected model fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "run", fail_the_second_run_and_stop)
+
+    async def scenario() -> Any:
+        stream = Stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        asyncio.get_running_loop())
+        loop.submit(stream)
+        return await _last_event(stream)
+
+    loop.start()
+    try:
+        last = asyncio.run(scenario())
+        assert isinstance(last, FinishEvent) and last.output.finish_reason == "error", last
+    finally:
+        loop.stop()

@@ -204,6 +204,8 @@ class EngineLoop:
         for probe, future in probes:
             self._answer(probe, future)
         if stop:
+            if self._live:  # only finished requests are left (all else was aborted): their outputs are due
+                self._step()
             return False
         if self._live or self.llm.has_unfinished_requests():  # FAULT-1's outputs come with a step, too
             self._step()
