@@ -1,14 +1,14 @@
 """The HTTP side: OpenAI's endpoints over an ``EngineLoop`` (spec/serve.md).
 
-Invariants: the key is checked first, for every /v1 path (``KeyCheck``); a
-handler checks the body and the request in full before
-it submits anything (SERVE-8, SERVE-10), so a refused request changes nothing;
-every error is OpenAI's JSON with a status that says whose fault it is (400
-bad input, 401 key, 404 model or path, 413 body, 503 not admitting, 500 engine
-failure). Text reaches the client only through ``IncrementalDetokenizer``
-(whole characters, never a possible stop string's beginning), and the streamed
-pieces add up to the non-streamed text. A handler that ends before its
-request finished (the client went away, SERVE-6) cancels it in ``finally``.
+Invariants: the key is checked first, for every /v1 path (``KeyCheck``,
+SERVE-10); a handler checks the body and the request in full before it submits
+anything (SERVE-8), so a refused request changes nothing; every error is
+OpenAI's JSON with a status that says whose fault it is (400 bad input, 401
+key, 404 model or path, 413 body, 503 not admitting, 500 engine failure). Text
+reaches the client only through ``IncrementalDetokenizer`` (whole characters,
+never a possible stop string's beginning), and the streamed pieces add up to
+the non-streamed text. A handler that ends before its request finished (the
+client went away, SERVE-6) cancels it in ``finally``.
 """
 
 from __future__ import annotations
