@@ -66,6 +66,7 @@ def spawn(args: list[str], log: Path) -> Served:
             return Served(proc, url, log)
         time.sleep(0.05)
     proc.kill()
+    proc.wait()
     raise AssertionError(f"the server did not start (exit {proc.poll()}):\n{log.read_text()}")
 
 
@@ -77,6 +78,7 @@ def stop(served: Served) -> int:
     finally:
         if served.proc.poll() is None:
             served.proc.kill()
+            served.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +262,7 @@ def metric(server: Served, name: str) -> float:
     return 0.0
 
 
-@pytest.mark.clause("SERVE-6", "SERVE-11")
+@pytest.mark.clause("SERVE-6", "SERVE-11", "SERVE-12")
 def test_clients_that_hang_up_free_their_blocks(server: Served, offline: LLM) -> None:
     """SERVE-6: 50 streaming clients, half hang up at random points; the others get complete answers (the
     offline tokens); afterwards every block is free and every invariant holds on the engine's scheduler (read
@@ -293,6 +295,8 @@ def test_clients_that_hang_up_free_their_blocks(server: Served, offline: LLM) ->
     assert state["free_blocks"] == state["num_blocks"] == BLOCKS
     assert state["violations"] == []
     assert state["compared_steps"] > compared_before
+    assert metric(server, "nanoverify:num_requests_running") == metric(server, "nanoverify:num_requests_waiting") == 0
+    assert metric(server, "nanoverify:kv_cache_usage_perc") == 0  # SERVE-12: gauges as the engine is, exactly
     aborted = metric(server, 'nanoverify:request_success_total{finished_reason="abort"}') - aborted_before
     assert aborted == 25  # 1000 tokens each: every one hung up before it could finish
     assert metric(server, "nanoverify:check_divergences_total") == 0
@@ -341,6 +345,39 @@ BAD: list[tuple[str, str, dict[str, Any] | bytes, int, str | None, str]] = [
      "messages.0.role", "user"),
     ("content a number", "/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": 1}]},
      400, "messages.0.content", "valid"),
+    ("lone surrogate prompt", "/v1/completions", b'{"model": "default", "prompt": "a\\ud800"}', 400, "prompt",
+     "not valid Unicode"),
+    ("lone surrogate message", "/v1/chat/completions",
+     b'{"model": "default", "messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages",
+     "not valid Unicode"),
+    ("prompt past max_model_len", "/v1/completions", {"model": "default", "prompt": "x" * 4100}, 400, "prompt",
+     "prompt is too long: prompt (4100 tokens) + one completion token exceeds max_model_len=4096"),
+    ("prompt past the cache", "/v1/completions", {"model": "default", "prompt": "x" * 2100, "max_tokens": 1}, 400,
+     "prompt", "num_kvcache_blocks=128"),
+    ("messages past the cache, max_tokens defaulted", "/v1/chat/completions",
+     {"model": "default", "messages": [{"role": "user", "content": "x" * 2100}]}, 400, "messages",
+     "one completion token can never fit the KV cache (num_kvcache_blocks=128"),
+    ("echo", "/v1/completions", {"model": "default", "prompt": "x", "echo": True}, 400, "echo", "not supported"),
+    ("logprobs", "/v1/completions", {"model": "default", "prompt": "x", "logprobs": 2}, 400, "logprobs",
+     "not supported"),
+    ("chat logprobs", "/v1/chat/completions",
+     {"model": "default", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs",
+     "not supported"),
+    ("top_logprobs", "/v1/chat/completions",
+     {"model": "default", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "top_logprobs",
+     "not supported"),
+    ("best_of 2", "/v1/completions", {"model": "default", "prompt": "x", "best_of": 2}, 400, "best_of",
+     "not supported"),
+    ("suffix", "/v1/completions", {"model": "default", "prompt": "x", "suffix": "end"}, 400, "suffix",
+     "not supported"),
+    ("presence_penalty", "/v1/completions", {"model": "default", "prompt": "x", "presence_penalty": 0.5}, 400,
+     "presence_penalty", "not supported"),
+    ("frequency_penalty", "/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}],
+     "frequency_penalty": -1}, 400, "frequency_penalty", "not supported"),
+    ("logit_bias", "/v1/completions", {"model": "default", "prompt": "x", "logit_bias": {"5": 100}}, 400,
+     "logit_bias", "not supported"),
+    ("response_format json", "/v1/chat/completions", {"model": "default", "messages": [{"role": "user",
+     "content": "x"}], "response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
     ("max_completion_tokens -1", "/v1/chat/completions",
      {"model": "default", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, 400,
      "max_completion_tokens", "greater"),
@@ -366,7 +403,9 @@ def test_keys_bodies_and_the_server_keeps_serving(server: Served) -> None:
     """SERVE-10: no key or a wrong key is a 401 (the openai client's AuthenticationError) on every /v1 path;
     /health and /metrics need none. SERVE-8: a body over the limit is a 413, declared or streamed; unknown
     fields are ignored; after all the refusals the server still answers."""
-    ok = json.dumps({"model": "default", "prompt": "x", "max_tokens": 2, "logit_bias": {}, "whatever": 1})
+    ok = json.dumps({"model": "default", "prompt": "x", "max_tokens": 2, "logit_bias": {}, "whatever": 1,
+                     "echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": None,
+                     "suffix": None, "response_format": {"type": "text"}})
     for key in (None, "sk-wrong", KEY + "x", KEY[:-1]):
         for path in ("/v1/completions", "/v1/chat/completions"):
             response = server.post(path, ok, key=key)
@@ -374,6 +413,13 @@ def test_keys_bodies_and_the_server_keeps_serving(server: Served) -> None:
         assert server.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 401
     assert server.get("/v1/models", headers={"Authorization": f"Basic {KEY}"}).status_code == 401
     assert server.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    # Every /v1 path asks for the key first, even one that does not exist or a wrong method: 401, not 404 or 405.
+    for key, statuses in ((None, (401, 401, 401)), (KEY, (404, 405, 404))):
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        assert (server.get("/v1/nothing", headers=auth).status_code, server.get("/v1/completions", headers=auth)
+                .status_code, server.post("/v1", "{}", key=key).status_code) == statuses
+    raw = httpx.get(server.url + "/v1/models", headers={b"Authorization": b"Bearer " + KEY.encode() + b"\xe9"})
+    assert raw.status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
     assert server.get("/health").status_code == 200 and server.get("/metrics").status_code == 200

@@ -103,3 +103,34 @@ def test_chat_templates(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="no system messages"):
         load_chat_template(tmp_path).render(messages)
+
+
+class Vocabulary:
+    """A tokenizer whose tokens are arbitrary byte strings (as a BPE vocabulary's are)."""
+
+    def __init__(self, tokens: list[bytes]) -> None:
+        self.tokens = tokens
+
+    def decode(self, ids: list[int]) -> str:
+        return b"".join(self.tokens[i] for i in ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.clause("SERVE-5")
+def test_a_stop_string_ends_at_a_token_that_also_begins_a_character() -> None:
+    """SERVE-5: the token that completes a stop string ends the request even when it also brings the first byte
+    of a multi-byte character (its text then ends in an incomplete character): not one token later."""
+    vocab = Vocabulary([b"a", b"x\xe2", b"\x82\xac", b"b"])  # "a", "x" + the first byte of "€", the rest of "€"
+    d = IncrementalDetokenizer(vocab, ("x",))
+    assert not d.add([0])
+    assert d.add([1])  # "x" is complete: the stop string ends it here
+    assert d.finish() == "a" and d.take_final() == "a"
+    d = IncrementalDetokenizer(vocab, ("x\u20ac",))  # a stop string ending in that character waits for it
+    assert not d.add([0, 1])
+    assert d.take() == "a"
+    assert d.add([2])
+    assert d.finish() == "a"
+    d = IncrementalDetokenizer(vocab, ("q",))  # no stop string: the character is released whole, as before
+    d.add([0, 1])
+    assert d.take() == "a"
+    d.add([2, 3])
+    assert d.take() == "x\u20acb"

@@ -25,7 +25,7 @@ from optimized import LLM, SamplingParams
 from optimized.cli import main as cli_main
 from optimized.serve.app import ServerOptions, build_app
 from optimized.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
-from optimized.serve.loop import EngineLoop, FinishEvent, Stream
+from optimized.serve.loop import EngineLoop, FinishEvent, Stream, TokenEvent
 from optimized.serve.metrics import Metrics
 from tests.engine_fixtures import make_llm, one_thread, with_config
 from tests.test_serve import spawn, stop
@@ -113,6 +113,7 @@ class InProcess:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+        assert not self.thread.is_alive(), "the in-process server did not stop"
 
 
 @pytest.mark.clause("SERVE-11")
@@ -211,9 +212,12 @@ def test_a_cancelled_request_is_aborted_before_the_next_step(monkeypatch: pytest
 
 @pytest.mark.clause("SERVE-10")
 def test_serve_flags_are_checked_before_anything_loads(capsys: pytest.CaptureFixture[str]) -> None:
-    """SERVE-10, CLI-2: a bad port, a blank key or a negative grace is one line and status 2, nothing loaded."""
+    """SERVE-10, CLI-2: a bad port, a blank or non-ASCII key, a negative grace, an engine option out of range is one
+    line and status 2, nothing loaded."""
     for argv, words in ((["--port", "70000"], "--port"), (["--api-key", "  "], "--api-key"),
-                        (["--shutdown-timeout", "-1"], "--shutdown-timeout")):
+                        (["--shutdown-timeout", "-1"], "--shutdown-timeout"), (["--api-key", "k\u00e9y"], "ASCII"),
+                        (["--gpu-memory-utilization", "1.5"], "(0, 1]"), (["--cpu-kvcache-gib", "0"], "> 0"),
+                        (["--attention-backend", "nope"], "--attention-backend")):
         assert cli_main(["serve", *argv]) == 2
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
@@ -255,16 +259,23 @@ def test_a_second_signal_aborts_at_once(monkeypatch: pytest.MonkeyPatch) -> None
 
     loop = EngineLoop(make_llm(num_kvcache_blocks=16), Metrics())
     aborted: list[bool] = []
-    monkeypatch.setattr(loop, "in_flight", lambda: 1)  # a request that would run for ever
+    running = [1]  # a request that would run for ever, until the test ends
+    monkeypatch.setattr(loop, "in_flight", lambda: running[0])
     monkeypatch.setattr(loop, "abort_all", lambda: aborted.append(True))
     life = Lifecycle()
     server = NanoverifyServer(uvicorn.Config(lambda *a: None), loop, life, shutdown_timeout=60)
     server.handle_exit(signal.SIGTERM, None)
-    assert life.draining and not server.should_exit and not aborted
-    with pytest.raises(Exception, match="shutting down"):
-        loop.submit(Stream([1], SamplingParams(), asyncio.new_event_loop()))
-    server.handle_exit(signal.SIGINT, None)
-    assert aborted and server.should_exit
+    try:
+        assert life.draining and not server.should_exit and not aborted
+        with pytest.raises(Exception, match="shutting down"):
+            loop.submit(Stream([1], SamplingParams(), asyncio.new_event_loop()))
+        server.handle_exit(signal.SIGINT, None)
+        assert aborted and server.should_exit
+    finally:
+        running[0] = 0  # the drain thread ends now, not after the 60 s grace period
+        assert server.drainer is not None
+        server.drainer.join(5)
+        assert not server.drainer.is_alive()
 
 
 @pytest.mark.clause("SERVE-13")
@@ -347,6 +358,11 @@ def test_the_key_comes_from_the_flag_or_the_environment() -> None:
     assert api_key(None, {"NANOVERIFY_API_KEY": ""}) is None and api_key(None, {}) is None
     with pytest.raises(ValueError, match="blank"):
         api_key(None, {"NANOVERIFY_API_KEY": "  "})
+    # A key a client could not send as it is: surrounding whitespace (stripped from headers), non-ASCII.
+    for bad, source in ((" sk-1", "--api-key"), ("sk-\u00e9", "--api-key"), ("sk\n", "NANOVERIFY_API_KEY")):
+        flag, env = (bad, {}) if source == "--api-key" else (None, {"NANOVERIFY_API_KEY": bad})
+        with pytest.raises(ValueError, match=source):
+            api_key(flag, env)
     assert served_name(None) == "default" and served_name("/models/qwen3-0.6b/") == "qwen3-0.6b"
 
 
@@ -372,16 +388,29 @@ def test_a_client_that_stops_waiting_for_a_whole_answer_cancels_it() -> None:
 
 
 @pytest.mark.clause("SERVE-4")
-def test_stream_interval_groups_tokens_into_fewer_chunks() -> None:
+def test_stream_interval_groups_tokens_into_fewer_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """SERVE-4: with --stream-interval 3 the first token comes at once, then a chunk once 3 tokens wait, and the
-    last chunk brings the rest: the same tokens in fewer chunks."""
-    server = InProcess(make_llm(num_kvcache_blocks=64, check=False), ServerOptions(stream_interval=3))
+    last chunk brings the rest: the same tokens in fewer chunks. The second step waits until the client has the
+    first chunk (else a slow HTTP side would rightly put two steps' tokens in it)."""
+    llm = make_llm(num_kvcache_blocks=64, check=False)
+    seen = threading.Event()
+    real = llm.engine.runner.run
+    calls = [0]
+
+    def second_run_waits_for_the_first_chunk(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            seen.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "run", second_run_waits_for_the_first_chunk)
+    server = InProcess(llm, ServerOptions(stream_interval=3))
     try:
         ask = {"model": "default", "prompt": [5, 6], "max_tokens": 11, "ignore_eos": True, "temperature": 0,
                "stream": True, "return_token_ids": True}
         out: list[str] = []
         with httpx.Client() as client:
-            stream_lines(client, server.url + "/v1/completions", ask, threading.Event(), out)
+            stream_lines(client, server.url + "/v1/completions", ask, seen, out)
         sizes = [len(json.loads(line)["choices"][0].get("token_ids", [])) for line in out[:-1]]
         assert sum(sizes) == 11 and sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]) and len(sizes) <= 5, sizes
     finally:
@@ -402,3 +431,295 @@ def test_a_port_in_use_is_one_line_and_status_2(capsys: pytest.CaptureFixture[st
         assert cli_main(["serve", "--model", tiny, "--port", str(port), "--num-kvcache-blocks", "16"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("nanoverify serve: could not listen on 127.0.0.1:") and str(port) in err, err
+
+
+async def _last_event(stream: Stream) -> Any:
+    """The stream's FinishEvent or FailEvent (its TokenEvents skipped)."""
+    while True:
+        event = await asyncio.wait_for(stream.queue.get(), 30)
+        if not isinstance(event, TokenEvent):
+            return event
+
+
+@pytest.mark.clause("SERVE-11", "SERVE-6")
+def test_a_hang_up_during_a_failed_step_leaves_the_loop_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-11, SERVE-6: a model fault (FAULT-1) whose request's client hangs up while the step fails: the failed
+    output, which comes from the next step, goes to the cancelled stream (nobody listens); the loop goes on and
+    serves the next request."""
+    llm = make_llm(num_kvcache_blocks=64, check=False)
+    loop = EngineLoop(llm, Metrics())
+    real = llm.engine.runner.run
+    calls = [0]
+    victim: list[Stream] = []
+
+    def fail_the_third_run(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            loop.cancel(victim[0])  # the client hangs up while the faulty step runs
+            raise RuntimeError("injected model fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "run", fail_the_third_run)
+
+    async def scenario() -> Any:
+        here = asyncio.get_running_loop()
+        victim.append(Stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), here))
+        loop.submit(victim[0])
+        while calls[0] < 3:
+            await asyncio.sleep(0.01)
+        after = Stream([4, 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), here)
+        loop.submit(after)
+        return await _last_event(after)
+
+    loop.start()
+    try:
+        last = asyncio.run(scenario())
+        assert isinstance(last, FinishEvent) and last.output.finish_reason == "length", last
+        assert loop.failure is None and loop.thread.is_alive()
+    finally:
+        loop.stop()
+
+
+@pytest.mark.clause("SERVE-12")
+def test_gauges_follow_a_turn_that_only_aborts() -> None:
+    """SERVE-12: a hang-up that leaves nothing to step still updates the gauges: running 0, KV cache usage 0."""
+    llm = make_llm(num_kvcache_blocks=64, check=False)
+    metrics = Metrics()
+    loop = EngineLoop(llm, metrics)
+
+    async def scenario() -> None:
+        stream = Stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                        asyncio.get_running_loop())
+        loop.submit(stream)
+        await stream.queue.get()
+        await asyncio.wrap_future(loop.call_between_steps(lambda: None))  # its step is over: the gauges say so
+        assert metrics.registry.get_sample_value("nanoverify:num_requests_running") == 1
+        loop.cancel(stream)
+
+    loop.start()
+    try:
+        asyncio.run(scenario())
+        deadline = time.monotonic() + 10
+        while llm.engine.stats.aborted_requests == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        loop.call_between_steps(lambda: None).result(10)  # the turn that aborted it is over
+        assert metrics.registry.get_sample_value("nanoverify:num_requests_running") == 0
+        assert metrics.registry.get_sample_value("nanoverify:kv_cache_usage_perc") == 0
+    finally:
+        loop.stop()
+
+
+@pytest.mark.clause("SERVE-11")
+def test_a_probe_after_the_loop_stopped_is_refused_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-11: a probe (/health?verbose=1) asked for once the loop is stopping is refused at once, never left
+    waiting for a turn that will not come."""
+    from optimized.serve.loop import Unavailable
+
+    loop = EngineLoop(make_llm(num_kvcache_blocks=16, check=False), Metrics())
+    real = loop._turn
+    late: list[Any] = []
+
+    def turn_then_a_late_probe() -> bool:
+        going = real()
+        if not going:  # the loop is about to end: a handler asks now
+            late.append(loop.call_between_steps(lambda: "answered"))
+        return going
+
+    monkeypatch.setattr(loop, "_turn", turn_then_a_late_probe)
+    loop.start()
+    loop.stop()
+    assert late and isinstance(late[0].exception(timeout=2), Unavailable)
+
+
+@pytest.mark.clause("SERVE-11", "SERVE-12")
+def test_a_divergence_found_by_an_abort_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-11, SERVE-12: check mode's shadow diverging while a hang-up is aborted fails the loop and counts one
+    divergence, as a divergence found by a step does."""
+    llm = make_llm(num_kvcache_blocks=64)
+    shadow = llm.engine.shadow
+    assert shadow is not None
+    metrics = Metrics()
+    loop = EngineLoop(llm, metrics)
+
+    def diverge(*args: Any) -> None:
+        shadow._fail(llm.engine.scheduler, "injected by the test")
+
+    monkeypatch.setattr(shadow, "abort", diverge)
+
+    async def scenario() -> Any:
+        stream = Stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                        asyncio.get_running_loop())
+        loop.submit(stream)
+        await stream.queue.get()
+        loop.cancel(stream)
+
+    loop.start()
+    try:
+        asyncio.run(scenario())
+        loop.thread.join(10)
+        assert loop.failure is not None and "diverging" in loop.failure
+        assert metrics.registry.get_sample_value("nanoverify:check_divergences_total") == 1
+    finally:
+        loop.stop()
+
+
+@pytest.mark.clause("SERVE-12")
+def test_prefix_cache_hits_never_exceed_queries_under_preemption() -> None:
+    """SERVE-12: prefix-cache queries and hits are counted on one base, each time a sequence is given blocks (a
+    preempted one again, with its generated tokens), both from EngineStats: hits <= queries, and preemption
+    re-admissions query more than the prompts alone."""
+    llm = make_llm(num_kvcache_blocks=12, check=False)  # 4 requests of up to 34 tokens in 48 slots: preemption
+    metrics = Metrics()
+    loop = EngineLoop(llm, metrics)
+    prompts = [[i + 1, 2, 3, 4, 5] for i in range(4)]
+    scheduler = llm.engine.scheduler
+    real_schedule = scheduler.schedule
+    looked_up = [0]  # the oracle: the tokens of each sequence that had no blocks and was scheduled
+
+    def schedule() -> Any:
+        blockless = {id(s) for s in scheduler.waiting if not s.block_table}
+        out = real_schedule()
+        looked_up[0] += sum(s.num_tokens for s in out.batch if id(s) in blockless) if out.is_prefill else 0
+        return out
+
+    scheduler.schedule = schedule  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        here = asyncio.get_running_loop()
+        streams = [Stream(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), here) for p in prompts]
+        for stream in streams:
+            loop.submit(stream)
+        for stream in streams:
+            await _last_event(stream)
+
+    loop.start()
+    try:
+        asyncio.run(scenario())
+        loop.call_between_steps(lambda: None).result(10)
+    finally:
+        loop.stop()
+    stats = llm.engine.stats
+    hits = metrics.registry.get_sample_value("nanoverify:prefix_cache_hits_total")
+    queries = metrics.registry.get_sample_value("nanoverify:prefix_cache_queries_total")
+    assert stats.preemptions > 0 and hits == stats.prefix_cache_hit_tokens > 0
+    assert hits is not None and queries is not None and hits <= queries
+    assert queries == stats.prefix_cache_query_tokens == looked_up[0] > sum(map(len, prompts))
+
+
+@pytest.mark.clause("SERVE-4", "SERVE-8")
+def test_a_streamed_refusal_is_labelled_by_its_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-4, SERVE-8: a request the engine refuses at admission (its word is final) ends a stream with an error
+    event whose type matches its 400: invalid_request_error, not server_error."""
+    llm = make_llm(num_kvcache_blocks=16, check=False)
+
+    def refuse(*args: Any) -> int:
+        raise ValueError("prompt: refused by the engine")
+
+    monkeypatch.setattr(llm, "add_request", refuse)
+    server = InProcess(llm)
+    try:
+        out: list[str] = []
+        ask = {"model": "default", "prompt": [1, 2], "max_tokens": 2, "stream": True}
+        with httpx.Client() as client:
+            stream_lines(client, server.url + "/v1/completions", ask, threading.Event(), out)
+        error = json.loads(out[0])["error"]
+        assert error["type"] == "invalid_request_error" and "refused by the engine" in error["message"]
+        assert out[-1] == "[DONE]"
+    finally:
+        server.close()
+
+
+@pytest.mark.clause("SERVE-13", "SERVE-1")
+def test_bench_serve_starts_the_server_with_every_engine_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-13: bench serve hands the server every engine flag it was given (the LLM the server builds is the one
+    the offline side builds), and no API key (its client sends none). SERVE-1: serve takes all of LLM's engine
+    options."""
+    import argparse
+
+    from optimized.benchmarks import serve as bench
+    from optimized.cli import serve as serve_command
+    from optimized.cli.engine_options import llm_kwargs
+
+    bench_parser, serve_parser = argparse.ArgumentParser(), argparse.ArgumentParser()
+    bench.add_arguments(bench_parser)
+    serve_command.add_arguments(serve_parser)
+    given = ["--tensor-parallel-size", "2", "--attention-backend", "torch", "--no-enforce-eager", "--check",
+             "--cpu-kvcache-gib", "0.25", "--gpu-memory-utilization", "0.5", "--dtype", "float64", "--seed", "-3",
+             "--max-model-len", "512", "--block-size", "8"]
+    args = bench_parser.parse_args(given)
+    assert llm_kwargs(args) == {"model": None, "tensor_parallel_size": 2, "attention_backend": "torch",
+                                "enforce_eager": False, "check": True, "cpu_kvcache_gib": 0.25,
+                                "gpu_memory_utilization": 0.5, "dtype": "float64", "seed": -3, "max_model_len": 512,
+                                "kvcache_block_size": 8}
+    assert llm_kwargs(serve_parser.parse_args(bench._server_flags(args))) == llm_kwargs(args)
+    monkeypatch.setenv("NANOVERIFY_API_KEY", "sk-bench")
+    assert "NANOVERIFY_API_KEY" not in bench.server_environment()
+
+
+@pytest.mark.clause("SERVE-12")
+def test_queue_time_ends_when_the_first_chunk_of_a_prompt_is_computed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-12: request_queue_time_seconds ends at the start of the step that first computed the request: for a
+    prompt prefilled in chunks, the first chunk's step, not the step of its first token."""
+    from optimized.serve.app import _Timing
+
+    llm = make_llm(num_kvcache_blocks=64, check=False, max_num_batched_tokens=8)  # 40 tokens: 5 chunks
+    metrics = Metrics()
+    loop = EngineLoop(llm, metrics)
+    step_starts: list[float] = []
+    real_step = llm.step
+
+    def step() -> Any:
+        step_starts.append(time.perf_counter())
+        return real_step()
+
+    monkeypatch.setattr(llm, "step", step)
+
+    async def scenario() -> Stream:
+        stream = Stream(list(range(1, 41)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                        asyncio.get_running_loop())
+        timing = _Timing(metrics, stream)
+        loop.submit(stream)
+        while isinstance(event := await stream.queue.get(), TokenEvent):
+            timing.tokens(event)
+        return stream
+
+    loop.start()
+    try:
+        stream = asyncio.run(scenario())
+    finally:
+        loop.stop()
+    queued = metrics.registry.get_sample_value("nanoverify:request_queue_time_seconds_sum")
+    assert queued is not None and len(step_starts) >= 6
+    assert stream.arrived + queued <= step_starts[0]  # the first step (its first chunk) began the computing
+
+
+@pytest.mark.clause("SERVE-3", "SERVE-7")
+def test_a_failed_step_s_output_is_delivered_even_when_the_loop_stops_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-3, SERVE-7: a stream's events end with exactly one output or failure, even when the loop is told to
+    stop while a step fails (FAULT-1): the failed output, due with the next step, is still delivered."""
+    llm = make_llm(num_kvcache_blocks=64, check=False)
+    loop = EngineLoop(llm, Metrics())
+    real = llm.engine.runner.run
+    calls = [0]
+
+    def fail_the_second_run_and_stop(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            loop.stop()  # the server shuts down while the faulty step runs (no join: this is the loop thread)
+            raise RuntimeError("injected model fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "run", fail_the_second_run_and_stop)
+
+    async def scenario() -> Any:
+        stream = Stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        asyncio.get_running_loop())
+        loop.submit(stream)
+        return await _last_event(stream)
+
+    loop.start()
+    try:
+        last = asyncio.run(scenario())
+        assert isinstance(last, FinishEvent) and last.output.finish_reason == "error", last
+    finally:
+        loop.stop()

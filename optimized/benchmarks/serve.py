@@ -184,12 +184,20 @@ async def run_clients(host: str, port: int, model: str, jobs: list[Job]) -> tupl
 
 
 # --- the server process ------------------------------------------------------------------------------------
+def server_environment() -> dict[str, str]:
+    """This process's environment for the server, this package first on PYTHONPATH, without NANOVERIFY_API_KEY:
+    the bench client sends no key."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "NANOVERIFY_API_KEY"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    return env
+
+
 class ServerProcess:
     def __init__(self, flags: list[str]) -> None:
-        root = Path(__file__).resolve().parents[2]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen([sys.executable, "-m", "optimized.cli", "serve", "--port", "0", *flags],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     env=server_environment())
         self.host, self.port = self._bound()
 
     def _bound(self) -> tuple[str, int]:
@@ -368,13 +376,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _server_flags(args: argparse.Namespace) -> list[str]:
-    flags = []
-    for dest in ("model", "dtype", "device", "num_kvcache_blocks", "block_size", "max_num_seqs",
-                 "max_num_batched_tokens", "max_model_len", "seed"):
-        value = getattr(args, dest, None)
-        if value is not None:
-            flags += [f"--{dest.replace('_', '-')}", str(value)]
-    if args.check:
-        flags.append("--check")
-    flags += ["--stream-interval", str(args.stream_interval)]
-    return flags
+    """The server's flags: every engine option given (the LLM it builds is the offline side's), the interval."""
+    from optimized.cli.engine_options import engine_flags
+
+    return [*engine_flags(args), "--stream-interval", str(args.stream_interval)]

@@ -39,9 +39,14 @@ def served_name(model: str | None) -> str:
 
 def api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
     """SERVE-10: the key clients must send: ``--api-key``, else NANOVERIFY_API_KEY (unset or empty: none)."""
+    source = "--api-key" if flag is not None else "NANOVERIFY_API_KEY"
     key = flag if flag is not None else environ.get("NANOVERIFY_API_KEY") or None
-    if key is not None and not key.strip():
-        raise ValueError("--api-key must not be blank")
+    if key is None:
+        return None
+    if not key.strip():
+        raise ValueError(f"{source} must not be blank")
+    if key != key.strip() or not (key.isascii() and key.isprintable()):  # a client could not send it as it is
+        raise ValueError(f"{source} must be printable ASCII without surrounding whitespace")
     return key
 
 

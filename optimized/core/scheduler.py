@@ -52,7 +52,8 @@ class ScheduleOutput:
 
     ``batch`` is handed back to ``postprocess`` as it is. ``preempted`` are the sequences this step sent
     back to waiting, in the order it preempted them; ``prefix_hit_tokens`` counts the tokens the sequences
-    admitted this step took from the prefix cache. Unpacking gives the lesson's ``(batch, is_prefill)``
+    admitted this step took from the prefix cache, ``prefix_query_tokens`` the tokens they looked up there
+    (all theirs: a preempted sequence's generated ones too). Unpacking gives the lesson's ``(batch, is_prefill)``
     pair, so code written against the reference's ``schedule()`` drives this scheduler unchanged.
     """
 
@@ -60,6 +61,7 @@ class ScheduleOutput:
     is_prefill: bool
     preempted: tuple[Sequence, ...] = ()
     prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.batch, self.is_prefill))  # a tuple's iterator: cheaper than a generator per step
@@ -193,7 +195,7 @@ class Scheduler:
     def _prefill(self) -> ScheduleOutput | None:
         scheduled: list[Sequence] = []
         num_batched_tokens = 0
-        hit_blocks = 0
+        hit_blocks = query_tokens = 0
         waiting, bm, block_size = self._waiting, self.block_manager, self.block_size
         while waiting and len(scheduled) < self.max_num_seqs:
             seq = waiting[0]
@@ -215,6 +217,7 @@ class Scheduler:
             if not seq.block_table:
                 bm.allocate(seq, num_cached_blocks)
                 hit_blocks += num_cached_blocks
+                query_tokens += core.ntok
             core.nsched = grant
             num_batched_tokens += grant
             if core.ncached + grant == core.ntok:
@@ -224,7 +227,7 @@ class Scheduler:
             scheduled.append(seq)
         if not scheduled:
             return None
-        return ScheduleOutput(scheduled, True, (), hit_blocks * block_size)
+        return ScheduleOutput(scheduled, True, (), hit_blocks * block_size, query_tokens)
 
     # --- lesson §4: the decode loop, as one group ----------------------------------------------
     def _decode(self) -> ScheduleOutput:

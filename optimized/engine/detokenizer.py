@@ -8,7 +8,9 @@ it, or until ``finish``. The released text (``take``) is always a prefix of
 that is a proper prefix of a stop string, since that tail may still become one.
 A stop string is searched only in text decoded since the last search (with
 enough overlap to catch one straddling the boundary), so a request costs
-O(tokens x longest stop) in all.
+O(tokens x longest stop) in all; while a character is incomplete the whole
+characters before it are searched too, so the token that completes a stop
+string ends it even when it also begins the next character.
 """
 
 from __future__ import annotations
@@ -57,7 +59,22 @@ class IncrementalDetokenizer:
             if fresh is not None:
                 self._append(fresh, end)
                 break
+        if self.stop_at is None and self._stop and self.num_decoded < len(self._ids):
+            self._search_incomplete()
         return self.stop_at is not None
+
+    def _search_incomplete(self) -> None:
+        """A stop string may end in the whole characters before an incomplete one (a token that completes it
+        can also begin the next character): search the held tail's text without its trailing U+FFFD too."""
+        before = self._tokenizer.decode(self._ids[self._context : self.num_decoded])
+        after = self._tokenizer.decode(self._ids[self._context :]).rstrip(REPLACEMENT)
+        if len(after) <= len(before) or not after.startswith(before):
+            return
+        whole = self.text + after[len(before) :]
+        start = max(0, len(self.text) - max(len(s) for s in self._stop) + 1)
+        hits = [i for s in self._stop if (i := whole.find(s, start)) >= 0]
+        if hits:  # the request ends here: the text is final up to the stop string, which is all finish() keeps
+            self.text, self.stop_at = whole, min(hits)
 
     def _fresh_text(self, end: int) -> str | None:
         """The text tokens up to ``end`` add, or None while it ends in an incomplete character."""

@@ -65,6 +65,7 @@ class EngineStats:
     decode_tokens: int = 0
     preemptions: int = 0
     prefix_cache_hit_tokens: int = 0
+    prefix_cache_query_tokens: int = 0  # tokens looked up in the prefix cache (each time a sequence gets blocks)
     chunked_prefills: int = 0  # prefill grants that left their sequence's prompt unfinished
     compared_steps: int = 0  # steps whose decisions check mode compared with the reference
     aborted_requests: int = 0  # ABORT-8
@@ -347,6 +348,7 @@ class Engine:
             st.prefill_tokens += computed
             st.prefill_seconds += seconds
             st.prefix_cache_hit_tokens += out.prefix_hit_tokens
+            st.prefix_cache_query_tokens += out.prefix_query_tokens
             st.chunked_prefills += sum(s.num_cached_tokens + s.num_scheduled_tokens < s.num_tokens for s in seqs)
         else:
             st.decode_steps += 1

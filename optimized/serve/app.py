@@ -1,13 +1,14 @@
 """The HTTP side: OpenAI's endpoints over an ``EngineLoop`` (spec/serve.md).
 
-Invariants: a handler checks the key, the body and the request in full before
-it submits anything (SERVE-8, SERVE-10), so a refused request changes nothing;
-every error is OpenAI's JSON with a status that says whose fault it is (400
-bad input, 401 key, 404 model or path, 413 body, 503 not admitting, 500 engine
-failure). Text reaches the client only through ``IncrementalDetokenizer``
-(whole characters, never a possible stop string's beginning), and the streamed
-pieces add up to the non-streamed text. A handler that ends before its
-request finished (the client went away, SERVE-6) cancels it in ``finally``.
+Invariants: the key is checked first, for every /v1 path (``KeyCheck``,
+SERVE-10); a handler checks the body and the request in full before it submits
+anything (SERVE-8), so a refused request changes nothing; every error is
+OpenAI's JSON with a status that says whose fault it is (400 bad input, 401
+key, 404 model or path, 413 body, 503 not admitting, 500 engine failure). Text
+reaches the client only through ``IncrementalDetokenizer`` (whole characters,
+never a possible stop string's beginning), and the streamed pieces add up to
+the non-streamed text. A handler that ends before its request finished (the
+client went away, SERVE-6) cancels it in ``finally``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -89,6 +89,34 @@ class BodyLimit:
                         code="request_too_large")
 
 
+class KeyCheck:
+    """SERVE-10: with a key set, every path under /v1 needs ``Authorization: Bearer KEY`` or is a 401, before
+    anything else (an unknown path's 404, a wrong method's 405, a body's 413). The header's raw bytes are
+    compared, in constant time."""
+
+    def __init__(self, app: ASGIApp, key: bytes | None) -> None:
+        self.app = app
+        self.key = key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._refused(scope):
+            error = ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                             code="invalid_api_key")
+            await _error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _refused(self, scope: Scope) -> bool:
+        if self.key is None or scope["type"] != "http" or not _under_v1(scope["path"]):
+            return False
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        return scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(b" \t"), self.key)
+
+
+def _under_v1(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
 def _error_response(error: ApiError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
     return JSONResponse(error.body(), error.status, headers=headers)
@@ -109,18 +137,12 @@ def build_app(llm: LLM, loop: EngineLoop, metrics: Metrics, template: ChatTempla
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, limit=options.max_body_bytes)
+    app.add_middleware(KeyCheck, key=options.api_key.encode("ascii") if options.api_key else None)  # outermost
     handler = _Handlers(llm, loop, metrics, template, options, life)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
         return _error_response(error)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        errors = error.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        return _error_response(ApiError(400, f"{param or 'body'}: {first['msg']}", param=param))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
@@ -144,7 +166,6 @@ class _Handlers:
         self.template = template
         self.options = options
         self.life = life
-        self._key = options.api_key.encode() if options.api_key else None
 
     # --- plain endpoints --------------------------------------------------------------------------
     async def health(self, request: Request) -> JSONResponse:
@@ -180,31 +201,20 @@ class _Handlers:
     async def metrics_text(self) -> Response:
         return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def models(self, request: Request) -> JSONResponse:
-        self._authorize(request)
+    async def models(self) -> JSONResponse:
         card = {"id": self.options.served_model, "object": "model", "created": self.life.created,
                 "owned_by": "nanoverify", "max_model_len": self.llm.engine.limits.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
-    def _authorize(self, request: Request) -> None:
-        """SERVE-10: with a key set, ``Authorization: Bearer KEY`` or 401 (compared in constant time)."""
-        if self._key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._key):
-            raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-
     # --- generation -------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        self._authorize(request)
         body = parse_request(CompletionRequest, await self._admitted_body(request))
         self._check_model(body.model)
         ids = self._tokens(body.prompt, "prompt")
-        return await self._generate(request, _Call("text_completion", body.stream, body), ids, body.max_tokens)
+        call = _Call("text_completion", body.stream, body, "prompt")
+        return await self._generate(request, call, ids, body.max_tokens)
 
     async def chat(self, request: Request) -> Response:
-        self._authorize(request)
         body = parse_request(ChatRequest, await self._admitted_body(request))
         self._check_model(body.model)
         try:
@@ -213,7 +223,7 @@ class _Handlers:
             raise ApiError(400, str(e), param="messages") from None
         ids = self._tokens(text, "messages")
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await self._generate(request, _Call("chat.completion", body.stream, body), ids, limit)
+        return await self._generate(request, _Call("chat.completion", body.stream, body, "messages"), ids, limit)
 
     async def _admitted_body(self, request: Request) -> bytes:
         if self.life.draining or self.loop.failure is not None:
@@ -226,15 +236,22 @@ class _Handlers:
                            param="model", code="model_not_found", kind="not_found_error")
 
     def _tokens(self, prompt: str | list[int], param: str) -> list[int]:
+        """The prompt's ids; text that is not valid Unicode (a lone surrogate) is a 400 naming ``param``."""
         if isinstance(prompt, list):
             return prompt
         try:
+            prompt.encode("utf-8")
             return self.llm.tokenizer.encode(prompt)
-        except ValueError as e:
+        except UnicodeEncodeError as e:
+            raise ApiError(400, f"{param}: the text is not valid Unicode: {e.reason} ({prompt[e.start:e.end]!r})",
+                           param=param) from None
+        except (ValueError, TypeError) as e:
             raise ApiError(400, f"{param}: {e}", param=param) from None
 
-    def _params(self, body: CompletionRequest | ChatRequest, ids: list[int], max_tokens: int | None) -> SamplingParams:
+    def _params(self, call: _Call, ids: list[int], max_tokens: int | None) -> SamplingParams:
         """SERVE-8: the request's sampling, refused (400 naming the field or limit) unless the engine takes it."""
+        body = call.body
+        defaulted = max_tokens is None
         if max_tokens is None:
             max_tokens = self._room(len(ids))
         try:
@@ -251,10 +268,22 @@ class _Handlers:
             self.llm.validate(ids, params)
         except ValueError as e:
             message = str(e)
-            param = "max_tokens" if "max_tokens" in message else _field_of(message)
-            raise ApiError(400, message, param=param, code="context_length_exceeded"
-                           if "max_model_len" in message or "never fit" in message else None) from None
+            if "max_model_len" in message or "never fit" in message:
+                raise self._too_long(message, call.prompt_field, ids, defaulted) from None
+            raise ApiError(400, message, param=_field_of(message)) from None
         return params
+
+    def _too_long(self, message: str, prompt_field: str, ids: list[int], defaulted: bool) -> ApiError:
+        """SERVE-8: a context-length 400 naming the prompt's field when the prompt alone cannot fit (or the
+        request left max_tokens to the server), else max_tokens."""
+        try:
+            self.llm.validate(ids, SamplingParams(max_tokens=1))
+        except ValueError as alone:  # the prompt and one token: its own fault, whatever max_tokens says
+            why = str(alone).replace(" + max_tokens (1)", " + one completion token")
+            return ApiError(400, f"{prompt_field}: the prompt is too long: {why}", param=prompt_field,
+                            code="context_length_exceeded")
+        param = prompt_field if defaulted else "max_tokens"
+        return ApiError(400, f"{param}: {message}", param=param, code="context_length_exceeded")
 
     def _room(self, prompt_len: int) -> int:
         """The default max_tokens: all the room max_model_len and the KV cache leave (at least 1)."""
@@ -263,7 +292,7 @@ class _Handlers:
         return max(1, min(limits.max_model_len, cache) - prompt_len)
 
     async def _generate(self, request: Request, call: _Call, ids: list[int], max_tokens: int | None) -> Response:
-        params = self._params(call.body, ids, max_tokens)
+        params = self._params(call, ids, max_tokens)
         stream = Stream(ids, params, asyncio.get_running_loop())
         try:
             self.loop.submit(stream)
@@ -282,7 +311,7 @@ class _Handlers:
     async def _whole(self, request: Request, stream: Stream, call: _Call) -> JSONResponse:
         """A non-streamed answer; a client that disconnects while waiting cancels its request (SERVE-6)."""
         self.life.handlers += 1
-        timing = _Timing(self.metrics, stream.arrived)
+        timing = _Timing(self.metrics, stream)
         waiter = asyncio.ensure_future(self._finish(stream, timing))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -297,8 +326,7 @@ class _Handlers:
                 waiter.cancel()
                 self.loop.cancel(stream)
         if isinstance(event, FailEvent):
-            raise ApiError(event.status, event.message, kind="server_error" if event.status >= 500 else
-                           "invalid_request_error")
+            raise _failure(event)
         output = event.output
         if output.finish_reason == "error":
             raise ApiError(500, "the model failed during this request's step", kind="server_error")
@@ -320,7 +348,7 @@ class _Handlers:
         self.life.handlers += 1
         model = self.options.served_model
         detokenizer = IncrementalDetokenizer(self.llm.tokenizer, stream.params.stop)
-        timing = _Timing(self.metrics, stream.arrived)
+        timing = _Timing(self.metrics, stream)
         ended = False
         pending: list[int] = []  # tokens whose text is not sent yet
         chunks = 0  # content chunks sent
@@ -347,7 +375,7 @@ class _Handlers:
                     continue
                 ended = True
                 if isinstance(event, FailEvent):
-                    yield _sse_data(ApiError(event.status, event.message, kind="server_error").body())
+                    yield _sse_data(_failure(event).body())
                 elif event.output.finish_reason == "error":
                     yield _sse_data(ApiError(500, "the model failed during this request's step",
                                              kind="server_error").body())
@@ -369,9 +397,16 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _failure(event: FailEvent) -> ApiError:
+    """The loop's failure as an error whose type follows its status (a 400 is the request's fault)."""
+    return ApiError(event.status, event.message,
+                    kind="server_error" if event.status >= 500 else "invalid_request_error")
+
+
 def _field_of(message: str) -> str | None:
     word = message.split(" ", 1)[0].rstrip(":")
-    return word if word in {"prompt", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids"} else None
+    fields = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids"}
+    return word if word in fields else None
 
 
 def _sse_data(payload: dict[str, Any]) -> str:
@@ -383,16 +418,19 @@ def _sse_data(payload: dict[str, Any]) -> str:
 class _Timing:
     """The request histograms of one request, observed as its events arrive (SERVE-12)."""
 
-    def __init__(self, metrics: Metrics, arrived: float) -> None:
+    def __init__(self, metrics: Metrics, stream: Stream) -> None:
         self.metrics = metrics
-        self.arrived = arrived
+        self.stream = stream
+        self.arrived = stream.arrived
         self.last: float | None = None
 
     def tokens(self, event: TokenEvent) -> None:
         m = self.metrics
         if self.last is None:
             m.ttft.observe(event.at - self.arrived)
-            m.queue_time.observe(max(0.0, event.step_started - self.arrived))
+            # the loop noted when a step first computed it (a chunked prompt's first chunk) before sending this
+            began = self.stream.scheduled_at if self.stream.scheduled_at is not None else event.step_started
+            m.queue_time.observe(max(0.0, began - self.arrived))
         else:
             m.itl.observe(event.at - self.last)
         self.last = event.at
@@ -404,10 +442,11 @@ class _Timing:
 class _Call:
     """One request's response shapes (completion or chat, streamed or whole)."""
 
-    def __init__(self, kind: str, streaming: bool, body: CompletionRequest | ChatRequest) -> None:
+    def __init__(self, kind: str, streaming: bool, body: CompletionRequest | ChatRequest, prompt_field: str) -> None:
         self.kind = kind
         self.streaming = streaming
         self.body = body
+        self.prompt_field = prompt_field  # "prompt" or "messages": what a too-long prompt's 400 names
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())

@@ -12,7 +12,9 @@ stream's events are in order and end with exactly one ``FinishEvent`` or
 ``ShadowDivergence``, ENG-15; any failure that leaves it untrusted, ENG-24)
 the loop records why in ``failure``, logs it (both schedulers' states, for a
 divergence), fails every stream with a 500 that says so and stops: nothing is
-admitted after (SERVE-11).
+admitted after (SERVE-11), no probe is taken, and every probe not answered
+fails when the loop ends. The metrics' gauges are published after every step
+and every turn that admitted or aborted (SERVE-12).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Stream:
     arrived: float = field(default_factory=time.perf_counter)
     request_id: int | None = None
     sent: int = 0  # completion tokens sent so far
+    scheduled_at: float | None = None  # perf_counter when the first step that computed it began (SERVE-12)
     cancelled: bool = False
     done: bool = False  # its last event (output or failure) is sent
 
@@ -101,6 +104,7 @@ class EngineLoop:
         self._hangups: list[Stream] = []
         self._probes: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._live: dict[int, Stream] = {}
+        self._unscheduled: list[Stream] = []  # admitted, not computed by any step yet
         self._closing = False  # admit nothing more
         self._abort_all = False  # abort every live request, then keep serving nothing
         self._stop = False
@@ -129,9 +133,9 @@ class EngineLoop:
     def call_between_steps(self, probe: Callable[[], Any]) -> Future[Any]:
         """Run ``probe`` in the loop thread between two steps; its result through the future."""
         future: Future[Any] = Future()
-        with self._cv:
-            if not self.thread.is_alive():
-                future.set_exception(Unavailable("the engine loop is not running"))
+        with self._cv:  # a stopping or failed loop may take no more probes: none would be answered
+            if self._stop or self.failure is not None or not self.thread.is_alive():
+                future.set_exception(Unavailable(self.failure or "the engine loop is not running"))
                 return future
             self._probes.append((probe, future))
             self._cv.notify()
@@ -167,6 +171,15 @@ class EngineLoop:
                 pass
         except BaseException as error:  # every way out of the loop must fail the streams
             self._die(error)
+        finally:
+            self._refuse_probes("the engine loop stopped")
+
+    def _refuse_probes(self, why: str) -> None:
+        """Fail every probe not answered: no turn will come for them."""
+        with self._cv:
+            probes, self._probes = self._probes, []
+        for _, future in probes:
+            future.set_exception(Unavailable(why))
 
     def _turn(self) -> bool:
         """Apply what the handlers asked, then one step if anything is live; False when told to stop."""
@@ -186,11 +199,15 @@ class EngineLoop:
         if abort_all:
             for stream in list(self._live.values()):
                 self._abort(stream, tell=True)
+        if arrivals or hangups or abort_all:
+            self._publish()  # admissions and aborts change the gauges too, step or no step (probes see them)
         for probe, future in probes:
             self._answer(probe, future)
         if stop:
+            if self._live:  # only finished requests are left (all else was aborted): their outputs are due
+                self._step()
             return False
-        if self._live:
+        if self._live or self.llm.has_unfinished_requests():  # FAULT-1's outputs come with a step, too
             self._step()
         return True
 
@@ -204,18 +221,23 @@ class EngineLoop:
             stream.push(FailEvent(400, str(e)))
             return
         self._live[stream.request_id] = stream
+        self._unscheduled.append(stream)
         self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
-        self.metrics.prefix_queries.inc(len(stream.prompt_ids))
 
     def _abort(self, stream: Stream, tell: bool = False) -> None:
-        """Abort the stream's request if it is live; ``tell``: send the handler the aborted output."""
-        if stream.request_id is None or self._live.pop(stream.request_id, None) is None:
+        """Abort the stream's request if it is live; ``tell``: send the handler the aborted output.
+
+        A request that has finished already (a failed step's, FAULT-1) keeps its stream: its output comes with the
+        next step and goes to it then."""
+        if stream.request_id is None or stream.request_id not in self._live:
             return
         output = self.llm.abort(stream.request_id)
-        if output is not None:
-            self._count_finish(output)
-            if tell:
-                self._send_rest(stream, output)
+        if output is None:
+            return
+        del self._live[stream.request_id]
+        self._count_finish(output)
+        if tell:
+            self._send_rest(stream, output)
 
     @staticmethod
     def _answer(probe: Callable[[], Any], future: Future[Any]) -> None:
@@ -228,14 +250,14 @@ class EngineLoop:
         started = time.perf_counter()
         try:
             outputs = self.llm.step()
-        except ShadowDivergence:
-            self.metrics.divergences.inc()
-            raise
         except Exception as e:
-            if not self.llm.engine.trusted or self.llm.interrupted is not None:
+            if isinstance(e, ShadowDivergence) or not self.llm.engine.trusted or self.llm.interrupted is not None:
                 raise
             log.error("a step failed and its batch ended with an error (FAULT-1): %s", e)
+            self._publish()
             return  # the failed requests' outputs (finish_reason "error") come with the next step
+        if self._unscheduled:
+            self._note_scheduled(started)
         now = time.perf_counter()
         finished = {o.request_id for o in outputs}
         events: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
@@ -248,15 +270,29 @@ class EngineLoop:
                     generated += len(tokens)
                     events.setdefault(stream.loop, []).append((stream.queue, TokenEvent(tokens, now, started)))
         for output in outputs:
-            stream = self._live.pop(output.request_id)
             self._count_finish(output)
-            generated += len(output.token_ids) - stream.sent
-            for event in self._last_events(stream, output, started):
-                events.setdefault(stream.loop, []).append((stream.queue, event))
+            owner = self._live.pop(output.request_id, None)
+            if owner is None:  # defensive: every output has a live stream (_abort keeps one whose output is due)
+                continue
+            generated += len(output.token_ids) - owner.sent
+            for event in self._last_events(owner, output, started):
+                events.setdefault(owner.loop, []).append((owner.queue, event))
         for loop, batch in events.items():  # one wake-up per event loop and step, not one per request
             deliver(loop, batch)
         self.metrics.generation_tokens.inc(generated)
-        self._after_step()
+        self._publish()
+
+    def _note_scheduled(self, started: float) -> None:
+        """SERVE-12: the streams this step (begun at ``started``) computed first: those given blocks, or gone."""
+        by_arrival = self.llm.engine.by_arrival
+        waiting = []
+        for stream in self._unscheduled:
+            request = by_arrival.get(stream.request_id) if stream.request_id is not None else None
+            if request is None or request.seq.block_table:
+                stream.scheduled_at = started
+            else:
+                waiting.append(stream)
+        self._unscheduled = waiting
 
     def _send_rest(self, stream: Stream, output: RequestOutput) -> None:
         self.metrics.generation_tokens.inc(len(output.token_ids) - stream.sent)
@@ -277,7 +313,8 @@ class EngineLoop:
     def _count_finish(self, output: RequestOutput) -> None:
         self.metrics.success.labels(finished_reason=output.finish_reason).inc()
 
-    def _after_step(self) -> None:
+    def _publish(self) -> None:
+        """The engine's gauges and counters, as they are now (after a step, or a turn that changed them)."""
         engine = self.llm.engine
         scheduler = engine.scheduler
         free = scheduler.block_manager.pool.free.count  # O(1); free_block_ids would copy the queue
@@ -286,7 +323,8 @@ class EngineLoop:
 
     def _die(self, error: BaseException) -> None:
         """SERVE-11: the engine is untrusted: say why, fail every stream with a 500, admit nothing more."""
-        if isinstance(error, ShadowDivergence):
+        if isinstance(error, ShadowDivergence):  # found by a step or by an abort's mirror
+            self.metrics.divergences.inc()
             why = "check mode found the engine's scheduler diverging from the reference scheduler"
         else:
             why = f"the engine loop failed ({type(error).__name__}: {error})"

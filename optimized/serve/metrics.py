@@ -29,7 +29,7 @@ class Metrics:
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens admitted.", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
         self.preemptions = Counter(PREFIX + "num_preemptions", "Preemptions.", registry=r)
-        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Tokens looked up in the prefix cache.",
                                       registry=r)
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                    registry=r)
@@ -62,6 +62,7 @@ class Metrics:
         self.waiting.set(waiting)
         self.kv_usage.set(1 - free_blocks / num_blocks)
         self.advance(self.preemptions, "preemptions", stats.preemptions)
+        self.advance(self.prefix_queries, "prefix_queries", stats.prefix_cache_query_tokens)
         self.advance(self.prefix_hits, "prefix_hits", stats.prefix_cache_hit_tokens)
         self.advance(self.compared_steps, "compared_steps", stats.compared_steps)
 

@@ -3,7 +3,9 @@
 Invariant: a body either becomes a typed request here, or an ``ApiError`` whose
 message and ``param`` name the field at fault; nothing reaches the engine
 unchecked. Models are strict (a string is never taken for a number, nor a
-number for a bool) and ignore unknown fields, as OpenAI does. The sampling
+number for a bool) and ignore unknown fields, as OpenAI does; OpenAI fields that would change the answer
+and are not implemented (``echo``, ``logprobs``...) are refused unless they hold the value that changes
+nothing. The sampling
 fields are checked once more by ``SamplingParams`` and the prompt by
 ``LLM.validate`` (ENG-9), whose ValueErrors also become 400s.
 """
@@ -11,6 +13,7 @@ fields are checked once more by ``SamplingParams`` and the prompt by
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -108,7 +111,33 @@ def parse_request(model: type[M], raw: bytes) -> M:
         raise from_validation(e) from None
     if getattr(request, "n", 1) != 1:
         raise ApiError(400, "n: only n=1 is supported (one completion per request)", param="n")
+    _refuse_unsupported(data)
     return request
+
+
+def _is_zero(value: object) -> bool:
+    return value is None or (type(value) in (int, float) and value == 0)
+
+
+# SERVE-8: OpenAI fields that would change the answer, which this server does not implement: the value that
+# changes nothing (accepted), else a 400 naming the field, never a silently different answer.
+_UNSUPPORTED: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "echo": ("false", lambda v: v is None or v is False),
+    "logprobs": ("null or false", lambda v: v is None or v is False),
+    "top_logprobs": ("null or 0", _is_zero),
+    "best_of": ("null or 1", lambda v: v is None or (type(v) is int and v == 1)),
+    "suffix": ("null or empty", lambda v: v is None or v == ""),
+    "presence_penalty": ("0", _is_zero),
+    "frequency_penalty": ("0", _is_zero),
+    "logit_bias": ("null or {}", lambda v: v is None or v == {}),
+    "response_format": ('{"type": "text"}', lambda v: v is None or v == {"type": "text"}),
+}
+
+
+def _refuse_unsupported(data: dict[str, Any]) -> None:
+    for name, (default, unchanged) in _UNSUPPORTED.items():
+        if name in data and not unchanged(data[name]):
+            raise ApiError(400, f"{name}: not supported by this server (only {default} is accepted)", param=name)
 
 
 def from_validation(error: ValidationError) -> ApiError:

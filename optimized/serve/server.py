@@ -38,6 +38,7 @@ class NanoverifyServer(uvicorn.Server):
         self.life = life
         self.shutdown_timeout = shutdown_timeout
         self.bound: tuple[str, int] | None = None
+        self.drainer: threading.Thread | None = None  # the thread that waits for the in-flight requests
 
     async def startup(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         await super().startup(sockets)  # type: ignore[arg-type]
@@ -57,7 +58,8 @@ class NanoverifyServer(uvicorn.Server):
         """SERVE-7: stop admitting, let the in-flight requests finish (or abort them at the deadline), then exit."""
         self.life.draining = True
         self.engine_loop.close()
-        threading.Thread(target=self._drain, name="nanoverify-drain", daemon=True).start()
+        self.drainer = threading.Thread(target=self._drain, name="nanoverify-drain", daemon=True)
+        self.drainer.start()
 
     def _drain(self) -> None:
         deadline = time.monotonic() + self.shutdown_timeout
