@@ -112,6 +112,7 @@ class Pair:
         assert [self.opt_seqs.index(s) for s in out.preempted] == [self.ref_seqs.index(s) for s in ref_preempted]
         admitted = [s.num_cached_tokens for s in rb if id(s) not in holding] if rp else []
         assert out.prefix_hit_tokens == sum(admitted)
+        assert out.prefix_query_tokens == (sum(s.num_tokens for s in rb if id(s) not in holding) if rp else 0)
         model = [1 + (len(s) * 7) % 5 for s in rb]
         postprocess_with_stops(self.ref, rb, model, rp, [self.stops[s.seq_id] for s in rb])
         self.check_calendar()
