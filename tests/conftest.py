@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 # Triton decides at its first import whether it interprets kernels, and transformers
 # imports it too: without a GPU the kernel tests need the interpreter from the start.
@@ -33,3 +34,14 @@ def engine_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     set_root(tmp_path_factory.mktemp("engine"))
     with one_thread():
         yield
+
+
+@pytest.fixture(scope="module")
+def serve_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A module's own cache folder and HOME (the default model is made there), torch on one thread: the served
+    tests' (tests/test_serve*.py) and their spawned servers' shared home."""
+    with pytest.MonkeyPatch.context() as mp, one_thread():
+        root = tmp_path_factory.mktemp("nanoverify-cache")
+        mp.setenv("NANOVERIFY_CACHE", str(root))
+        mp.setenv("HOME", str(root))
+        yield root

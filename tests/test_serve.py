@@ -24,7 +24,6 @@ import openai
 import pytest
 
 from optimized import LLM, SamplingParams
-from tests.engine_fixtures import one_thread
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-test-0123456789"
@@ -82,25 +81,16 @@ def stop(served: Served) -> int:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    with pytest.MonkeyPatch.context() as mp, one_thread():
-        root = tmp_path_factory.mktemp("nanoverify-cache")
-        mp.setenv("NANOVERIFY_CACHE", str(root))
-        mp.setenv("HOME", str(root))
-        yield root
-
-
-@pytest.fixture(scope="module")
-def offline(cache: Path) -> LLM:
+def offline(serve_cache: Path) -> LLM:
     """The default model in float64 (it is made here, in the module's cache, before the server loads it); no check
     mode here: the server runs in check mode."""
     return LLM(None, dtype="float64", num_kvcache_blocks=BLOCKS)
 
 
 @pytest.fixture(scope="module")
-def server(offline: LLM, cache: Path) -> Iterator[Served]:
+def server(offline: LLM, serve_cache: Path) -> Iterator[Served]:
     served = spawn(["--dtype", "float64", "--check", "--api-key", KEY, "--num-kvcache-blocks", str(BLOCKS)],
-                   cache / "server.log")
+                   serve_cache / "server.log")
     try:
         yield served
     finally:

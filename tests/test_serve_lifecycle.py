@@ -12,7 +12,6 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +26,10 @@ from optimized.serve.app import ServerOptions, build_app
 from optimized.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
 from optimized.serve.loop import EngineLoop, FinishEvent, Stream, TokenEvent
 from optimized.serve.metrics import Metrics
-from tests.engine_fixtures import make_llm, one_thread, with_config
+from tests.engine_fixtures import make_llm, with_config
 from tests.test_serve import spawn, stop
 
 pytestmark = pytest.mark.usefixtures("engine_env")
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    with pytest.MonkeyPatch.context() as mp, one_thread():
-        root = tmp_path_factory.mktemp("nanoverify-cache")
-        mp.setenv("NANOVERIFY_CACHE", str(root))
-        mp.setenv("HOME", str(root))
-        yield root
 
 
 def stream_lines(client: httpx.Client, url: str, payload: dict[str, Any], seen: threading.Event,
@@ -53,14 +43,15 @@ def stream_lines(client: httpx.Client, url: str, payload: dict[str, Any], seen: 
 
 
 @pytest.mark.clause("SERVE-7")
-def test_sigterm_drains_then_aborts_and_exits_zero(cache: Path) -> None:
+def test_sigterm_drains_then_aborts_and_exits_zero(serve_cache: Path) -> None:
     """SERVE-7: on SIGTERM the server admits nothing more (503) while in-flight streams go on; a short one
     finishes normally, the long ones are aborted at the deadline and end cleanly (finish_reason "abort", then
     [DONE]); the process exits 0 within the grace period (plus the settle time). A tiny checkpoint with a long
     context: the long requests cannot finish within the grace period, the short one (in flight when the signal
     comes) can."""
     folder = with_config("qwen3", "long-context", max_position_embeddings=8192)
-    served = spawn(["--model", str(folder), "--shutdown-timeout", "3", "--max-num-seqs", "4"], cache / "sigterm.log")
+    served = spawn(["--model", str(folder), "--shutdown-timeout", "3", "--max-num-seqs", "4"],
+                   serve_cache / "sigterm.log")
     name = folder.name
     try:
         url = served.url + "/v1/completions"
