@@ -306,9 +306,13 @@ def test_bench_workloads_arrivals_and_percentiles(tmp_path: Path) -> None:
     for text, message in (("arrived_at,num_prefill_tokens\n0,1\n", "line 2: no column 'num_decode_tokens'"),
                           ("arrived_at,num_prefill_tokens,num_decode_tokens\n0,x,1\n", "line 2: not a number"),
                           ("arrived_at,num_prefill_tokens,num_decode_tokens\nnan,1,1\n", "line 2: a time must be"),
-                          ("arrived_at,num_prefill_tokens,num_decode_tokens\n", "no requests")):
+                          ("arrived_at,num_prefill_tokens,num_decode_tokens\n", "no requests"),
+                          ("arrived_at,num_prefill_tokens,num_decode_tokens\n1,1,1\n0.5,1,1\n", "line 3: arrived_at"),
+                          ("arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,\"" + "x" * 200_000 + "\"\n",
+                           "line 2: field larger than field limit"),
+                          ("arrived_at,num_prefill_tokens,num_decode_tokens\n0,1,\xff\n", "not UTF-8 text")):
         bad = tmp_path / "bad.csv"
-        bad.write_text(text)
+        bad.write_bytes(text.encode("latin-1"))  # "\xff": a byte that is not UTF-8
         with pytest.raises(ValueError, match=message):
             bench.trace_rows(bad, 3)
     stats = bench.percentiles([1.0, 2.0, 3.0, 4.0])

@@ -90,24 +90,38 @@ Row = tuple[float, int, int]
 
 def trace_rows(path: Path, n: int) -> list[Row]:
     """The first ``n`` rows of a trace CSV (arrived_at, num_prefill_tokens, num_decode_tokens); a ValueError naming
-    the line and column when one is missing or not a number (checked before any model is loaded)."""
+    the file and line when one is missing, not a number, out of order or not CSV/UTF-8 (checked before any model is
+    loaded)."""
     rows: list[Row] = []
-    with path.open(newline="") as f:
-        for line, row in enumerate(csv.DictReader(f), start=2):
-            try:
-                rows.append((float(row["arrived_at"]), int(row["num_prefill_tokens"]), int(row["num_decode_tokens"])))
-            except KeyError as e:
-                raise ValueError(f"{path}: line {line}: no column {e.args[0]!r} "
-                                 "(columns arrived_at,num_prefill_tokens,num_decode_tokens)") from None
-            except (TypeError, ValueError):
-                raise ValueError(f"{path}: line {line}: not a number in {dict(row)!r}") from None
-            if not (math.isfinite(rows[-1][0]) and rows[-1][1] >= 0 and rows[-1][2] >= 0):
-                raise ValueError(f"{path}: line {line}: a time must be finite and lengths >= 0, got {rows[-1]}")
-            if len(rows) == n:
-                break
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        try:
+            for row in reader:
+                rows.append(_trace_row(path, reader.line_num, row, rows[-1][0] if rows else 0.0))
+                if len(rows) == n:
+                    break
+        except csv.Error as e:  # raised reading the row after the last line counted
+            raise ValueError(f"{path}: line {reader.line_num + 1}: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a read)") from None
     if not rows:
         raise ValueError(f"{path}: no requests (columns arrived_at,num_prefill_tokens,num_decode_tokens)")
     return rows
+
+
+def _trace_row(path: Path, line: int, row: dict[str, str], earliest: float) -> Row:
+    try:
+        parsed = (float(row["arrived_at"]), int(row["num_prefill_tokens"]), int(row["num_decode_tokens"]))
+    except KeyError as e:
+        raise ValueError(f"{path}: line {line}: no column {e.args[0]!r} "
+                         "(columns arrived_at,num_prefill_tokens,num_decode_tokens)") from None
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}: line {line}: not a number in {dict(row)!r}") from None
+    if not (math.isfinite(parsed[0]) and parsed[1] >= 0 and parsed[2] >= 0):
+        raise ValueError(f"{path}: line {line}: a time must be finite and lengths >= 0, got {parsed}")
+    if parsed[0] < earliest:
+        raise ValueError(f"{path}: line {line}: arrived_at {parsed[0]} is before the line above's {earliest}")
+    return parsed
 
 
 def trace_jobs(rows: list[Row], vocab: int, max_model_len: int, prompt_scale: float, output_scale: float,

@@ -56,8 +56,8 @@ def main(args: argparse.Namespace) -> int:
     from optimized.serve.server import serve
 
     key = api_key(args.api_key, os.environ)
-    llm = LLM(**llm_kwargs(args), **trace_options(args))
     options = ServerOptions(served_model=served_name(args.model), api_key=key, stream_interval=args.stream_interval)
+    llm = LLM(**llm_kwargs(args), **trace_options(args))
     try:
         return serve(llm, args.host, args.port, options, args.shutdown_timeout)
     finally:
