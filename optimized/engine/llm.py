@@ -138,6 +138,12 @@ def _valid_text(prompt: str) -> str:
     return prompt
 
 
+def _completion_since(request: Request, start: int) -> list[int]:
+    """The tokens ``request`` has generated, from its ``start``-th on."""
+    seq = request.seq
+    return seq.stored_tokens()[seq.num_prompt_tokens + start :].tolist()  # type: ignore[no-any-return]
+
+
 class _Bookkeeping:
     """``with``: one piece of this LLM's own bookkeeping around the engine (handing outputs over, recording ids).
 
@@ -350,8 +356,7 @@ class LLM:
             request = self.engine.by_arrival.get(request_id)
             if request is None:
                 return None
-            seq = request.seq
-            return seq.stored_tokens()[seq.num_prompt_tokens + start :].tolist()  # type: ignore[no-any-return]
+            return _completion_since(request, start)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
         """ABORT-7: validate and queue one request (as generate would); its request_id. Refused: ValueError."""
@@ -430,8 +435,7 @@ class LLM:
             if request is None:  # aborted or failed meanwhile
                 del self._watched[arrival]
                 continue
-            seq = request.seq
-            hit = watch.add(seq.stored_tokens()[seq.num_prompt_tokens + watch.num_tokens :].tolist())
+            hit = watch.add(_completion_since(request, watch.num_tokens))
             if hit and arrival not in ended:
                 self.engine.abort(arrival, reason="stop")
                 stopped.append(request)

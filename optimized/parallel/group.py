@@ -244,9 +244,10 @@ class Group:
             for group in (self.compute, self.control):
                 with contextlib.suppress(RuntimeError):
                     group.abort()
-        # Freed, a gloo group closes its connections: a peer waiting in a collective with this rank fails at once.
-        self.compute = self.control = None
+        # The spawned workers are killed first, so none leaves by itself on seeing the group freed (one exit path);
+        # freed, a gloo group closes its connections: a torchrun peer waiting in a collective fails at once.
         self.kill_workers()
+        self.compute = self.control = None
         return TensorParallelError(failure)
 
     def wait_for_ranks(self, stage: str, timeout: timedelta) -> None:
