@@ -49,12 +49,14 @@ class Served:
         return httpx.post(self.url + path, content=body, headers={**auth, **headers}, timeout=30)
 
 
-def spawn(args: list[str], log: Path) -> Served:
-    """``python -m optimized.cli serve ARGS --port 0``, once it says where it listens."""
+def spawn(args: list[str], log: Path, own_session: bool = False) -> Served:
+    """``python -m optimized.cli serve ARGS --port 0``, once it says where it listens; ``own_session``: in a
+    process group of its own, as a shell's foreground job is."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "optimized.cli", "serve", "--port", "0", *args], cwd=ROOT,
-                                env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+                                env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                                start_new_session=own_session)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()

@@ -24,7 +24,7 @@ from optimized import LLM, SamplingParams
 from optimized.cli import main as cli_main
 from optimized.serve.app import ServerOptions, build_app
 from optimized.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
-from optimized.serve.loop import EngineLoop, FinishEvent, Stream, TokenEvent
+from optimized.serve.loop import EngineInfo, EngineLoop, FinishEvent, Stream, TokenEvent
 from optimized.serve.metrics import Metrics
 from tests.engine_fixtures import make_llm, with_config
 from tests.test_serve import spawn, stop
@@ -91,7 +91,8 @@ class InProcess:
     def __init__(self, llm: LLM, options: ServerOptions | None = None) -> None:
         self.metrics = Metrics()
         self.loop = EngineLoop(llm, self.metrics)
-        app = build_app(llm, self.loop, self.metrics, ChatTemplate(DEFAULT_TEMPLATE), options or ServerOptions())
+        app = build_app(EngineInfo.of(llm), self.loop, self.metrics, ChatTemplate(DEFAULT_TEMPLATE),
+                        options or ServerOptions())
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -234,10 +234,10 @@ class ServerProcess:
         return host, int(port)
 
     def cpu_seconds(self) -> float | None:
-        """The server process's CPU time so far (user + system; Linux's /proc), None where unknown."""
+        """The CPU time so far (user + system; Linux's /proc) of the server and every process under it (the
+        engine process, tensor-parallel workers), None where unknown."""
         try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            return sum(_cpu_seconds(pid) for pid in _process_tree(self.proc.pid))
         except (OSError, ValueError, IndexError):
             return None
 
@@ -249,6 +249,20 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, as Linux lists each thread's children."""
+    tree = [pid]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            tree += _process_tree(int(child))
+    return tree
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # --- the report --------------------------------------------------------------------------------------------

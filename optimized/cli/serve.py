@@ -51,14 +51,27 @@ def api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from optimized import LLM
+    import logging
+    import sys
+
+    from optimized.parallel.launch import torchrun_rank
     from optimized.serve.app import ServerOptions
+    from optimized.serve.engine_process import EngineProcess
+    from optimized.serve.metrics import Metrics
     from optimized.serve.server import serve
 
     key = api_key(args.api_key, os.environ)
     options = ServerOptions(served_model=served_name(args.model), api_key=key, stream_interval=args.stream_interval)
-    llm = LLM(**llm_kwargs(args), **trace_options(args))
+    kwargs = {**llm_kwargs(args), **trace_options(args)}
+    if torchrun_rank() not in (None, 0):  # a torchrun worker rank: the LLM serves rank 0, then ends the process
+        from optimized import LLM  # (TP-6): it never returns
+
+        LLM(**kwargs)
+        return 0
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    metrics = Metrics()
+    engine = EngineProcess(kwargs, metrics)  # the LLM is built there; its refusals are raised here
     try:
-        return serve(llm, args.host, args.port, options, args.shutdown_timeout)
+        return serve(engine, engine.info, metrics, args.host, args.port, options, args.shutdown_timeout)
     finally:
-        llm.close()  # the trace flushed and closed, tensor-parallel workers stopped
+        engine.stop()  # the engine process closes its LLM: the trace flushed, tensor-parallel workers stopped

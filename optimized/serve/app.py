@@ -1,4 +1,4 @@
-"""The HTTP side: OpenAI's endpoints over an ``EngineLoop`` (spec/serve.md).
+"""The HTTP side: OpenAI's endpoints over an ``EngineHandle`` (spec/serve.md).
 
 Invariants: the key is checked first, for every /v1 path (``KeyCheck``,
 SERVE-10); a handler checks the body and the request in full before it submits
@@ -29,10 +29,20 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from optimized.engine.detokenizer import IncrementalDetokenizer
-from optimized.engine.llm import LLM
+from optimized.engine.engine import validate_request
 from optimized.engine.sampling_params import SamplingParams, stop_strings
+from optimized.models.tokenizer import load_tokenizer
 from optimized.serve.chat import ChatTemplate
-from optimized.serve.loop import EngineLoop, Event, FailEvent, FinishEvent, Stream, TokenEvent, Unavailable
+from optimized.serve.loop import (
+    EngineHandle,
+    EngineInfo,
+    Event,
+    FailEvent,
+    FinishEvent,
+    Stream,
+    TokenEvent,
+    Unavailable,
+)
 from optimized.serve.metrics import Metrics
 from optimized.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse_request
 
@@ -122,15 +132,15 @@ def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), error.status, headers=headers)
 
 
-def build_app(llm: LLM, loop: EngineLoop, metrics: Metrics, template: ChatTemplate,
+def build_app(info: EngineInfo, loop: EngineHandle, metrics: Metrics, template: ChatTemplate,
               options: ServerOptions, lifecycle: Lifecycle | None = None) -> FastAPI:
-    """The FastAPI app; its lifespan starts ``loop`` (unless started) and stops it at shutdown."""
+    """The FastAPI app over the engine ``info`` describes; its lifespan starts ``loop`` (unless started) and
+    stops it at shutdown."""
     life = lifecycle or Lifecycle()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if not loop.thread.is_alive() and loop.thread.ident is None:
-            loop.start()
+        loop.start()
         yield
         life.draining = True
         await asyncio.to_thread(loop.stop)
@@ -138,7 +148,7 @@ def build_app(llm: LLM, loop: EngineLoop, metrics: Metrics, template: ChatTempla
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, limit=options.max_body_bytes)
     app.add_middleware(KeyCheck, key=options.api_key.encode("ascii") if options.api_key else None)  # outermost
-    handler = _Handlers(llm, loop, metrics, template, options, life)
+    handler = _Handlers(info, loop, metrics, template, options, life)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
@@ -158,9 +168,10 @@ def build_app(llm: LLM, loop: EngineLoop, metrics: Metrics, template: ChatTempla
 
 
 class _Handlers:
-    def __init__(self, llm: LLM, loop: EngineLoop, metrics: Metrics, template: ChatTemplate,
+    def __init__(self, info: EngineInfo, loop: EngineHandle, metrics: Metrics, template: ChatTemplate,
                  options: ServerOptions, life: Lifecycle) -> None:
-        self.llm = llm
+        self.limits = info.limits
+        self.tokenizer = load_tokenizer(info.model_dir)
         self.loop = loop
         self.metrics = metrics
         self.template = template
@@ -173,37 +184,22 @@ class _Handlers:
         status = self._status()
         body: dict[str, Any] = {"status": status}
         if status == "ok" and request.query_params.get("verbose") in ("1", "true"):
-            body["engine"] = await asyncio.wrap_future(self.loop.call_between_steps(self._engine_state))
+            body["engine"] = await asyncio.wrap_future(self.loop.engine_state())
         return JSONResponse(body, 200 if status == "ok" else 503)
 
     def _status(self) -> str:
         if self.loop.failure is not None:
             return f"failed: {self.loop.failure}"
-        if not self.loop.thread.is_alive():
+        if not self.loop.alive():
             return "failed: the engine loop is not running"
         return "shutting down" if self.life.draining else "ok"
-
-    def _engine_state(self) -> dict[str, Any]:
-        """SERVE-6: the scheduler between steps: its block accounting, and every invariant checked on it."""
-        from invariants import check_state, snapshot
-
-        state = snapshot(self.llm.engine.scheduler)
-        return {
-            "num_blocks": state.num_blocks,
-            "free_blocks": len(state.free_block_ids),
-            "cached_blocks": len(state.hash_to_block_id),
-            "waiting": len(state.waiting),
-            "running": len(state.running),
-            "violations": [str(v) for v in check_state(state)],
-            "compared_steps": self.llm.engine.stats.compared_steps,
-        }
 
     async def metrics_text(self) -> Response:
         return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self) -> JSONResponse:
         card = {"id": self.options.served_model, "object": "model", "created": self.life.created,
-                "owned_by": "nanoverify", "max_model_len": self.llm.engine.limits.max_model_len}
+                "owned_by": "nanoverify", "max_model_len": self.limits.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
     # --- generation -------------------------------------------------------------------------------
@@ -241,7 +237,7 @@ class _Handlers:
             return prompt
         try:
             prompt.encode("utf-8")
-            return self.llm.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt)
         except UnicodeEncodeError as e:
             raise ApiError(400, f"{param}: the text is not valid Unicode: {e.reason} ({prompt[e.start:e.end]!r})",
                            param=param) from None
@@ -265,7 +261,7 @@ class _Handlers:
                 stop_token_ids=tuple(body.stop_token_ids),
                 stop=stop_strings(() if body.stop is None else body.stop),
             )
-            self.llm.validate(ids, params)
+            validate_request(ids, params, self.limits)
         except ValueError as e:
             message = str(e)
             if "max_model_len" in message or "never fit" in message:
@@ -277,7 +273,7 @@ class _Handlers:
         """SERVE-8: a context-length 400 naming the prompt's field when the prompt alone cannot fit (or the
         request left max_tokens to the server), else max_tokens."""
         try:
-            self.llm.validate(ids, SamplingParams(max_tokens=1))
+            validate_request(ids, SamplingParams(max_tokens=1), self.limits)
         except ValueError as alone:  # the prompt and one token: its own fault, whatever max_tokens says
             why = str(alone).replace(" + max_tokens (1)", " + one completion token")
             return ApiError(400, f"{prompt_field}: the prompt is too long: {why}", param=prompt_field,
@@ -287,7 +283,7 @@ class _Handlers:
 
     def _room(self, prompt_len: int) -> int:
         """The default max_tokens: all the room max_model_len and the KV cache leave (at least 1)."""
-        limits = self.llm.engine.limits
+        limits = self.limits
         cache = limits.num_blocks * limits.block_size + 1  # ENG-10: prompt + max_tokens - 1 tokens must fit
         return max(1, min(limits.max_model_len, cache) - prompt_len)
 
@@ -347,7 +343,7 @@ class _Handlers:
         """SERVE-4: Server-Sent Events as OpenAI sends them; cancelled by a disconnect (SERVE-6)."""
         self.life.handlers += 1
         model = self.options.served_model
-        detokenizer = IncrementalDetokenizer(self.llm.tokenizer, stream.params.stop)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, stream.params.stop)
         timing = _Timing(self.metrics, stream)
         ended = False
         pending: list[int] = []  # tokens whose text is not sent yet
@@ -428,9 +424,8 @@ class _Timing:
         m = self.metrics
         if self.last is None:
             m.ttft.observe(event.at - self.arrived)
-            # the loop noted when a step first computed it (a chunked prompt's first chunk) before sending this
-            began = self.stream.scheduled_at if self.stream.scheduled_at is not None else event.step_started
-            m.queue_time.observe(max(0.0, began - self.arrived))
+            # when a step first computed it (a chunked prompt's first chunk), as the loop noted it
+            m.queue_time.observe(max(0.0, event.scheduled - self.arrived))
         else:
             m.itl.observe(event.at - self.last)
         self.last = event.at

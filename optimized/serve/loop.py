@@ -6,9 +6,10 @@ cancellations between steps (a cancelled request is aborted before the next
 step runs, ABORT-8, so its blocks are free again), steps while any request is
 live and otherwise sleeps on a condition. After each step every live stream is
 sent the tokens it gained (``TokenEvent``), and every finished one its output
-(``FinishEvent``), through its asyncio queue (``call_soon_threadsafe``); a
-stream's events are in order and end with exactly one ``FinishEvent`` or
-``FailEvent``. When the engine can no longer be trusted (check mode's
+(``FinishEvent``), through the loop's ``Outlet``: by default straight onto each
+stream's asyncio queue (``call_soon_threadsafe``), in the server through the
+pipe to the HTTP process (engine_process.py); a stream's events are in order
+and end with exactly one ``FinishEvent`` or ``FailEvent``. When the engine can no longer be trusted (check mode's
 ``ShadowDivergence``, ENG-15; any failure that leaves it untrusted, ENG-24)
 the loop records why in ``failure``, logs it (both schedulers' states, for a
 divergence), fails every stream with a 500 that says so and stops: nothing is
@@ -27,11 +28,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
+from optimized.engine.engine import EngineLimits
 from optimized.engine.llm import LLM, RequestOutput
 from optimized.engine.sampling_params import SamplingParams
-from optimized.serve.metrics import Metrics
+from optimized.serve.metrics import EngineMetrics
 from optimized.verify.shadow import ShadowDivergence
 
 log = logging.getLogger("nanoverify.serve")
@@ -39,9 +42,11 @@ log = logging.getLogger("nanoverify.serve")
 
 @dataclass(frozen=True)
 class TokenEvent:
+    """Times are ``time.perf_counter()``: CLOCK_MONOTONIC on Linux, one clock for every process of the machine."""
+
     tokens: list[int]
-    at: float  # perf_counter when the loop sent them
-    step_started: float  # when the step that made them began
+    at: float  # when the loop sent them
+    scheduled: float  # when the first step that computed the request began (SERVE-12's queue time ends there)
 
 
 @dataclass(frozen=True)
@@ -61,33 +66,112 @@ Event = TokenEvent | FinishEvent | FailEvent
 
 @dataclass(eq=False)
 class Stream:
-    """One request's channel from the engine loop to its HTTP handler."""
+    """One request's channel from the engine loop to its HTTP handler.
+
+    ``loop`` and ``queue`` are the handler's; in the engine process a stream has neither, only the ``key`` its
+    events travel back under."""
 
     prompt_ids: list[int]
     params: SamplingParams
-    loop: asyncio.AbstractEventLoop
+    loop: asyncio.AbstractEventLoop | None = None
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
+    key: int = 0  # the stream's name between the two processes
     request_id: int | None = None
     sent: int = 0  # completion tokens sent so far
-    scheduled_at: float | None = None  # perf_counter when the first step that computed it began (SERVE-12)
+    scheduled_at: float | None = None  # when the first step that computed it began (SERVE-12)
     cancelled: bool = False
     done: bool = False  # its last event (output or failure) is sent
 
-    def push(self, event: Event) -> None:
-        """Hand ``event`` to the handler's event loop (from the engine thread); a closed loop drops it."""
-        deliver(self.loop, [(self.queue, event)])
+
+def deliver(events: list[tuple[Stream, Event]]) -> None:
+    """Put ``events`` on their streams' queues, with one wake-up per event loop (from another thread)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Event]]] = {}
+    for stream, event in events:
+        if stream.loop is not None:
+            by_loop.setdefault(stream.loop, []).append((stream, event))
+    for loop, batch in by_loop.items():
+
+        def put_all(batch: list[tuple[Stream, Event]] = batch) -> None:
+            for stream, event in batch:
+                stream.queue.put_nowait(event)
+
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
+            loop.call_soon_threadsafe(put_all)
 
 
-def deliver(loop: asyncio.AbstractEventLoop, events: list[tuple[asyncio.Queue[Event], Event]]) -> None:
-    """Put ``events`` on their queues in ``loop``, with one wake-up for all (from another thread)."""
+def _scheduled(stream: Stream, step_started: float) -> float:
+    return stream.scheduled_at if stream.scheduled_at is not None else step_started
 
-    def put_all() -> None:
-        for queue, event in events:
-            queue.put_nowait(event)
 
-    with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
-        loop.call_soon_threadsafe(put_all)
+class Outlet(Protocol):
+    """Where the loop's events go: ``send`` a turn's events in order; ``failed``: the loop stopped for good."""
+
+    def send(self, events: list[tuple[Stream, Event]]) -> None: ...
+
+    def failed(self, why: str) -> None: ...
+
+
+class QueueOutlet:
+    """Events straight onto the streams' asyncio queues (the loop and its handlers in one process)."""
+
+    def send(self, events: list[tuple[Stream, Event]]) -> None:
+        deliver(events)
+
+    def failed(self, why: str) -> None:
+        """Nothing to tell: the handlers read ``EngineLoop.failure`` themselves."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP side needs of the engine to check requests: its fixed limits and its checkpoint folder."""
+
+    limits: EngineLimits
+    model_dir: Path
+
+    @staticmethod
+    def of(llm: LLM) -> EngineInfo:
+        return EngineInfo(llm.engine.limits, llm.model_dir)
+
+
+def engine_state(llm: LLM) -> dict[str, Any]:
+    """SERVE-6: the scheduler between steps: its block accounting, and every invariant checked on it."""
+    from invariants import check_state, snapshot
+
+    state = snapshot(llm.engine.scheduler)
+    return {
+        "num_blocks": state.num_blocks,
+        "free_blocks": len(state.free_block_ids),
+        "cached_blocks": len(state.hash_to_block_id),
+        "waiting": len(state.waiting),
+        "running": len(state.running),
+        "violations": [str(v) for v in check_state(state)],
+        "compared_steps": llm.engine.stats.compared_steps,
+    }
+
+
+class EngineHandle(Protocol):
+    """The HTTP side's view of the engine loop, in this process (``EngineLoop``) or another (``EngineProcess``)."""
+
+    failure: str | None  # why the engine is no longer trusted (SERVE-11)
+
+    def start(self) -> None: ...
+
+    def submit(self, stream: Stream) -> None: ...
+
+    def cancel(self, stream: Stream) -> None: ...
+
+    def engine_state(self) -> Future[dict[str, Any]]: ...
+
+    def alive(self) -> bool: ...
+
+    def in_flight(self) -> int: ...
+
+    def close(self) -> None: ...
+
+    def abort_all(self) -> None: ...
+
+    def stop(self, timeout: float = 5.0) -> None: ...
 
 
 class Unavailable(Exception):
@@ -95,9 +179,10 @@ class Unavailable(Exception):
 
 
 class EngineLoop:
-    def __init__(self, llm: LLM, metrics: Metrics) -> None:
+    def __init__(self, llm: LLM, metrics: EngineMetrics, outlet: Outlet | None = None) -> None:
         self.llm = llm
         self.metrics = metrics
+        self.outlet: Outlet = outlet or QueueOutlet()
         self.failure: str | None = None  # why the engine is no longer trusted (SERVE-11)
         self._cv = threading.Condition()
         self._arrivals: list[Stream] = []
@@ -112,7 +197,12 @@ class EngineLoop:
 
     # --- called from the HTTP side --------------------------------------------------------------
     def start(self) -> None:
-        self.thread.start()
+        """Start the loop's thread (once; a later call does nothing)."""
+        if self.thread.ident is None:
+            self.thread.start()
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
 
     def submit(self, stream: Stream) -> None:
         """Queue ``stream`` for admission at the next gap between steps; Unavailable when closing or failed."""
@@ -140,6 +230,10 @@ class EngineLoop:
             self._probes.append((probe, future))
             self._cv.notify()
         return future
+
+    def engine_state(self) -> Future[dict[str, Any]]:
+        """SERVE-6: ``engine_state`` read between two steps."""
+        return self.call_between_steps(lambda: engine_state(self.llm))
 
     def in_flight(self) -> int:
         with self._cv:
@@ -218,11 +312,11 @@ class EngineLoop:
             stream.request_id = self.llm.add_request(stream.prompt_ids, stream.params)
         except ValueError as e:  # validated by the handler already; the engine's word is final
             stream.done = True
-            stream.push(FailEvent(400, str(e)))
+            self.outlet.send([(stream, FailEvent(400, str(e)))])
             return
         self._live[stream.request_id] = stream
         self._unscheduled.append(stream)
-        self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
+        self.metrics.admitted(len(stream.prompt_ids))
 
     def _abort(self, stream: Stream, tell: bool = False) -> None:
         """Abort the stream's request if it is live; ``tell``: send the handler the aborted output.
@@ -260,7 +354,7 @@ class EngineLoop:
             self._note_scheduled(started)
         now = time.perf_counter()
         finished = {o.request_id for o in outputs}
-        events: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
+        events: list[tuple[Stream, Event]] = []
         generated = 0
         for rid, stream in self._live.items():
             if rid not in finished:
@@ -268,18 +362,16 @@ class EngineLoop:
                 if tokens:
                     stream.sent += len(tokens)
                     generated += len(tokens)
-                    events.setdefault(stream.loop, []).append((stream.queue, TokenEvent(tokens, now, started)))
+                    events.append((stream, TokenEvent(tokens, now, _scheduled(stream, started))))
         for output in outputs:
             self._count_finish(output)
             owner = self._live.pop(output.request_id, None)
             if owner is None:  # defensive: every output has a live stream (_abort keeps one whose output is due)
                 continue
             generated += len(output.token_ids) - owner.sent
-            for event in self._last_events(owner, output, started):
-                events.setdefault(owner.loop, []).append((owner.queue, event))
-        for loop, batch in events.items():  # one wake-up per event loop and step, not one per request
-            deliver(loop, batch)
-        self.metrics.generation_tokens.inc(generated)
+            events += [(owner, event) for event in self._last_events(owner, output, started)]
+        self.metrics.generated(generated)  # before the events: a client that sees its end sees it counted
+        self.outlet.send(events)  # one send per step, not one per request
         self._publish()
 
     def _note_scheduled(self, started: float) -> None:
@@ -295,8 +387,8 @@ class EngineLoop:
         self._unscheduled = waiting
 
     def _send_rest(self, stream: Stream, output: RequestOutput) -> None:
-        self.metrics.generation_tokens.inc(len(output.token_ids) - stream.sent)
-        deliver(stream.loop, [(stream.queue, e) for e in self._last_events(stream, output, time.perf_counter())])
+        self.metrics.generated(len(output.token_ids) - stream.sent)
+        self.outlet.send([(stream, e) for e in self._last_events(stream, output, time.perf_counter())])
 
     @staticmethod
     def _last_events(stream: Stream, output: RequestOutput, started: float) -> list[Event]:
@@ -304,14 +396,14 @@ class EngineLoop:
         now = time.perf_counter()
         events: list[Event] = []
         if len(output.token_ids) > stream.sent:
-            events.append(TokenEvent(output.token_ids[stream.sent :], now, started))
+            events.append(TokenEvent(output.token_ids[stream.sent :], now, _scheduled(stream, started)))
             stream.sent = len(output.token_ids)
         events.append(FinishEvent(output, now))
         stream.done = True
         return events
 
     def _count_finish(self, output: RequestOutput) -> None:
-        self.metrics.success.labels(finished_reason=output.finish_reason).inc()
+        self.metrics.finished(output.finish_reason)
 
     def _publish(self) -> None:
         """The engine's gauges and counters, as they are now (after a step, or a turn that changed them)."""
@@ -324,7 +416,7 @@ class EngineLoop:
     def _die(self, error: BaseException) -> None:
         """SERVE-11: the engine is untrusted: say why, fail every stream with a 500, admit nothing more."""
         if isinstance(error, ShadowDivergence):  # found by a step or by an abort's mirror
-            self.metrics.divergences.inc()
+            self.metrics.diverged()
             why = "check mode found the engine's scheduler diverging from the reference scheduler"
         else:
             why = f"the engine loop failed ({type(error).__name__}: {error})"
@@ -338,6 +430,7 @@ class EngineLoop:
             probes, self._probes = self._probes, []
         for stream in streams:
             stream.done = True
-            stream.push(FailEvent(500, self.failure))
+        self.outlet.send([(stream, FailEvent(500, self.failure)) for stream in streams])
+        self.outlet.failed(self.failure)
         for _, future in probes:
             future.set_exception(Unavailable(self.failure))

@@ -2,21 +2,62 @@
 
 Invariant: names follow vLLM's where the meaning is the same, with the
 ``nanoverify:`` prefix; counters only grow. Engine counters are advanced by the
-engine loop after each step from the difference of ``EngineStats`` (so they
-agree with the engine exactly); request histograms are observed by the HTTP
-handlers as tokens arrive. A separate ``CollectorRegistry`` keeps two servers
+engine loop (through ``EngineMetrics``) after each step from the difference of
+``EngineStats`` (so they agree with the engine exactly); request histograms are
+observed by the HTTP handlers as tokens arrive. In the server the engine loop
+runs in a process of its own: ``MetricsRecorder`` carries its calls over to
+this process's ``Metrics``, in order. A separate ``CollectorRegistry`` keeps two servers
 in one process (tests) from sharing series.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 PREFIX = "nanoverify:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
+
+
+class EngineMetrics(Protocol):
+    """What the engine loop reports: admitted prompt tokens, generated tokens, finishes, a divergence, and the
+    engine's state after a step or a turn that changed it."""
+
+    def admitted(self, prompt_tokens: int) -> None: ...
+
+    def generated(self, tokens: int) -> None: ...
+
+    def finished(self, reason: str) -> None: ...
+
+    def diverged(self) -> None: ...
+
+    def after_step(self, stats: Any, running: int, waiting: int, free_blocks: int, num_blocks: int) -> None: ...
+
+
+class MetricsRecorder:
+    """An ``EngineMetrics`` that hands each call, as (name, arguments), to ``send`` (``Metrics.apply`` replays it)."""
+
+    def __init__(self, send: Callable[[tuple[str, tuple[Any, ...]]], None]) -> None:
+        self._send = send
+
+    def admitted(self, prompt_tokens: int) -> None:
+        self._send(("admitted", (prompt_tokens,)))
+
+    def generated(self, tokens: int) -> None:
+        self._send(("generated", (tokens,)))
+
+    def finished(self, reason: str) -> None:
+        self._send(("finished", (reason,)))
+
+    def diverged(self) -> None:
+        self._send(("diverged", ()))
+
+    def after_step(self, stats: Any, running: int, waiting: int, free_blocks: int, num_blocks: int) -> None:
+        self._send(("after_step", (copy.copy(stats), running, waiting, free_blocks, num_blocks)))
 
 
 class Metrics:
@@ -55,6 +96,23 @@ class Metrics:
         if delta > 0:
             counter.inc(delta)
             self._seen[name] = total
+
+    def admitted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def generated(self, tokens: int) -> None:
+        self.generation_tokens.inc(tokens)
+
+    def finished(self, reason: str) -> None:
+        self.success.labels(finished_reason=reason).inc()
+
+    def diverged(self) -> None:
+        self.divergences.inc()
+
+    def apply(self, call: tuple[str, tuple[Any, ...]]) -> None:
+        """Replay one ``MetricsRecorder`` call."""
+        name, args = call
+        getattr(self, name)(*args)
 
     def after_step(self, stats: Any, running: int, waiting: int, free_blocks: int, num_blocks: int) -> None:
         """The engine's gauges and counters after a step (called by the engine loop only)."""

@@ -13,17 +13,15 @@ overridden so it never records one.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from types import FrameType
 
 import uvicorn
 
-from optimized.engine.llm import LLM
 from optimized.serve.app import Lifecycle, ServerOptions, build_app
 from optimized.serve.chat import load_chat_template
-from optimized.serve.loop import EngineLoop
+from optimized.serve.loop import EngineHandle, EngineInfo
 from optimized.serve.metrics import Metrics
 
 SETTLE_SECONDS = 2  # after the engine is idle: for handlers to send their last bytes
@@ -32,7 +30,7 @@ SETTLE_SECONDS = 2  # after the engine is idle: for handlers to send their last 
 class NanoverifyServer(uvicorn.Server):
     """uvicorn's server with a draining shutdown and a line saying where it listens once it does."""
 
-    def __init__(self, config: uvicorn.Config, loop: EngineLoop, life: Lifecycle, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, loop: EngineHandle, life: Lifecycle, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.engine_loop = loop
         self.life = life
@@ -76,13 +74,12 @@ class NanoverifyServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(llm: LLM, host: str, port: int, options: ServerOptions, shutdown_timeout: float) -> int:
-    """Serve until a signal ends it; 0 after a clean shutdown."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    metrics = Metrics()
-    loop = EngineLoop(llm, metrics)
+def serve(loop: EngineHandle, info: EngineInfo, metrics: Metrics, host: str, port: int, options: ServerOptions,
+          shutdown_timeout: float) -> int:
+    """Serve the engine behind ``loop`` (``info`` describes it, ``metrics`` is what it reports to) until a signal
+    ends it; 0 after a clean shutdown. The loop is stopped before this returns."""
     life = Lifecycle()
-    app = build_app(llm, loop, metrics, load_chat_template(llm.model_dir), options, life)
+    app = build_app(info, loop, metrics, load_chat_template(info.model_dir), options, life)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=SETTLE_SECONDS, server_header=False)
     server = NanoverifyServer(config, loop, life, shutdown_timeout)

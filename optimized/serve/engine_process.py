@@ -1,0 +1,330 @@
+"""The engine loop in a process of its own (SERVE-2): HTTP work never waits for the engine's GIL, nor it for HTTP's.
+
+Invariants: the engine process owns the ``LLM`` and runs an ``EngineLoop`` in
+it; the HTTP process holds an ``EngineProcess``, which keeps every stream it
+submitted until that stream's last event has arrived. One pipe joins them.
+Down go commands, in the order they were given (so a cancel never overtakes its
+submit): submit, cancel, state (SERVE-6's probe), abort_all, stop. Up come, in
+the order the loop made them: metrics calls, each send's events (keyed by
+stream), state answers, and at most one "failed". The HTTP process writes only
+from its sender thread and reads only in its reader thread, so it never stops
+reading because a write is blocked: neither side can wait on the other in a
+circle. The engine process ignores SIGINT and SIGTERM (the HTTP side drains,
+SERVE-7, then says stop) and stops when the pipe closes: a server killed
+outright leaves no engine behind. If the engine process ends without being
+told to stop, every open stream fails with a 500 and ``failure`` says why, as
+when the loop fails (SERVE-11).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import multiprocessing
+import queue
+import signal
+import sys
+import threading
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from typing import Any
+
+from optimized.serve.loop import (
+    EngineInfo,
+    EngineLoop,
+    Event,
+    FailEvent,
+    Stream,
+    TokenEvent,
+    Unavailable,
+    deliver,
+)
+from optimized.serve.metrics import Metrics, MetricsRecorder
+
+log = logging.getLogger("nanoverify.serve")
+_STOP_SECONDS = 60  # for the engine process to abort what is left, close its LLM (a trace's flush) and exit
+
+
+class EngineProcess:
+    """The HTTP side's handle on an engine loop in a spawned process (an ``EngineHandle``)."""
+
+    def __init__(self, llm_kwargs: dict[str, Any], metrics: Metrics) -> None:
+        """Spawn the engine process and wait until its ``LLM`` is built; its ValueError is raised here."""
+        context = multiprocessing.get_context("spawn")  # torch's thread pools do not survive a fork
+        self._conn, child = context.Pipe()
+        # Not a daemon: a daemon may not start processes, and the engine starts tensor-parallel workers.
+        self.process = context.Process(target=engine_main, args=(child, llm_kwargs), name="nanoverify-engine")
+        self.metrics = metrics
+        self.failure: str | None = None
+        self._lock = threading.Lock()
+        self._streams: dict[int, Stream] = {}
+        self._states: dict[int, Future[dict[str, Any]]] = {}
+        self._keys = itertools.count(1)
+        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._closing = False  # admit nothing more
+        self._stopping = False  # told to stop: the pipe's end is expected
+        self._gone = False  # the pipe has closed
+        self.process.start()
+        child.close()
+        try:
+            self.info = self._ready()
+        except BaseException:
+            self._kill()
+            raise
+        self._reader = threading.Thread(target=self._read, name="nanoverify-engine-reader", daemon=True)
+        self._sender = threading.Thread(target=self._write, name="nanoverify-engine-sender", daemon=True)
+
+    def _ready(self) -> EngineInfo:
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            self.process.join(10)
+            raise RuntimeError(f"the engine process exited with status {self.process.exitcode} before its "
+                               "model was loaded") from None
+        if message[0] == "error":  # the LLM refused its options: the same error here, one line for the CLI
+            _, kind, text = message
+            self.process.join(10)
+            raise {"value": ValueError, "os": OSError}.get(kind, RuntimeError)(text)
+        info: EngineInfo = message[1]
+        return info
+
+    # --- the HTTP side's calls ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start reading and writing the pipe (once; a later call does nothing)."""
+        if self._reader.ident is None:
+            self._reader.start()
+            self._sender.start()
+
+    def submit(self, stream: Stream) -> None:
+        """Send ``stream`` for admission; Unavailable when closing, failed or gone."""
+        with self._lock:
+            if self._closing or self.failure is not None or self._gone:
+                raise Unavailable(self.failure or "the server is shutting down")
+            stream.key = next(self._keys)
+            self._streams[stream.key] = stream
+        self._outbox.put(("submit", stream.key, stream.prompt_ids, stream.params))
+
+    def cancel(self, stream: Stream) -> None:
+        """The client went away: the engine aborts the request before its next step (SERVE-6)."""
+        with self._lock:
+            if stream.cancelled or stream.done or stream.key not in self._streams:
+                return
+            stream.cancelled = True
+        self._outbox.put(("cancel", stream.key))
+
+    def engine_state(self) -> Future[dict[str, Any]]:
+        """SERVE-6: the engine's state between two steps, read in the engine process."""
+        future: Future[dict[str, Any]] = Future()
+        with self._lock:
+            if self._stopping or self.failure is not None or self._gone:
+                future.set_exception(Unavailable(self.failure or "the engine loop is not running"))
+                return future
+            key = next(self._keys)
+            self._states[key] = future
+        self._outbox.put(("state", key))
+        return future
+
+    def alive(self) -> bool:
+        return not self._gone and self.process.is_alive()
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def close(self) -> None:
+        """Admit nothing more (SERVE-7); live requests go on."""
+        with self._lock:
+            self._closing = True
+
+    def abort_all(self) -> None:
+        """Abort every live request at the engine's next gap between steps."""
+        with self._lock:
+            self._closing = True
+        self._outbox.put(("abort_all",))
+
+    def stop(self, timeout: float = _STOP_SECONDS) -> None:
+        """Abort what is left, let the engine process close its ``LLM`` and exit (killed after ``timeout``).
+        Idempotent."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._closing = self._stopping = True
+        self._outbox.put(("stop",))
+        self._outbox.put(None)
+        if self._sender.ident is None:  # never started: say stop directly
+            self._write()
+        self.process.join(timeout)
+        if self.process.is_alive():
+            log.warning("the engine process did not stop within %.0f s and is killed", timeout)
+            self._kill()
+        if self._reader.ident is not None:
+            self._reader.join(timeout)
+        self._conn.close()
+        self._fail_rest(503, "the server is shutting down")
+
+    def _kill(self) -> None:
+        self.process.kill()
+        self.process.join(10)
+
+    # --- the pipe ---------------------------------------------------------------------------------------
+    def _write(self) -> None:
+        while (command := self._outbox.get()) is not None:
+            try:
+                self._conn.send(command)
+            except OSError:  # the engine process is gone: the reader says so
+                return
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "events":
+                self._dispatch(message[1])
+            elif kind == "metric":
+                self.metrics.apply(message[1])
+            elif kind == "state":
+                self._answer(*message[1:])
+            elif kind == "failed":
+                self._fail(message[1])
+        self._gone = True
+        if not self._stopping:
+            self.process.join(5)
+            self._fail(f"the engine process ended unexpectedly (exit status {self.process.exitcode}); the engine "
+                       "is no longer trusted")
+            log.error("%s", self.failure)
+
+    def _dispatch(self, batch: list[tuple[int, Event]]) -> None:
+        events: list[tuple[Stream, Event]] = []
+        with self._lock:
+            for key, event in batch:
+                stream = self._streams.get(key)
+                if stream is None:  # failed here already
+                    continue
+                if not isinstance(event, TokenEvent):
+                    del self._streams[key]
+                    stream.done = True
+                events.append((stream, event))
+        deliver(events)
+
+    def _answer(self, key: int, ok: bool, value: Any) -> None:
+        with self._lock:
+            future = self._states.pop(key, None)
+        if future is not None:
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(Unavailable(value))
+
+    def _fail(self, why: str) -> None:
+        """SERVE-11: the engine is no longer trusted: every open stream fails with a 500."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = why
+        self._fail_rest(500, why)
+
+    def _fail_rest(self, status: int, why: str) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+            states = list(self._states.values())
+            self._states.clear()
+            for stream in streams:
+                stream.done = True
+        deliver([(stream, FailEvent(status, why)) for stream in streams])
+        for future in states:
+            future.set_exception(Unavailable(why))
+
+
+# --- the engine process ----------------------------------------------------------------------------------
+class PipeOutlet:
+    """The loop's events, keyed by stream, up the pipe; a stream's last event forgets it."""
+
+    def __init__(self, send: Any, streams: dict[int, Stream], lock: threading.Lock) -> None:
+        self._send = send
+        self._streams = streams
+        self._lock = lock
+
+    def send(self, events: list[tuple[Stream, Event]]) -> None:
+        if not events:
+            return
+        with self._lock:
+            for stream, event in events:
+                if not isinstance(event, TokenEvent):
+                    self._streams.pop(stream.key, None)
+        self._send(("events", [(stream.key, event) for stream, event in events]))
+
+    def failed(self, why: str) -> None:
+        self._send(("failed", why))
+
+
+def engine_main(conn: Connection, llm_kwargs: dict[str, Any]) -> None:
+    """The engine process: build the ``LLM``, say ready (or why not), obey the pipe until stop or its end."""
+    for number in (signal.SIGINT, signal.SIGTERM):  # the server's signals are the HTTP side's to handle
+        signal.signal(number, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sending = threading.Lock()
+
+    def send(message: tuple[Any, ...]) -> None:
+        with sending:
+            conn.send(message)
+
+    from optimized.engine.llm import LLM
+
+    try:
+        llm = LLM(**llm_kwargs)
+    except Exception as e:
+        kind = "value" if isinstance(e, ValueError) else "os" if isinstance(e, OSError) else "other"
+        send(("error", kind, str(e) if kind != "other" else f"{type(e).__name__}: {e}"))
+        return
+    streams: dict[int, Stream] = {}
+    lock = threading.Lock()
+    loop = EngineLoop(llm, MetricsRecorder(lambda call: send(("metric", call))), PipeOutlet(send, streams, lock))
+    try:
+        send(("ready", EngineInfo.of(llm)))
+        loop.start()
+        _obey(conn, loop, send, streams, lock)
+    except (BrokenPipeError, EOFError):  # the server is gone
+        pass
+    finally:
+        loop.stop(timeout=_STOP_SECONDS)
+        llm.close()  # a trace flushed, tensor-parallel workers stopped
+
+
+def _obey(conn: Connection, loop: EngineLoop, send: Any, streams: dict[int, Stream], lock: threading.Lock) -> None:
+    while True:
+        try:
+            command = conn.recv()
+        except (EOFError, OSError):
+            return
+        kind = command[0]
+        if kind == "submit":
+            _, key, prompt_ids, params = command
+            stream = Stream(prompt_ids, params, key=key)
+            with lock:
+                streams[key] = stream
+            try:
+                loop.submit(stream)
+            except Unavailable:  # the loop failed: the server fails the stream when "failed" arrives
+                with lock:
+                    streams.pop(key, None)
+        elif kind == "cancel":
+            with lock:
+                found = streams.get(command[1])
+            if found is not None:
+                loop.cancel(found)
+        elif kind == "state":
+            key = command[1]
+            loop.engine_state().add_done_callback(functools.partial(_answer_state, send, key))
+        elif kind == "abort_all":
+            loop.abort_all()
+        elif kind == "stop":
+            return
+
+
+def _answer_state(send: Any, key: int, future: Future[dict[str, Any]]) -> None:
+    error = future.exception()
+    send(("state", key, True, future.result()) if error is None else ("state", key, False, str(error)))

@@ -1,0 +1,133 @@
+"""The engine in a process of its own (SERVE-2): what a user sees of the two processes of ``nanoverify serve``.
+
+Spawned servers on a tiny checkpoint: the engine process is found through Linux's /proc, killed, or left behind by
+a killed server; Ctrl-C reaches both processes of a foreground job and only the server acts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+
+from tests.engine_fixtures import with_config
+from tests.test_serve import Served, spawn, stop
+
+pytestmark = pytest.mark.usefixtures("engine_env")
+
+
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (every thread's children, as /proc lists them)."""
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def engine_pid(served: Served) -> int:
+    """The one spawned process under the server (multiprocessing's resource tracker aside)."""
+    found = [pid for pid in children(served.proc.pid)
+             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(found) == 1, f"the server should have exactly one engine process: {found}"
+    return found[0]
+
+
+def gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":  # exited, not yet reaped by its parent
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def stream_in_background(url: str, model: str, max_tokens: int) -> tuple[threading.Thread, threading.Event,
+                                                                          list[str]]:
+    """A streamed completion in a thread: its SSE data lines (then "(connection lost)" if the server vanished),
+    and an event set at the first one."""
+    lines: list[str] = []
+    first = threading.Event()
+
+    def run() -> None:
+        body = {"model": model, "prompt": [1, 2, 3], "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "return_token_ids": True}  # a chunk every step, text or not
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        first.set()
+        except httpx.RemoteProtocolError:  # the server was killed mid-answer
+            lines.append("(connection lost)")
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, first, lines
+
+
+@pytest.mark.clause("SERVE-2", "SERVE-11")
+def test_a_killed_engine_process_fails_its_requests_and_turns_health_503(serve_cache: Path) -> None:
+    """SERVE-2: the engine runs in the server's one child process. SERVE-11: when that process dies, a stream in
+    flight ends with an error event that says so, /health is 503 with the reason, new requests are 503, and the
+    server still shuts down cleanly."""
+    folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
+    served = spawn(["--model", str(folder)], serve_cache / "engine-killed.log")
+    try:
+        engine = engine_pid(served)
+        thread, first, lines = stream_in_background(served.url, folder.name, 8000)
+        assert first.wait(60)
+        os.kill(engine, signal.SIGKILL)
+        thread.join(30)
+        assert lines[-1] == "[DONE]", lines[-3:]
+        error = json.loads(lines[-2]).get("error")
+        assert error is not None, lines[-3:]
+        assert error["type"] == "server_error" and "engine process ended unexpectedly" in error["message"]
+        health = served.get("/health")
+        assert health.status_code == 503 and "engine process ended unexpectedly" in health.json()["status"]
+        late = httpx.post(served.url + "/v1/completions", json={"model": folder.name, "prompt": [1], "max_tokens": 2})
+        assert late.status_code == 503 and "no longer trusted" in late.json()["error"]["message"]
+    finally:
+        assert stop(served) == 0
+
+
+@pytest.mark.clause("SERVE-2")
+def test_a_killed_server_leaves_no_engine_behind(serve_cache: Path) -> None:
+    """SERVE-2: the engine process ends when the server's end of the pipe closes, even when the server was killed
+    outright (SIGKILL: nothing of the server ran)."""
+    folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
+    served = spawn(["--model", str(folder)], serve_cache / "server-killed.log")
+    engine = engine_pid(served)
+    thread, first, lines = stream_in_background(served.url, folder.name, 8000)  # the engine is busy stepping
+    assert first.wait(60)
+    served.proc.kill()
+    served.proc.wait()
+    assert gone(engine, 30), "the engine process outlived its server"
+    thread.join(30)
+    assert lines[-1] == "(connection lost)"
+
+
+@pytest.mark.clause("SERVE-7")
+def test_ctrl_c_to_the_foreground_job_drains_like_sigterm(serve_cache: Path) -> None:
+    """SERVE-7: Ctrl-C sends SIGINT to every process of the foreground job, the engine process too; only the server
+    acts on it: the stream in flight completes (finish_reason "length"), and both processes exit, the server with
+    status 0."""
+    folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
+    served = spawn(["--model", str(folder)], serve_cache / "ctrl-c.log", own_session=True)
+    engine = engine_pid(served)
+    thread, first, lines = stream_in_background(served.url, folder.name, 2000)
+    assert first.wait(60)
+    os.killpg(served.proc.pid, signal.SIGINT)
+    at_signal = len(lines)
+    thread.join(60)
+    assert len(lines) > at_signal + 2  # it was in flight: tokens came after the signal
+    assert served.proc.wait(30) == 0
+    assert lines[-1] == "[DONE]" and json.loads(lines[-2])["choices"][0]["finish_reason"] == "length", lines[-3:]
+    assert gone(engine, 30)
