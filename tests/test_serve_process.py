@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2 as httpx
@@ -131,3 +132,39 @@ def test_ctrl_c_to_the_foreground_job_drains_like_sigterm(serve_cache: Path) -> 
     assert served.proc.wait(30) == 0
     assert lines[-1] == "[DONE]" and json.loads(lines[-2])["choices"][0]["finish_reason"] == "length", lines[-3:]
     assert gone(engine, 30)
+
+
+def metric_value(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+@pytest.mark.clause("SERVE-12")
+def test_the_engine_processes_counts_reach_metrics_before_the_answers(serve_cache: Path) -> None:
+    """SERVE-12: the engine process's counters cross the pipe ahead of the events they concern: once every
+    client has its whole answer, /metrics counts exactly their prompt and generated tokens and finishes, the
+    gauges say nothing runs, and the engine (read between steps) holds every block free of requests."""
+    folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
+    served = spawn(["--model", str(folder), "--num-kvcache-blocks", "64"], serve_cache / "metrics.log")
+    jobs = [([1 + i] * (3 + 5 * i), 7 + 11 * i) for i in range(6)]  # (prompt ids, max_tokens)
+    try:
+        def ask(job: tuple[list[int], int]) -> int:
+            body = {"model": folder.name, "prompt": job[0], "max_tokens": job[1], "ignore_eos": True}
+            response = httpx.post(served.url + "/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            return int(response.json()["usage"]["completion_tokens"])
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            completions = list(pool.map(ask, jobs))
+        assert completions == [n for _, n in jobs]
+        text = served.get("/metrics").text
+        assert metric_value(text, "nanoverify:prompt_tokens_total") == sum(len(p) for p, _ in jobs)
+        assert metric_value(text, "nanoverify:generation_tokens_total") == sum(completions)
+        assert metric_value(text, 'nanoverify:request_success_total{finished_reason="length"}') == len(jobs)
+        assert metric_value(text, "nanoverify:e2e_request_latency_seconds_count") == len(jobs)
+        assert metric_value(text, "nanoverify:num_requests_running") == 0
+        state = served.get("/health", params={"verbose": "1"}).json()["engine"]
+        assert state["running"] == state["waiting"] == 0 and state["violations"] == []
+        assert state["free_blocks"] == state["num_blocks"] == 64
+        assert metric_value(text, "nanoverify:kv_cache_usage_perc") == 0
+    finally:
+        assert stop(served) == 0
