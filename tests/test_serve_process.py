@@ -7,6 +7,7 @@ a killed server; Ctrl-C reaches both processes of a foreground job and only the 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import threading
@@ -17,6 +18,7 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
+from optimized.cli import main as cli_main
 from tests.engine_fixtures import with_config
 from tests.test_serve import Served, spawn, stop
 
@@ -168,3 +170,16 @@ def test_the_engine_processes_counts_reach_metrics_before_the_answers(serve_cach
         assert metric_value(text, "nanoverify:kv_cache_usage_perc") == 0
     finally:
         assert stop(served) == 0
+
+
+@pytest.mark.clause("SERVE-2", "CLI-1")
+def test_a_model_the_engine_process_refuses_is_one_line_and_status_2(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """SERVE-2, CLI-1: the engine process builds the LLM; a checkpoint it refuses is the loader's own one-line
+    error from ``nanoverify serve`` (the ValueError crosses the pipe whole), status 2, and the engine process is
+    gone when the command returns."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt-neo"}))
+    assert cli_main(["serve", "--model", str(tmp_path), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("nanoverify serve: config.json: model_type must be one of"), err
+    assert [p for p in multiprocessing.active_children() if p.name == "nanoverify-engine"] == []

@@ -22,6 +22,7 @@ import functools
 import itertools
 import logging
 import multiprocessing
+import pickle
 import queue
 import signal
 import sys
@@ -82,10 +83,10 @@ class EngineProcess:
             self.process.join(10)
             raise RuntimeError(f"the engine process exited with status {self.process.exitcode} before its "
                                "model was loaded") from None
-        if message[0] == "error":  # the LLM refused its options: the same error here, one line for the CLI
-            _, kind, text = message
+        if message[0] == "error":  # the LLM refused its options: the same exception here (one line for the CLI)
             self.process.join(10)
-            raise {"value": ValueError, "os": OSError}.get(kind, RuntimeError)(text)
+            error: Exception = message[1]
+            raise error
         info: EngineInfo = message[1]
         return info
 
@@ -277,8 +278,7 @@ def engine_main(conn: Connection, llm_kwargs: dict[str, Any]) -> None:
     try:
         llm = LLM(**llm_kwargs)
     except Exception as e:
-        kind = "value" if isinstance(e, ValueError) else "os" if isinstance(e, OSError) else "other"
-        send(("error", kind, str(e) if kind != "other" else f"{type(e).__name__}: {e}"))
+        send(("error", _portable(e)))
         return
     streams: dict[int, Stream] = {}
     lock = threading.Lock()
@@ -292,6 +292,16 @@ def engine_main(conn: Connection, llm_kwargs: dict[str, Any]) -> None:
     finally:
         loop.stop(timeout=_STOP_SECONDS)
         llm.close()  # a trace flushed, tensor-parallel workers stopped
+
+
+def _portable(error: Exception) -> Exception:
+    """``error`` if it survives pickling whole, else a RuntimeError that names it."""
+    try:
+        copy = pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return copy if isinstance(copy, Exception) and str(copy) == str(error) else RuntimeError(
+        f"{type(error).__name__}: {error}")
 
 
 def _obey(conn: Connection, loop: EngineLoop, send: Any, streams: dict[int, Stream], lock: threading.Lock) -> None:
