@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -719,3 +720,51 @@ def test_a_failed_step_s_output_is_delivered_even_when_the_loop_stops_next(monke
         assert isinstance(last, FinishEvent) and last.output.finish_reason == "error", last
     finally:
         loop.stop()
+
+
+@pytest.mark.clause("SERVE-6")
+def test_a_probe_whose_caller_gave_up_is_skipped_not_a_crash() -> None:
+    """SERVE-6: a /health?verbose=1 read whose handler was cancelled (uvicorn cancels the tasks still open at
+    shutdown, and the probe's future with them) is skipped: the loop goes on serving and answers the next one;
+    refusing a cancelled probe raises nothing either (the server's reader of the engine process does that)."""
+    from concurrent.futures import Future
+
+    from optimized.serve.loop import refuse
+
+    loop = EngineLoop(make_llm(num_kvcache_blocks=16, check=False), Metrics())
+    loop.start()
+    try:
+        with loop._cv:  # the loop cannot take the probe before its caller gives up on it
+            assert loop.engine_state().cancel()
+        assert loop.engine_state().result(10)["free_blocks"] == 16
+        assert loop.failure is None and loop.alive()
+    finally:
+        loop.stop()
+    cancelled: Future[Any] = Future()
+    cancelled.cancel()
+    refuse(cancelled, "the engine loop stopped")
+    assert cancelled.cancelled()
+
+
+@pytest.mark.clause("SERVE-13")
+def test_the_bench_counts_the_cpu_of_every_process_under_the_server() -> None:
+    """SERVE-13: the server's CPU time includes what the processes under it spent (the engine process): here a
+    parent that spends none and a child that spends 0.5 s."""
+    import subprocess
+    import sys
+
+    from optimized.benchmarks.serve import ServerProcess
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\ntime.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                               f"{spin!r}])"], start_new_session=True)
+    try:
+        server = ServerProcess.__new__(ServerProcess)  # its measuring half only: no server to start
+        server.proc = parent
+        deadline = time.monotonic() + 30
+        while (server.cpu_seconds() or 0) < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert 0.5 <= (server.cpu_seconds() or 0) < 2
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()

@@ -6,6 +6,7 @@ a killed server; Ctrl-C reaches both processes of a foreground job and only the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -50,6 +51,15 @@ def gone(pid: int, seconds: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def kill(served: Served) -> None:
+    """The server and its process group (a test's server in a session of its own), if still there."""
+    if served.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(served.proc.pid, signal.SIGKILL)
+        served.proc.kill()
+        served.proc.wait()
 
 
 def stream_in_background(url: str, model: str, max_tokens: int) -> tuple[threading.Thread, threading.Event,
@@ -107,14 +117,19 @@ def test_a_killed_server_leaves_no_engine_behind(serve_cache: Path) -> None:
     outright (SIGKILL: nothing of the server ran)."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
     served = spawn(["--model", str(folder)], serve_cache / "server-killed.log")
-    engine = engine_pid(served)
-    thread, first, lines = stream_in_background(served.url, folder.name, 8000)  # the engine is busy stepping
-    assert first.wait(60)
-    served.proc.kill()
-    served.proc.wait()
-    assert gone(engine, 30), "the engine process outlived its server"
-    thread.join(30)
-    assert lines[-1] == "(connection lost)"
+    try:
+        engine = engine_pid(served)
+        thread, first, lines = stream_in_background(served.url, folder.name, 8000)  # the engine is busy stepping
+        assert first.wait(60)
+        served.proc.kill()
+        served.proc.wait()
+        assert gone(engine, 30), "the engine process outlived its server"
+        thread.join(30)
+        assert lines[-1] == "(connection lost)"
+        log = served.log.read_text()  # the engine process's stderr too: it went quietly, with no alarm raised
+        assert "ERROR" not in log and "Traceback" not in log, log
+    finally:
+        kill(served)
 
 
 @pytest.mark.clause("SERVE-7")
@@ -124,16 +139,19 @@ def test_ctrl_c_to_the_foreground_job_drains_like_sigterm(serve_cache: Path) -> 
     status 0."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
     served = spawn(["--model", str(folder)], serve_cache / "ctrl-c.log", own_session=True)
-    engine = engine_pid(served)
-    thread, first, lines = stream_in_background(served.url, folder.name, 2000)
-    assert first.wait(60)
-    os.killpg(served.proc.pid, signal.SIGINT)
-    at_signal = len(lines)
-    thread.join(60)
-    assert len(lines) > at_signal + 2  # it was in flight: tokens came after the signal
-    assert served.proc.wait(30) == 0
-    assert lines[-1] == "[DONE]" and json.loads(lines[-2])["choices"][0]["finish_reason"] == "length", lines[-3:]
-    assert gone(engine, 30)
+    try:
+        engine = engine_pid(served)
+        thread, first, lines = stream_in_background(served.url, folder.name, 2000)
+        assert first.wait(60)
+        os.killpg(served.proc.pid, signal.SIGINT)
+        at_signal = len(lines)
+        thread.join(60)
+        assert len(lines) > at_signal + 2  # it was in flight: tokens came after the signal
+        assert served.proc.wait(30) == 0
+        assert lines[-1] == "[DONE]" and json.loads(lines[-2])["choices"][0]["finish_reason"] == "length", lines[-3:]
+        assert gone(engine, 30)
+    finally:
+        kill(served)
 
 
 def metric_value(text: str, name: str) -> float:
@@ -183,3 +201,52 @@ def test_a_model_the_engine_process_refuses_is_one_line_and_status_2(tmp_path: P
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("nanoverify serve: config.json: model_type must be one of"), err
     assert [p for p in multiprocessing.active_children() if p.name == "nanoverify-engine"] == []
+
+
+@pytest.mark.clause("SERVE-6", "SERVE-7")
+def test_a_hang_up_is_forgotten_at_once_so_a_drain_does_not_wait_for_it(serve_cache: Path) -> None:
+    """SERVE-6: a client that hangs up mid-stream is no longer in flight; SERVE-7: so a SIGTERM after it finds
+    nothing to wait for and the server exits at once, not at the end of the grace period."""
+    folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
+    served = spawn(["--model", str(folder), "--shutdown-timeout", "20"], serve_cache / "hang-up-drain.log")
+    try:
+        body = {"model": folder.name, "prompt": [1, 2, 3], "max_tokens": 8000, "ignore_eos": True, "stream": True,
+                "return_token_ids": True}
+        with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as response:
+            for count, _ in enumerate(response.iter_lines()):
+                if count == 6:
+                    break  # hang up mid-answer
+        deadline = time.monotonic() + 30
+        while served.get("/health", params={"verbose": "1"}).json()["engine"]["running"] and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        sent = time.monotonic()
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(30) == 0
+        assert time.monotonic() - sent < 5, "the drain waited for a request whose client had gone"
+        assert "still running" not in served.log.read_text()
+    finally:
+        kill(served)
+
+
+@pytest.mark.clause("SERVE-8", "TRACE-4")
+def test_a_request_the_trace_cannot_record_is_a_400_before_its_stream_starts(serve_cache: Path) -> None:
+    """SERVE-8, TRACE-4: with --trace, a prompt whose add record would pass the trace reader's line limit is
+    refused like any other limit, a 400 naming it, also when streamed (never a 200 whose stream then fails)."""
+    folder = with_config("qwen3", "long-trace", max_position_embeddings=500_000)
+    trace = serve_cache / "long.trace.jsonl"
+    served = spawn(["--model", str(folder), "--trace", str(trace), "--num-kvcache-blocks", "30000"],
+                   serve_cache / "long-trace.log")
+    try:
+        ids = ",".join(["1"] * 400_000)  # 800 KB of body: under its 1 MiB limit; as the trace writes it, past it
+        for stream in ("true", "false"):
+            raw = f'{{"model": "{folder.name}", "prompt": [{ids}], "max_tokens": 1, "stream": {stream}}}'
+            response = httpx.post(served.url + "/v1/completions", content=raw, timeout=120,
+                                  headers={"content-type": "application/json"})
+            assert response.status_code == 400, response.text[:300]
+            assert "line limit" in response.json()["error"]["message"]
+        ok = httpx.post(served.url + "/v1/completions", timeout=60,
+                        json={"model": folder.name, "prompt": [1, 2], "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        assert stop(served) == 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import json
 import math
@@ -237,7 +238,11 @@ class ServerProcess:
         """The CPU time so far (user + system; Linux's /proc) of the server and every process under it (the
         engine process, tensor-parallel workers), None where unknown."""
         try:
-            return sum(_cpu_seconds(pid) for pid in _process_tree(self.proc.pid))
+            total = _cpu_seconds(self.proc.pid)
+            for pid in _process_tree(self.proc.pid)[1:]:
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # one that ended just now
+                    total += _cpu_seconds(pid)
+            return total
         except (OSError, ValueError, IndexError):
             return None
 
@@ -254,9 +259,11 @@ class ServerProcess:
 def _process_tree(pid: int) -> list[int]:
     """``pid`` and its descendants, as Linux lists each thread's children."""
     tree = [pid]
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            tree += _process_tree(int(child))
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a process or thread that ended just now
+        for task in list(Path(f"/proc/{pid}/task").iterdir()):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                for child in (task / "children").read_text().split():
+                    tree += _process_tree(int(child))
     return tree
 
 

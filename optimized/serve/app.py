@@ -45,6 +45,7 @@ from optimized.serve.loop import (
 )
 from optimized.serve.metrics import Metrics
 from optimized.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse_request
+from optimized.trace.recorder import check_add_record
 
 MAX_BODY_BYTES = 1 << 20  # SERVE-8: 1 MiB holds a 4096-token prompt as ids many times over
 
@@ -171,6 +172,7 @@ class _Handlers:
     def __init__(self, info: EngineInfo, loop: EngineHandle, metrics: Metrics, template: ChatTemplate,
                  options: ServerOptions, life: Lifecycle) -> None:
         self.limits = info.limits
+        self.traced = info.traced
         self.tokenizer = load_tokenizer(info.model_dir)
         self.loop = loop
         self.metrics = metrics
@@ -262,6 +264,8 @@ class _Handlers:
                 stop=stop_strings(() if body.stop is None else body.stop),
             )
             validate_request(ids, params, self.limits)
+            if self.traced:
+                check_add_record(ids, params.max_tokens, params.ignore_eos)
         except ValueError as e:
             message = str(e)
             if "max_model_len" in message or "never fit" in message:

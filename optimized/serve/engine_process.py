@@ -40,6 +40,7 @@ from optimized.serve.loop import (
     TokenEvent,
     Unavailable,
     deliver,
+    refuse,
 )
 from optimized.serve.metrics import Metrics, MetricsRecorder
 
@@ -58,7 +59,7 @@ class EngineProcess:
         self.process = context.Process(target=engine_main, args=(child, llm_kwargs), name="nanoverify-engine")
         self.metrics = metrics
         self.failure: str | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a finalizer's cancel may run while this thread holds it
         self._streams: dict[int, Stream] = {}
         self._states: dict[int, Future[dict[str, Any]]] = {}
         self._keys = itertools.count(1)
@@ -107,11 +108,12 @@ class EngineProcess:
         self._outbox.put(("submit", stream.key, stream.prompt_ids, stream.params))
 
     def cancel(self, stream: Stream) -> None:
-        """The client went away: the engine aborts the request before its next step (SERVE-6)."""
+        """The client went away: the engine aborts the request at its next gap between steps (SERVE-6). Nobody
+        waits for the stream any more: it is forgotten here at once (events still on their way are dropped)."""
         with self._lock:
-            if stream.cancelled or stream.done or stream.key not in self._streams:
+            if stream.cancelled or stream.done or self._streams.pop(stream.key, None) is None:
                 return
-            stream.cancelled = True
+            stream.cancelled = stream.done = True
         self._outbox.put(("cancel", stream.key))
 
     def engine_state(self) -> Future[dict[str, Any]]:
@@ -160,7 +162,7 @@ class EngineProcess:
             log.warning("the engine process did not stop within %.0f s and is killed", timeout)
             self._kill()
         if self._reader.ident is not None:
-            self._reader.join(timeout)
+            self._reader.join(10)  # the engine process is gone, so the pipe has ended
         self._conn.close()
         self._fail_rest(503, "the server is shutting down")
 
@@ -177,26 +179,33 @@ class EngineProcess:
                 return
 
     def _read(self) -> None:
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            kind = message[0]
-            if kind == "events":
-                self._dispatch(message[1])
-            elif kind == "metric":
-                self.metrics.apply(message[1])
-            elif kind == "state":
-                self._answer(*message[1:])
-            elif kind == "failed":
-                self._fail(message[1])
+        failure = None
+        try:
+            while True:
+                self._take(self._conn.recv())
+        except (EOFError, OSError):  # the engine process has ended
+            pass
+        except Exception as e:  # a defect of ours: the streams must not wait for a reader that is gone
+            failure = f"the server's reader of the engine process failed ({type(e).__name__}: {e})"
         self._gone = True
-        if not self._stopping:
+        if failure is None and not self._stopping:
             self.process.join(5)
-            self._fail(f"the engine process ended unexpectedly (exit status {self.process.exitcode}); the engine "
-                       "is no longer trusted")
+            status = "" if self.process.exitcode is None else f" (exit status {self.process.exitcode})"
+            failure = f"the engine process ended unexpectedly{status}"
+        if failure is not None:
+            self._fail(f"{failure}; the engine is no longer trusted")
             log.error("%s", self.failure)
+
+    def _take(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "events":
+            self._dispatch(message[1])
+        elif kind == "metric":
+            self.metrics.apply(message[1])
+        elif kind == "state":
+            self._answer(*message[1:])
+        elif kind == "failed":
+            self._fail(message[1])
 
     def _dispatch(self, batch: list[tuple[int, Event]]) -> None:
         events: list[tuple[Stream, Event]] = []
@@ -214,11 +223,12 @@ class EngineProcess:
     def _answer(self, key: int, ok: bool, value: Any) -> None:
         with self._lock:
             future = self._states.pop(key, None)
-        if future is not None:
-            if ok:
-                future.set_result(value)
-            else:
-                future.set_exception(Unavailable(value))
+        if future is None:
+            return
+        if not ok:
+            refuse(future, value)
+        elif future.set_running_or_notify_cancel():  # not cancelled by its caller
+            future.set_result(value)
 
     def _fail(self, why: str) -> None:
         """SERVE-11: the engine is no longer trusted: every open stream fails with a 500."""
@@ -237,7 +247,7 @@ class EngineProcess:
                 stream.done = True
         deliver([(stream, FailEvent(status, why)) for stream in streams])
         for future in states:
-            future.set_exception(Unavailable(why))
+            refuse(future, why)
 
 
 # --- the engine process ----------------------------------------------------------------------------------
@@ -268,10 +278,17 @@ def engine_main(conn: Connection, llm_kwargs: dict[str, Any]) -> None:
         signal.signal(number, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sending = threading.Lock()
+    server_gone = threading.Event()
 
     def send(message: tuple[Any, ...]) -> None:
+        """Up the pipe; once the server is gone, nothing (the main thread sees the pipe's end and stops)."""
         with sending:
-            conn.send(message)
+            if server_gone.is_set():
+                return
+            try:
+                conn.send(message)
+            except OSError:
+                server_gone.set()
 
     from optimized.engine.llm import LLM
 
@@ -287,8 +304,6 @@ def engine_main(conn: Connection, llm_kwargs: dict[str, Any]) -> None:
         send(("ready", EngineInfo.of(llm)))
         loop.start()
         _obey(conn, loop, send, streams, lock)
-    except (BrokenPipeError, EOFError):  # the server is gone
-        pass
     finally:
         loop.stop(timeout=_STOP_SECONDS)
         llm.close()  # a trace flushed, tensor-parallel workers stopped
@@ -323,7 +338,7 @@ def _obey(conn: Connection, loop: EngineLoop, send: Any, streams: dict[int, Stre
                     streams.pop(key, None)
         elif kind == "cancel":
             with lock:
-                found = streams.get(command[1])
+                found = streams.pop(command[1], None)
             if found is not None:
                 loop.cancel(found)
         elif kind == "state":

@@ -128,10 +128,11 @@ class EngineInfo:
 
     limits: EngineLimits
     model_dir: Path
+    traced: bool = False  # a trace records the run: a request must also fit its add record (TRACE-4)
 
     @staticmethod
     def of(llm: LLM) -> EngineInfo:
-        return EngineInfo(llm.engine.limits, llm.model_dir)
+        return EngineInfo(llm.engine.limits, llm.model_dir, llm.engine.recorder is not None)
 
 
 def engine_state(llm: LLM) -> dict[str, Any]:
@@ -171,11 +172,17 @@ class EngineHandle(Protocol):
 
     def abort_all(self) -> None: ...
 
-    def stop(self, timeout: float = 5.0) -> None: ...
+    def stop(self) -> None: ...
 
 
 class Unavailable(Exception):
     """The loop admits nothing: shutting down, or the engine is no longer trusted."""
+
+
+def refuse(future: Future[Any], why: str) -> None:
+    """Fail ``future`` with Unavailable, unless its caller has cancelled it already."""
+    if future.set_running_or_notify_cancel():
+        future.set_exception(Unavailable(why))
 
 
 class EngineLoop:
@@ -273,7 +280,7 @@ class EngineLoop:
         with self._cv:
             probes, self._probes = self._probes, []
         for _, future in probes:
-            future.set_exception(Unavailable(why))
+            refuse(future, why)
 
     def _turn(self) -> bool:
         """Apply what the handlers asked, then one step if anything is live; False when told to stop."""
@@ -335,6 +342,8 @@ class EngineLoop:
 
     @staticmethod
     def _answer(probe: Callable[[], Any], future: Future[Any]) -> None:
+        if not future.set_running_or_notify_cancel():  # its caller stopped waiting (a cancelled handler)
+            return
         try:
             future.set_result(probe())
         except Exception as e:  # the probe's own failure goes to its caller
@@ -433,4 +442,4 @@ class EngineLoop:
         self.outlet.send([(stream, FailEvent(500, self.failure)) for stream in streams])
         self.outlet.failed(self.failure)
         for _, future in probes:
-            future.set_exception(Unavailable(self.failure))
+            refuse(future, self.failure)

@@ -44,6 +44,23 @@ def header(config: SchedulerKnobs, eos_token_ids: Iterable[int] = (), **extra: A
     return {"version": VERSION, "config": cfg}
 
 
+def add_record(request_id: int, prompt: Sequence[int], max_tokens: int, ignore_eos: bool, arrive: int) -> str:
+    """A request's ``add`` line; ValueError when the trace reader would refuse it (over 1 MiB)."""
+    record = {"id": request_id, "prompt": [int(t) for t in prompt], "max_tokens": max_tokens,
+              "ignore_eos": ignore_eos, "arrive": arrive}
+    line = json.dumps({"add": record}) + "\n"
+    if len(line) > MAX_LINE_BYTES:
+        raise ValueError(f"the trace's add record for this prompt would be {len(line)} bytes, past the trace "
+                         f"reader's {MAX_LINE_BYTES}-byte line limit: the request is refused")
+    return line
+
+
+def check_add_record(prompt: Sequence[int], max_tokens: int, ignore_eos: bool) -> None:
+    """ValueError when the request's ``add`` record, whatever its id and step, would be a line the reader refuses:
+    the request is refused with the other limits (ENG-9, TRACE-4), before anything changes."""
+    add_record(INT64_MAX, prompt, max_tokens, ignore_eos, INT64_MAX)
+
+
 class Recorder:
     """Appends a run's records to ``out`` (a path, opened for writing, or an open text stream)."""
 
@@ -95,21 +112,14 @@ class Recorder:
         self.write_add(self.add_line(request_id, prompt, max_tokens, ignore_eos))
 
     def check_add(self, prompt: Sequence[int], max_tokens: int, ignore_eos: bool) -> None:
-        """ValueError when the request's ``add`` record, whatever its id and step, would be a line the reader
-        refuses (over 1 MiB): the request is refused with the other limits (ENG-9), before anything changes."""
-        self.add_line(INT64_MAX, prompt, max_tokens, ignore_eos, arrive=INT64_MAX)
+        """ValueError when the trace can take no more, or as ``check_add_record``."""
+        self.require_writable()
+        check_add_record(prompt, max_tokens, ignore_eos)
 
-    def add_line(self, request_id: int, prompt: Sequence[int], max_tokens: int, ignore_eos: bool,
-                 arrive: int | None = None) -> str:
+    def add_line(self, request_id: int, prompt: Sequence[int], max_tokens: int, ignore_eos: bool) -> str:
         """The ``add`` record's line, made before the request is added anywhere (ValueError as ``check_add``)."""
         self.require_writable()
-        record = {"id": request_id, "prompt": [int(t) for t in prompt], "max_tokens": max_tokens,
-                  "ignore_eos": ignore_eos, "arrive": self.steps if arrive is None else arrive}
-        line = json.dumps({"add": record}) + "\n"
-        if len(line) > MAX_LINE_BYTES:
-            raise ValueError(f"the trace's add record for this prompt would be {len(line)} bytes, past the trace "
-                             f"reader's {MAX_LINE_BYTES}-byte line limit: the request is refused")
-        return line
+        return add_record(request_id, prompt, max_tokens, ignore_eos, self.steps)
 
     def write_add(self, line: str) -> None:
         """Write an ``add_line`` (with the next step's flush)."""
