@@ -757,7 +757,7 @@ def test_the_bench_counts_the_cpu_of_every_process_under_the_server() -> None:
 
     spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\ntime.sleep(60)"
     parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
-                               f"{spin!r}])"], start_new_session=True)
+                               f"{spin!r}])"], start_new_session=True, text=True)
     try:
         server = ServerProcess.__new__(ServerProcess)  # its measuring half only: no server to start
         server.proc = parent
