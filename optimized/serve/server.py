@@ -80,8 +80,8 @@ def serve(loop: EngineHandle, info: EngineInfo, metrics: Metrics, host: str, por
     ends it; 0 after a clean shutdown. The loop is stopped before this returns."""
     life = Lifecycle()
     app = build_app(info, loop, metrics, load_chat_template(info.model_dir), options, life)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=SETTLE_SECONDS, server_header=False)
+    config = uvicorn.Config(app, host=host, port=port, http="httptools", log_level="warning", access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=SETTLE_SECONDS, server_header=False)
     server = NanoverifyServer(config, loop, life, shutdown_timeout)
     try:
         server.run()
