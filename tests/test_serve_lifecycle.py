@@ -722,7 +722,7 @@ def test_a_failed_step_s_output_is_delivered_even_when_the_loop_stops_next(monke
         loop.stop()
 
 
-@pytest.mark.clause("SERVE-6")
+@pytest.mark.clause("SERVE-11")
 def test_a_probe_whose_caller_gave_up_is_skipped_not_a_crash() -> None:
     """SERVE-6: a /health?verbose=1 read whose handler was cancelled (uvicorn cancels the tasks still open at
     shutdown, and the probe's future with them) is skipped: the loop goes on serving and answers the next one;
@@ -744,6 +744,41 @@ def test_a_probe_whose_caller_gave_up_is_skipped_not_a_crash() -> None:
     cancelled.cancel()
     refuse(cancelled, "the engine loop stopped")
     assert cancelled.cancelled()
+    # The server's reader of the engine process, answering (or refusing) reads whose callers gave up.
+    from optimized.serve.engine_process import EngineProcess
+
+    reader = EngineProcess.__new__(EngineProcess)  # its answering half only: no process to start
+    reader._lock = threading.RLock()
+    reader._states = {}
+    for key, ok in ((1, True), (2, False)):
+        given_up: Future[dict[str, Any]] = Future()
+        given_up.cancel()
+        reader._states[key] = given_up
+        reader._answer(key, ok, {"free_blocks": 16} if ok else "the engine loop stopped")
+    assert reader._states == {}
+
+
+@pytest.mark.clause("SERVE-11")
+def test_a_verbose_health_read_the_loop_refuses_is_a_503_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-11: when the engine read behind /health?verbose=1 is refused (the loop stopped or failed between the
+    status check and the read), the answer is a 503 with the reason, not a bare 500."""
+    from concurrent.futures import Future
+
+    from optimized.serve.loop import refuse
+
+    server = InProcess(make_llm(num_kvcache_blocks=16, check=False))
+    try:
+        def refused() -> Future[dict[str, Any]]:
+            future: Future[dict[str, Any]] = Future()
+            refuse(future, "the engine loop stopped")
+            return future
+
+        monkeypatch.setattr(server.loop, "engine_state", refused)
+        health = httpx.get(server.url + "/health", params={"verbose": "1"})
+        assert health.status_code == 503
+        assert health.json() == {"status": "failed: the engine loop stopped"}
+    finally:
+        server.close()
 
 
 @pytest.mark.clause("SERVE-13")

@@ -100,3 +100,20 @@ def test_bench_throughput_trace_prints_both_sides_and_the_cost(capsys: pytest.Ca
                         r"untraced run", out[-1]), out[-1]
     assert verdict(0.5).startswith("verdict: within the 3% target") and verdict(3.5).startswith("verdict: OVER")
     assert sum(": traced " in line for line in out) == 3 and sum(": untraced " in line for line in out) == 3
+
+
+@pytest.mark.clause("TRACE-12")
+def test_the_cost_of_tracing_counts_every_call_into_the_recorder(tmp_path: Path) -> None:
+    """TRACE-12: the recorder's own time includes the check of each request's add record (a whole JSON encoding
+    of its prompt), not only the record's making and writing."""
+    from optimized.trace.cost import Stopwatch, _timing
+
+    recorder = Recorder(tmp_path / "t.jsonl", SchedulerConfig(num_blocks=8, block_size=4, max_num_seqs=2,
+                                                              max_num_batched_tokens=16, eos=-1), (0,))
+    watch = Stopwatch()
+    try:
+        with _timing(watch, recorder):
+            recorder.check_add(list(range(50_000)), 4, False)
+        assert watch.seconds > 0
+    finally:
+        recorder.close()

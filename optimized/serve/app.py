@@ -186,7 +186,10 @@ class _Handlers:
         status = self._status()
         body: dict[str, Any] = {"status": status}
         if status == "ok" and request.query_params.get("verbose") in ("1", "true"):
-            body["engine"] = await asyncio.wrap_future(self.loop.engine_state())
+            try:
+                body["engine"] = await asyncio.wrap_future(self.loop.engine_state())
+            except Unavailable as e:  # the loop stopped or failed since: the read was refused
+                return JSONResponse({"status": f"failed: {e}"}, 503)
         return JSONResponse(body, 200 if status == "ok" else 503)
 
     def _status(self) -> str:
@@ -264,13 +267,16 @@ class _Handlers:
                 stop=stop_strings(() if body.stop is None else body.stop),
             )
             validate_request(ids, params, self.limits)
-            if self.traced:
-                check_add_record(ids, params.max_tokens, params.ignore_eos)
         except ValueError as e:
             message = str(e)
             if "max_model_len" in message or "never fit" in message:
                 raise self._too_long(message, call.prompt_field, ids, defaulted) from None
             raise ApiError(400, message, param=_field_of(message)) from None
+        if self.traced:  # TRACE-4: the trace must be able to record the request's arrival
+            try:
+                check_add_record(ids, params.max_tokens, params.ignore_eos)
+            except ValueError as e:
+                raise ApiError(400, f"{call.prompt_field}: {e}", param=call.prompt_field) from None
         return params
 
     def _too_long(self, message: str, prompt_field: str, ids: list[int], defaulted: bool) -> ApiError:

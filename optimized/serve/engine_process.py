@@ -177,23 +177,36 @@ class EngineProcess:
                 self._conn.send(command)
             except OSError:  # the engine process is gone: the reader says so
                 return
+            except Exception as e:  # a defect of ours (a command that does not pickle): trust ends, stop goes on
+                self._fail(f"the server could not send {command[0]!r} to the engine process ({type(e).__name__}: "
+                           f"{e}); the engine is no longer trusted")
+                log.error("%s", self.failure)
 
     def _read(self) -> None:
-        failure = None
-        try:
-            while True:
-                self._take(self._conn.recv())
-        except (EOFError, OSError):  # the engine process has ended
-            pass
-        except Exception as e:  # a defect of ours: the streams must not wait for a reader that is gone
-            failure = f"the server's reader of the engine process failed ({type(e).__name__}: {e})"
+        """Take every message until the pipe ends. A message that cannot be taken (a defect of ours) ends trust:
+        the streams fail, the engine aborts its requests, and the pipe is still drained, so the engine process
+        never blocks writing and still stops when told."""
+        trusted = True
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):  # the engine process has ended
+                break
+            if not trusted:
+                continue
+            try:
+                self._take(message)
+            except Exception as e:
+                trusted = False
+                self._fail(f"the server could not take the engine process's {message[0]!r} message "
+                           f"({type(e).__name__}: {e}); the engine is no longer trusted")
+                log.error("%s", self.failure)
+                self._outbox.put(("abort_all",))
         self._gone = True
-        if failure is None and not self._stopping:
+        if not self._stopping:
             self.process.join(5)
             status = "" if self.process.exitcode is None else f" (exit status {self.process.exitcode})"
-            failure = f"the engine process ended unexpectedly{status}"
-        if failure is not None:
-            self._fail(f"{failure}; the engine is no longer trusted")
+            self._fail(f"the engine process ended unexpectedly{status}; the engine is no longer trusted")
             log.error("%s", self.failure)
 
     def _take(self, message: tuple[Any, ...]) -> None:
@@ -287,7 +300,7 @@ def engine_main(conn: Connection, llm_kwargs: dict[str, Any]) -> None:
                 return
             try:
                 conn.send(message)
-            except OSError:
+            except (BrokenPipeError, ConnectionResetError):
                 server_gone.set()
 
     from optimized.engine.llm import LLM

@@ -56,11 +56,12 @@ HOOKS = ("record_schedule", "record_engine_step")
 
 @contextmanager
 def _timing(watch: Stopwatch, recorder: Recorder) -> Iterator[None]:
-    """Every call the engine makes into the recorder, timed: its two step hooks and the add record's two halves."""
+    """Every call the engine makes into the recorder, timed: its two step hooks and the add record's check, line and
+    write."""
     saved = {name: getattr(engine_module, name) for name in HOOKS}
     for name, fn in saved.items():
         setattr(engine_module, name, watch.timed(fn))
-    for method in ("add_line", "write_add"):  # an instance attribute shadows the method
+    for method in ("check_add", "add_line", "write_add"):  # an instance attribute shadows the method
         setattr(recorder, method, watch.timed(getattr(recorder, method)))
     try:
         yield
