@@ -23,7 +23,7 @@ import uvicorn
 
 from optimized import LLM, SamplingParams
 from optimized.cli import main as cli_main
-from optimized.serve.app import ServerOptions, build_app
+from optimized.serve.app import Lifecycle, ServerOptions, build_app
 from optimized.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
 from optimized.serve.loop import EngineInfo, EngineLoop, FinishEvent, Stream, TokenEvent
 from optimized.serve.metrics import Metrics
@@ -92,8 +92,9 @@ class InProcess:
     def __init__(self, llm: LLM, options: ServerOptions | None = None) -> None:
         self.metrics = Metrics()
         self.loop = EngineLoop(llm, self.metrics)
+        self.life = Lifecycle()
         app = build_app(EngineInfo.of(llm), self.loop, self.metrics, ChatTemplate(DEFAULT_TEMPLATE),
-                        options or ServerOptions())
+                        options or ServerOptions(), self.life)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -247,7 +248,6 @@ def test_a_model_fault_fails_only_its_batch_and_the_server_goes_on(monkeypatch: 
 def test_a_second_signal_aborts_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """SERVE-7: the first signal starts the drain (admission closed); a second one aborts what is left and
     tells uvicorn to exit without waiting for the grace period."""
-    from optimized.serve.app import Lifecycle
     from optimized.serve.server import NanoverifyServer
 
     loop = EngineLoop(make_llm(num_kvcache_blocks=16), Metrics())
@@ -777,6 +777,14 @@ def test_a_verbose_health_read_the_loop_refuses_is_a_503_with_the_reason(monkeyp
         health = httpx.get(server.url + "/health", params={"verbose": "1"})
         assert health.status_code == 503
         assert health.json() == {"status": "failed: the engine loop stopped"}
+
+        def refused_at_shutdown() -> Future[dict[str, Any]]:
+            server.life.draining = True  # a SIGTERM between the status check and the read
+            return refused()
+
+        monkeypatch.setattr(server.loop, "engine_state", refused_at_shutdown)
+        health = httpx.get(server.url + "/health", params={"verbose": "1"})
+        assert (health.status_code, health.json()) == (503, {"status": "shutting down"})  # nothing failed
     finally:
         server.close()
 

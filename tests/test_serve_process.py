@@ -11,6 +11,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 import time
@@ -24,7 +25,7 @@ import pytest
 from optimized import SamplingParams
 from optimized.cli import main as cli_main
 from optimized.serve.engine_process import EngineProcess
-from optimized.serve.loop import FailEvent, Stream, Unavailable
+from optimized.serve.loop import FailEvent, Stream, TokenEvent, Unavailable
 from optimized.serve.metrics import Metrics
 from tests.engine_fixtures import with_config
 from tests.test_serve import Served, spawn, stop
@@ -59,16 +60,19 @@ def gone(pid: int, seconds: float) -> bool:
     return False
 
 
-def kill(served: Served, *others: int) -> None:
-    """The server, the processes under it and ``others``, whatever is still there."""
+def kill(served: Served, engine: int | None = None) -> None:
+    """The server and its engine process, whatever of them is still there (only a live engine process: a pid
+    that ended may have been given to another process since)."""
+    engines = [] if engine is None else [engine]
     if served.proc.poll() is None:
         with contextlib.suppress(OSError):
-            others += tuple(children(served.proc.pid))
+            engines += children(served.proc.pid)
         served.proc.kill()
         served.proc.wait()
-    for pid in others:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    for pid in engines:
+        with contextlib.suppress(OSError):
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
 
 
 def stream_in_background(url: str, model: str, max_tokens: int) -> tuple[threading.Thread, threading.Event,
@@ -127,7 +131,7 @@ def test_a_killed_server_leaves_no_engine_behind(serve_cache: Path) -> None:
     outright (SIGKILL: nothing of the server ran)."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
     served = spawn(["--model", str(folder)], serve_cache / "server-killed.log")
-    engine = 0
+    engine: int | None = None
     try:
         engine = engine_pid(served)
         thread, first, lines = stream_in_background(served.url, folder.name, 8000)  # the engine is busy stepping
@@ -150,7 +154,7 @@ def test_ctrl_c_to_the_foreground_job_drains_like_sigterm(serve_cache: Path) -> 
     status 0."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
     served = spawn(["--model", str(folder)], serve_cache / "ctrl-c.log", own_session=True)
-    engine = 0
+    engine: int | None = None
     try:
         engine = engine_pid(served)
         thread, first, lines = stream_in_background(served.url, folder.name, 2000)
@@ -270,6 +274,32 @@ def test_a_request_the_trace_cannot_record_is_a_400_before_its_stream_starts(ser
     assert status == 0
 
 
+class Recording:
+    """The HTTP side's end of the pipe, keeping every command sent through it; ``unreadable``: the message
+    received that many messages in raises as one that cannot be unpickled would (after it was read whole)."""
+
+    def __init__(self, engine: EngineProcess, unreadable: int = 0) -> None:
+        self.conn = engine._conn
+        self.commands: list[tuple[Any, ...]] = []
+        self.unreadable = unreadable
+        self.received = 0
+        engine._conn = self  # type: ignore[assignment]
+
+    def send(self, command: tuple[Any, ...]) -> None:
+        self.commands.append(command)
+        self.conn.send(command)
+
+    def recv(self) -> Any:
+        message = self.conn.recv()
+        self.received += 1
+        if self.received == self.unreadable:
+            raise pickle.UnpicklingError("injected by the test")
+        return message
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 def _engine(folder: Path) -> EngineProcess:
     return EngineProcess({"model": str(folder), "num_kvcache_blocks": 16}, Metrics())
 
@@ -286,6 +316,7 @@ def test_a_message_the_server_cannot_take_ends_trust_but_not_the_shutdown(monkey
 
     monkeypatch.setattr(Metrics, "apply", broken)
     engine = _engine(folder)
+    sent = Recording(engine)
     try:
         engine.start()
 
@@ -299,7 +330,45 @@ def test_a_message_the_server_cannot_take_ends_trust_but_not_the_shutdown(monkey
         assert engine.failure is not None and engine.in_flight() == 0
         with pytest.raises(Unavailable):
             engine.submit(Stream([1], SamplingParams()))
-        time.sleep(3)  # time enough for 250 steps' messages (over 64 KiB) if the engine were not told to abort
+        deadline = time.monotonic() + 10
+        while ("abort_all",) not in sent.commands and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ("abort_all",) in sent.commands  # the engine is told: nobody waits for what it runs
+        time.sleep(1)
+        assert engine._reader.is_alive()  # still draining the pipe
+        started = time.monotonic()
+        engine.stop()
+        assert time.monotonic() - started < 20 and engine.process.exitcode == 0
+    finally:
+        engine.stop(timeout=5)
+
+
+@pytest.mark.clause("SERVE-11")
+def test_a_message_the_server_cannot_even_unpickle_ends_trust_too() -> None:
+    """SERVE-11: a message from the engine process that is read whole but cannot be unpickled ends trust as one
+    that cannot be taken: the stream in flight fails with a 500, the engine is told to abort, the reader goes on
+    draining, and stopping ends the engine process at once."""
+    folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
+    engine = _engine(folder)
+    sent = Recording(engine, unreadable=3)
+    try:
+        engine.start()
+
+        async def ask() -> Any:
+            stream = Stream([1, 2, 3], SamplingParams(max_tokens=250, ignore_eos=True), asyncio.get_running_loop())
+            engine.submit(stream)
+            while isinstance(event := await asyncio.wait_for(stream.queue.get(), 30), TokenEvent):
+                pass
+            return event
+
+        event = asyncio.run(ask())
+        assert isinstance(event, FailEvent) and event.status == 500 and "UnpicklingError" in event.message
+        deadline = time.monotonic() + 10
+        while ("abort_all",) not in sent.commands and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ("abort_all",) in sent.commands
+        time.sleep(1)
+        assert engine._reader.is_alive()
         started = time.monotonic()
         engine.stop()
         assert time.monotonic() - started < 20 and engine.process.exitcode == 0
@@ -309,17 +378,32 @@ def test_a_message_the_server_cannot_take_ends_trust_but_not_the_shutdown(monkey
 
 @pytest.mark.clause("SERVE-11")
 def test_a_command_the_server_cannot_send_ends_trust_but_not_the_shutdown() -> None:
-    """SERVE-11: a command that cannot cross the pipe (a defect of ours: here one that does not pickle) fails the
-    requests in flight and admission with a reason, and the stop after it still reaches the engine process."""
+    """SERVE-11: a command that cannot cross the pipe (a defect of ours: here one that does not pickle) ends
+    trust: the stream in flight fails with a 500 that says so, the engine is told to abort, a submit queued
+    behind the bad command is dropped, and the stop after them still reaches the engine process."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
     engine = _engine(folder)
+    sent = Recording(engine)
     try:
         engine.start()
-        engine._outbox.put(("submit", 99, [1], lambda: None))
-        deadline = time.monotonic() + 30
-        while engine.failure is None and time.monotonic() < deadline:
+
+        async def ask() -> Any:
+            stream = Stream([1, 2, 3], SamplingParams(max_tokens=250, ignore_eos=True), asyncio.get_running_loop())
+            engine.submit(stream)
+            await asyncio.wait_for(stream.queue.get(), 30)  # running
+            engine._outbox.put(("state", 98, lambda: None))
+            engine._outbox.put(("submit", 99, [1], SamplingParams()))
+            while isinstance(event := await asyncio.wait_for(stream.queue.get(), 30), TokenEvent):
+                pass
+            return event
+
+        event = asyncio.run(ask())
+        assert isinstance(event, FailEvent) and event.status == 500 and "could not send 'state'" in event.message
+        deadline = time.monotonic() + 10
+        while ("abort_all",) not in sent.commands and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert engine.failure is not None and "could not send 'submit'" in engine.failure
+        assert ("abort_all",) in sent.commands
+        assert not [c for c in sent.commands if c[0] == "submit" and c[1] == 99]
         started = time.monotonic()
         engine.stop()
         assert time.monotonic() - started < 20 and engine.process.exitcode == 0

@@ -188,8 +188,9 @@ class _Handlers:
         if status == "ok" and request.query_params.get("verbose") in ("1", "true"):
             try:
                 body["engine"] = await asyncio.wrap_future(self.loop.engine_state())
-            except Unavailable as e:  # the loop stopped or failed since: the read was refused
-                return JSONResponse({"status": f"failed: {e}"}, 503)
+            except Unavailable as e:  # the loop stopped or failed since (or the server began to shut down)
+                status = self._status()
+                return JSONResponse({"status": status if status != "ok" else f"failed: {e}"}, 503)
         return JSONResponse(body, 200 if status == "ok" else 503)
 
     def _status(self) -> str:

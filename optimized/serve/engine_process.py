@@ -172,42 +172,49 @@ class EngineProcess:
 
     # --- the pipe ---------------------------------------------------------------------------------------
     def _write(self) -> None:
+        """Send every command until told to stop. One that cannot be sent (a defect of ours: it does not pickle)
+        ends trust like ``_untrusted``; submits still queued then are dropped, and stop still goes."""
         while (command := self._outbox.get()) is not None:
+            if command[0] == "submit" and self.failure is not None:
+                continue  # its stream has failed already
             try:
                 self._conn.send(command)
             except OSError:  # the engine process is gone: the reader says so
                 return
-            except Exception as e:  # a defect of ours (a command that does not pickle): trust ends, stop goes on
-                self._fail(f"the server could not send {command[0]!r} to the engine process ({type(e).__name__}: "
-                           f"{e}); the engine is no longer trusted")
-                log.error("%s", self.failure)
+            except Exception as e:
+                self._untrusted(f"the server could not send {command[0]!r} to the engine process "
+                                f"({type(e).__name__}: {e})")
 
     def _read(self) -> None:
-        """Take every message until the pipe ends. A message that cannot be taken (a defect of ours) ends trust:
-        the streams fail, the engine aborts its requests, and the pipe is still drained, so the engine process
-        never blocks writing and still stops when told."""
+        """Take every message until the pipe ends. One that cannot be read or taken (a defect of ours) ends trust
+        (``_untrusted``), and the pipe is still drained, so the engine process never blocks writing and still
+        stops when told."""
         trusted = True
         while True:
             try:
                 message = self._conn.recv()
+                if trusted:
+                    self._take(message)
             except (EOFError, OSError):  # the engine process has ended
                 break
-            if not trusted:
-                continue
-            try:
-                self._take(message)
-            except Exception as e:
-                trusted = False
-                self._fail(f"the server could not take the engine process's {message[0]!r} message "
-                           f"({type(e).__name__}: {e}); the engine is no longer trusted")
-                log.error("%s", self.failure)
-                self._outbox.put(("abort_all",))
+            except Exception as e:  # the message was read whole: the next one is intact
+                if trusted:
+                    trusted = False
+                    self._untrusted(f"the server could not take a message from the engine process "
+                                    f"({type(e).__name__}: {e})")
         self._gone = True
         if not self._stopping:
             self.process.join(5)
             status = "" if self.process.exitcode is None else f" (exit status {self.process.exitcode})"
             self._fail(f"the engine process ended unexpectedly{status}; the engine is no longer trusted")
             log.error("%s", self.failure)
+
+    def _untrusted(self, why: str) -> None:
+        """A defect of ours broke the pipe's protocol: every stream fails with a 500 (SERVE-11), nothing more is
+        admitted, and the engine is told to abort what it runs (nobody waits for it any more)."""
+        self._fail(f"{why}; the engine is no longer trusted")
+        log.error("%s", self.failure)
+        self._outbox.put(("abort_all",))
 
     def _take(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
