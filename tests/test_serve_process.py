@@ -13,6 +13,8 @@ import multiprocessing
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,13 +24,13 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
-from optimized import SamplingParams
+from optimized import LLM, SamplingParams
 from optimized.cli import main as cli_main
 from optimized.serve.engine_process import EngineProcess
 from optimized.serve.loop import FailEvent, Stream, TokenEvent, Unavailable
 from optimized.serve.metrics import Metrics
 from tests.engine_fixtures import with_config
-from tests.test_serve import Served, spawn, stop
+from tests.test_serve import ROOT, Served, spawn, stop
 
 pytestmark = pytest.mark.usefixtures("engine_env")
 
@@ -409,3 +411,51 @@ def test_a_command_the_server_cannot_send_ends_trust_but_not_the_shutdown() -> N
         assert time.monotonic() - started < 20 and engine.process.exitcode == 0
     finally:
         engine.stop(timeout=5)
+
+
+@pytest.mark.clause("SERVE-2", "TP-6")
+def test_served_under_torchrun_as_in_one_process_and_ctrl_c_leaves_nothing(serve_cache: Path) -> None:
+    """SERVE-2, TP-6: ``torchrun --nproc-per-node 2 -m optimized.cli serve --tensor-parallel-size 2``: the engine
+    process of rank 0 joins torchrun's group (rank 1 serves it), a greedy float64 completion is token for token
+    what one process computes, and Ctrl-C to the job ends every process of it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    serve = ["-m", "optimized.cli", "serve", "--tensor-parallel-size", "2", "--port", "0", "--dtype", "float64",
+             "--num-kvcache-blocks", "64"]
+    with (serve_cache / "torchrun.log").open("w") as log:
+        job = subprocess.Popen([*torchrun, *serve], stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                               start_new_session=True)
+    try:
+        url = None
+        assert job.stdout is not None
+        for line in job.stdout:
+            if "listening on" in line:
+                url = line.split("listening on ")[1].strip()
+                break
+        assert url is not None, (serve_cache / "torchrun.log").read_text()[-2000:]
+        body = {"model": "default", "prompt": "hello world", "max_tokens": 10, "temperature": 0,
+                "return_token_ids": True}
+        served = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"]
+        llm = LLM(None, dtype="float64", num_kvcache_blocks=64)
+        offline = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
+        assert served == offline[0].token_ids
+        os.killpg(job.pid, signal.SIGINT)
+        job.wait(60)
+        deadline = time.monotonic() + 30
+        while group_alive(job.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not group_alive(job.pid), "a process of the torchrun job outlived Ctrl-C"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+
+
+def group_alive(group: int) -> bool:
+    """Whether a live (not zombie) process is left in process group ``group``."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group and fields[0] != "Z":
+                return True
+    return False
