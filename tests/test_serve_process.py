@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -306,6 +307,34 @@ def _engine(folder: Path) -> EngineProcess:
     return EngineProcess({"model": str(folder), "num_kvcache_blocks": 16}, Metrics())
 
 
+def last_event(engine: EngineProcess, meanwhile: Callable[[], None] = lambda: None) -> Any:
+    """Submit a 250-token request, call ``meanwhile`` once its first event is in; its last event."""
+
+    async def ask() -> Any:
+        stream = Stream([1, 2, 3], SamplingParams(max_tokens=250, ignore_eos=True), asyncio.get_running_loop())
+        engine.submit(stream)
+        event = await asyncio.wait_for(stream.queue.get(), 30)
+        meanwhile()
+        while isinstance(event, TokenEvent):
+            event = await asyncio.wait_for(stream.queue.get(), 30)
+        return event
+
+    return asyncio.run(ask())
+
+
+def assert_aborted_drained_and_stopped(engine: EngineProcess, sent: Recording) -> None:
+    """The engine was told to abort, the reader still drains the pipe, and a stop ends the engine at once."""
+    deadline = time.monotonic() + 10
+    while ("abort_all",) not in sent.commands and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ("abort_all",) in sent.commands  # nobody waits for what the engine runs any more
+    time.sleep(1)
+    assert engine._reader.is_alive()  # still draining the pipe
+    started = time.monotonic()
+    engine.stop()
+    assert time.monotonic() - started < 20 and engine.process.exitcode == 0
+
+
 @pytest.mark.clause("SERVE-11")
 def test_a_message_the_server_cannot_take_ends_trust_but_not_the_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
     """SERVE-11: if the server's reader cannot take a message from the engine process (a defect of ours), the
@@ -321,26 +350,12 @@ def test_a_message_the_server_cannot_take_ends_trust_but_not_the_shutdown(monkey
     sent = Recording(engine)
     try:
         engine.start()
-
-        async def ask() -> Any:
-            stream = Stream([1, 2, 3], SamplingParams(max_tokens=250, ignore_eos=True), asyncio.get_running_loop())
-            engine.submit(stream)
-            return await asyncio.wait_for(stream.queue.get(), 30)
-
-        event = asyncio.run(ask())
+        event = last_event(engine)
         assert isinstance(event, FailEvent) and event.status == 500 and "injected by the test" in event.message
         assert engine.failure is not None and engine.in_flight() == 0
         with pytest.raises(Unavailable):
             engine.submit(Stream([1], SamplingParams()))
-        deadline = time.monotonic() + 10
-        while ("abort_all",) not in sent.commands and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert ("abort_all",) in sent.commands  # the engine is told: nobody waits for what it runs
-        time.sleep(1)
-        assert engine._reader.is_alive()  # still draining the pipe
-        started = time.monotonic()
-        engine.stop()
-        assert time.monotonic() - started < 20 and engine.process.exitcode == 0
+        assert_aborted_drained_and_stopped(engine, sent)
     finally:
         engine.stop(timeout=5)
 
@@ -355,25 +370,9 @@ def test_a_message_the_server_cannot_even_unpickle_ends_trust_too() -> None:
     sent = Recording(engine, unreadable=3)
     try:
         engine.start()
-
-        async def ask() -> Any:
-            stream = Stream([1, 2, 3], SamplingParams(max_tokens=250, ignore_eos=True), asyncio.get_running_loop())
-            engine.submit(stream)
-            while isinstance(event := await asyncio.wait_for(stream.queue.get(), 30), TokenEvent):
-                pass
-            return event
-
-        event = asyncio.run(ask())
+        event = last_event(engine)
         assert isinstance(event, FailEvent) and event.status == 500 and "UnpicklingError" in event.message
-        deadline = time.monotonic() + 10
-        while ("abort_all",) not in sent.commands and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert ("abort_all",) in sent.commands
-        time.sleep(1)
-        assert engine._reader.is_alive()
-        started = time.monotonic()
-        engine.stop()
-        assert time.monotonic() - started < 20 and engine.process.exitcode == 0
+        assert_aborted_drained_and_stopped(engine, sent)
     finally:
         engine.stop(timeout=5)
 
@@ -389,26 +388,14 @@ def test_a_command_the_server_cannot_send_ends_trust_but_not_the_shutdown() -> N
     try:
         engine.start()
 
-        async def ask() -> Any:
-            stream = Stream([1, 2, 3], SamplingParams(max_tokens=250, ignore_eos=True), asyncio.get_running_loop())
-            engine.submit(stream)
-            await asyncio.wait_for(stream.queue.get(), 30)  # running
+        def unsendable_then_a_submit() -> None:  # while the request runs
             engine._outbox.put(("state", 98, lambda: None))
             engine._outbox.put(("submit", 99, [1], SamplingParams()))
-            while isinstance(event := await asyncio.wait_for(stream.queue.get(), 30), TokenEvent):
-                pass
-            return event
 
-        event = asyncio.run(ask())
+        event = last_event(engine, unsendable_then_a_submit)
         assert isinstance(event, FailEvent) and event.status == 500 and "could not send 'state'" in event.message
-        deadline = time.monotonic() + 10
-        while ("abort_all",) not in sent.commands and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert ("abort_all",) in sent.commands
         assert not [c for c in sent.commands if c[0] == "submit" and c[1] == 99]
-        started = time.monotonic()
-        engine.stop()
-        assert time.monotonic() - started < 20 and engine.process.exitcode == 0
+        assert_aborted_drained_and_stopped(engine, sent)
     finally:
         engine.stop(timeout=5)
 
