@@ -2,7 +2,9 @@
 
 Invariants: the engine process owns the ``LLM`` and runs an ``EngineLoop`` in
 it; the HTTP process holds an ``EngineProcess``, which keeps every stream it
-submitted until that stream's last event has arrived. One pipe joins them.
+submitted until that stream's last event has arrived or its client has hung up
+(then the engine aborts it, and what is still on its way is dropped). One pipe
+joins them.
 Down go commands, in the order they were given (so a cancel never overtakes its
 submit): submit, cancel, state (SERVE-6's probe), abort_all, stop. Up come, in
 the order the loop made them: metrics calls, each send's events (keyed by
@@ -12,8 +14,9 @@ reading because a write is blocked: neither side can wait on the other in a
 circle. The engine process ignores SIGINT and SIGTERM (the HTTP side drains,
 SERVE-7, then says stop) and stops when the pipe closes: a server killed
 outright leaves no engine behind. If the engine process ends without being
-told to stop, every open stream fails with a 500 and ``failure`` says why, as
-when the loop fails (SERVE-11).
+told to stop, or a message cannot cross the pipe (a defect of ours), every
+open stream fails with a 500 and ``failure`` says why, as when the loop fails
+(SERVE-11).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class EngineProcess:
     """The HTTP side's handle on an engine loop in a spawned process (an ``EngineHandle``)."""
 
     def __init__(self, llm_kwargs: dict[str, Any], metrics: Metrics) -> None:
-        """Spawn the engine process and wait until its ``LLM`` is built; its ValueError is raised here."""
+        """Spawn the engine process and wait until its ``LLM`` is built; what the ``LLM`` raised is raised here."""
         context = multiprocessing.get_context("spawn")  # torch's thread pools do not survive a fork
         self._conn, child = context.Pipe()
         # Not a daemon: a daemon may not start processes, and the engine starts tensor-parallel workers.
