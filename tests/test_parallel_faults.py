@@ -251,11 +251,7 @@ def test_workers_exit_when_the_parent_is_killed(tmp_path: Path) -> None:
         assert _all_gone(pids, within=10)
         assert not Path(folder).exists()
     finally:
-        proc.kill()
-        proc.wait(timeout=10)
-        for pid in pids:
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_all(proc, pids)
 
 
 def _line_within(proc: subprocess.Popen[str], seconds: float) -> str:
@@ -264,6 +260,15 @@ def _line_within(proc: subprocess.Popen[str], seconds: float) -> str:
     ready, _, _ = select.select([proc.stdout], [], [], seconds)
     assert ready, f"no output within {seconds} s"
     return proc.stdout.readline()
+
+
+def _kill_all(parent: subprocess.Popen[str], pids: list[int]) -> None:
+    """The test's parent process and the workers it reported, whatever is left of them."""
+    parent.kill()
+    parent.wait(timeout=10)
+    for pid in pids:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _all_gone(pids: list[int], within: float) -> bool:
@@ -667,8 +672,4 @@ def test_parent_watchdog_ends_an_orphan() -> None:
         child.wait(timeout=10)
         assert _all_gone(pids, within=2)
     finally:
-        child.kill()
-        child.wait(timeout=10)
-        for pid in pids:
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_all(child, pids)

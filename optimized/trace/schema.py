@@ -21,7 +21,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from optimized.verify.conformance import CONFIG_FIELDS, MAX_LINE_BYTES
+from optimized.verify.conformance import CONFIG_FIELDS, bounded_lines
 from optimized.verify.conformance import _json_line as json_line
 
 VERSION = 2  # what the recorder writes: block tables as deltas (TRACE-2); version 1 (whole tables) still reads
@@ -358,16 +358,7 @@ def read_trace(lines: list[bytes]) -> Trace:
 
 def read_trace_stream(stream: BinaryIO, first: list[bytes] | None = None) -> Trace:
     """``read_trace`` over a byte stream (``first``: lines already read from it), refusing a line over 1 MiB."""
-    lines = list(first or [])
-    total = sum(map(len, lines))
-    while line := stream.readline(MAX_LINE_BYTES + 1):
-        total += len(line)
-        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
-            raise TraceError(f"line {len(lines) + 1}: longer than {MAX_LINE_BYTES} bytes")
-        if total > MAX_TRACE_BYTES:
-            raise TraceError(f"trace longer than {MAX_TRACE_BYTES} bytes")
-        lines.append(line)
-    return read_trace(lines)
+    return read_trace(bounded_lines(stream, MAX_TRACE_BYTES, TraceError, "trace", first))
 
 
 __all__ = ["VERSION", "Aborted", "Added", "Event", "Step", "Trace", "TraceError", "is_trace_header",

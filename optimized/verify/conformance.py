@@ -196,16 +196,18 @@ def _too_deep(text: str) -> bool:
     return False
 
 
-def _lines(stream: BinaryIO) -> list[bytes]:
-    """The stream's lines, refusing a line over MAX_LINE_BYTES or a stream over MAX_INPUT_BYTES without reading on."""
-    lines: list[bytes] = []
-    total = 0
+def bounded_lines(stream: BinaryIO, max_total: int, error: type[ValueError] = WorkloadError, what: str = "input",
+                  first: list[bytes] | None = None) -> list[bytes]:
+    """``first``, then the stream's lines; ``error`` for a line over MAX_LINE_BYTES or a total over ``max_total``
+    bytes (``what`` names the whole), without reading on."""
+    lines = list(first or [])
+    total = sum(map(len, lines))
     while line := stream.readline(MAX_LINE_BYTES + 1):
         total += len(line)
         if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
-            raise WorkloadError(f"line {len(lines) + 1}: longer than {MAX_LINE_BYTES} bytes")
-        if total > MAX_INPUT_BYTES:
-            raise WorkloadError(f"input longer than {MAX_INPUT_BYTES} bytes")
+            raise error(f"line {len(lines) + 1}: longer than {MAX_LINE_BYTES} bytes")
+        if total > max_total:
+            raise error(f"{what} longer than {max_total} bytes")
         lines.append(line)
     return lines
 
@@ -233,7 +235,7 @@ def read_workloads(stream: BinaryIO) -> list[Workload]:
     naming the line.
     """
     workloads: list[Workload] = []
-    for number, raw in enumerate(_lines(stream), start=1):
+    for number, raw in enumerate(bounded_lines(stream, MAX_INPUT_BYTES), start=1):
         if not raw.strip():
             continue
         try:
