@@ -22,16 +22,16 @@ if TYPE_CHECKING:  # the lazy names, as mypy should see them
     from optimized.core.scheduler import SchedulerConfig as SchedulerConfig
     from optimized.core.scheduler import Sequence as Sequence
     from optimized.core.scheduler import SequenceStatus as SequenceStatus
-    from optimized.engine.llm import LLM as LLM
-    from optimized.engine.llm import RequestOutput as RequestOutput
+    from optimized.entry.llm import LLM as LLM
+    from optimized.entry.llm import RequestOutput as RequestOutput
 
 _LAZY = {
     "Scheduler": "optimized.core.scheduler",
     "SchedulerConfig": "optimized.core.scheduler",
     "Sequence": "optimized.core.scheduler",
     "SequenceStatus": "optimized.core.scheduler",
-    "LLM": "optimized.engine.llm",
-    "RequestOutput": "optimized.engine.llm",
+    "LLM": "optimized.entry.llm",
+    "RequestOutput": "optimized.entry.llm",
 }
 
 

@@ -316,7 +316,7 @@ def test_cuda_graphs_follow_the_declared_capturable(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(kernels.backend, "get_backend", lambda name, device: spy)
-    monkeypatch.setattr("optimized.engine.llm.load_model", load_on_cpu)
+    monkeypatch.setattr("optimized.entry.llm.load_model", load_on_cpu)
     llm = make(device="cuda")
     assert loads == ["cuda"] and llm.enforce_eager is not capturable
     assert (llm.engine.runner.graphs is not None) is capturable

@@ -217,8 +217,8 @@ def test_verdicts_report_an_interpreted_gpu_run_failures_and_differing_tokens() 
 @pytest.mark.clause("GPU-4")
 def test_graph_info_tells_eager_from_graph_decoding(tmp_path: Path) -> None:
     """GPU-4: an eager LLM has no graph runner; with enforce_eager=False graphs are found, and counted once used."""
-    from optimized.engine.llm import LLM
     from optimized.engine.sampling_params import SamplingParams
+    from optimized.entry.llm import LLM
 
     write_random_checkpoint(tmp_path, TINY.exact_model, torch.float32, torch.device("cpu"), seed=2)
     eager = LLM(str(tmp_path), device="cpu", enforce_eager=True, num_kvcache_blocks=16, max_model_len=64)

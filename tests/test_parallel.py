@@ -16,8 +16,8 @@ import torch
 
 from optimized import LLM, SamplingParams
 from optimized.models.config import load_config
+from optimized.models.sharding import Shard
 from optimized.parallel.group import TensorParallelError
-from optimized.parallel.sharding import Shard
 from tests.engine_fixtures import FAMILIES, checkpoint, hf_greedy
 from tests.test_engine_exact import MAX_TOKENS, PROMPTS
 

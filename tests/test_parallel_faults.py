@@ -301,7 +301,7 @@ def test_memory_check_counts_only_the_ranks_piece(monkeypatch: pytest.MonkeyPatc
     refusal, when even the piece does not fit, says it is the rank's piece."""
     from optimized.models import loader
     from optimized.models.config import load_config
-    from optimized.parallel.sharding import Shard
+    from optimized.models.sharding import Shard
 
     c = load_config(checkpoint("llama"))
     cpu = torch.device("cpu")
@@ -352,7 +352,7 @@ def test_a_rank_reads_only_its_own_pieces(monkeypatch: pytest.MonkeyPatch) -> No
 
     from optimized.models import loader
     from optimized.models.config import load_config
-    from optimized.parallel.sharding import Shard, source_slice
+    from optimized.models.sharding import Shard, source_slice
 
     wholes: list[str] = []
     pieces: list[tuple[str, Any]] = []
@@ -526,7 +526,7 @@ def test_private_store_and_dropped_llm_stops_its_worker() -> None:
 
 def _slow_rank_1(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Rank 1 (the thread named rank1) loads its shard ``seconds`` late and its memory holds 5 KV blocks, rank 0's 9."""
-    from optimized.engine import llm
+    from optimized.entry import llm
     from optimized.models import loader
 
     load = loader.load_model

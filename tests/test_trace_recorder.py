@@ -189,7 +189,7 @@ def test_a_trace_that_cannot_be_written_is_refused_before_the_model_loads(tmp_pa
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """TRACE-1: a trace in a missing folder, a folder, or a file without write permission is a ValueError naming
     it, raised before any model loads."""
-    import optimized.engine.llm as llm_module
+    import optimized.entry.llm as llm_module
     from optimized import LLM
 
     def no_load(*args: Any, **kwargs: Any) -> Any:

@@ -50,8 +50,8 @@ def child(args: argparse.Namespace) -> int:
     """One timed run in this process; prints a JSON line with the wall time and the thread count used."""
     import torch
 
-    from optimized.engine.llm import LLM
     from optimized.engine.sampling_params import SamplingParams
+    from optimized.entry.llm import LLM
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

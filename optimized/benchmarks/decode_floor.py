@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from optimized.engine.llm import LLM
 from optimized.engine.sampling_params import SamplingParams
+from optimized.entry.llm import LLM
 from optimized.models.decoder import CausalLM
 
 

@@ -45,7 +45,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _dtype(name: str) -> torch.dtype:
-    from optimized.engine.llm import DTYPES
+    from optimized.entry.llm import DTYPES
 
     return DTYPES[name]
 
@@ -180,8 +180,8 @@ def stage_graphs_exact(p: Profile, work: Path) -> Result:
     import torch
 
     from optimized.benchmarks.random_checkpoint import write_random_checkpoint
-    from optimized.engine.llm import LLM
     from optimized.engine.sampling_params import SamplingParams
+    from optimized.entry.llm import LLM
 
     device = torch.device(p.device)
     folder = work / "exact-model"
@@ -252,8 +252,8 @@ def _bench_folder(work: Path) -> Path:
 
 
 def _engine_stage(p: Profile, work: Path, eager: bool) -> Result:
-    from optimized.engine.llm import LLM
     from optimized.engine.sampling_params import SamplingParams
+    from optimized.entry.llm import LLM
 
     folder = _bench_folder(work)
     w = p.workload
@@ -341,7 +341,7 @@ def stage_decode_floor(p: Profile, work: Path) -> Result:
     import torch
 
     from optimized.benchmarks.decode_floor import copy_bandwidth, decode_floor, time_decode_steps
-    from optimized.engine.llm import LLM
+    from optimized.entry.llm import LLM
 
     folder = _bench_folder(work)
     device = torch.device(p.device)

@@ -367,7 +367,7 @@ def _rate(text: str) -> float:
 
 def main(args: argparse.Namespace) -> int:
     from optimized.cli.engine_options import llm_kwargs
-    from optimized.engine.llm import LLM
+    from optimized.entry.llm import LLM
 
     kwargs = llm_kwargs(args)
     rows = None

@@ -31,8 +31,8 @@ import torch
 
 from optimized.cli.arguments import MAX_COUNT, MAX_THREADS
 from optimized.core.errors import is_strict_int
-from optimized.engine.llm import DTYPES, LLM
 from optimized.engine.sampling_params import SamplingParams
+from optimized.entry.llm import DTYPES, LLM
 from optimized.parallel.group import CommStats
 
 DEFAULTS: dict[str, Any] = {

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +31,7 @@ from kernels.backend import AttentionBackend, DecodePlan
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.rotary import rotary_rows, rotate
 from optimized.models.config import ModelConfig
-
-if TYPE_CHECKING:  # optimized.parallel imports this package's config: a runtime import would be circular
-    from optimized.parallel.sharding import Shard
+from optimized.models.sharding import Shard
 
 Rows = tuple[tuple[int, int], ...]
 

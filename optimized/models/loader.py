@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from optimized.models.checkpoint_files import FLOAT_DTYPES, TensorInfo, read_safetensors_header, regular_file
 from optimized.models.config import ModelConfig, load_config
 from optimized.models.decoder import CausalLM, TensorParallel
-from optimized.parallel.sharding import Shard, source_slice
+from optimized.models.sharding import Shard, source_slice
 
 # Checkpoint name suffix -> (packed parameter suffix, shard index) within a layer.
 _PACKED = {

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 
-from optimized.parallel.sharding import Shard
+from optimized.models.sharding import Shard
 
 TIMEOUT_VARIABLE = "NANOVERIFY_TP_TIMEOUT"  # seconds a collective may take (default 60)
 START_TIMEOUT_VARIABLE = "NANOVERIFY_TP_START_TIMEOUT"  # seconds every rank may take to load its shard (default 600)

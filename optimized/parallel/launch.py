@@ -31,6 +31,7 @@ from torch.distributed.rendezvous import rendezvous
 
 from optimized.engine.model_runner import ModelRunner
 from optimized.models.config import ModelConfig
+from optimized.models.sharding import Shard, check_divisible
 from optimized.parallel.group import (
     ERROR_KEY,
     Group,
@@ -40,7 +41,6 @@ from optimized.parallel.group import (
     private_store,
     start_timeout,
 )
-from optimized.parallel.sharding import Shard, check_divisible
 from optimized.parallel.step import receive_step, send_stop
 from optimized.parallel.watchdog import watch_parent
 
@@ -54,7 +54,7 @@ class RunnerSpec:
     """Everything a rank needs to build its runner; rank 0 resolves it, spawned workers receive it."""
 
     model_dir: str
-    dtype: str  # a key of optimized.engine.llm.DTYPES
+    dtype: str  # a key of optimized.entry.llm.DTYPES
     device: str  # "cpu" or "cuda"
     backend: str  # the attention backend's resolved name
     block_size: int
@@ -164,7 +164,7 @@ def check_same(group: Group, spec: RunnerSpec) -> None:
 def build_runner(spec: RunnerSpec, group: Group) -> ModelRunner:
     """This rank's shard, its KV cache (the same block count on every rank) and its runner."""
     from kernels.backend import get_backend
-    from optimized.engine.llm import DTYPES, kv_cache_blocks
+    from optimized.entry.llm import DTYPES, kv_cache_blocks
     from optimized.models.loader import load_model
 
     check_same(group, spec)
@@ -220,7 +220,7 @@ def _restore_threads(group: Group) -> None:
 def check_before_start(spec: RunnerSpec) -> None:
     """What this rank can refuse alone, refused before any process starts (TP-1): the checkpoint's headers
     (CKPT-2), its piece's fit in memory (CKPT-2, TP-2) and a ``num_kvcache_blocks`` beyond this machine's memory."""
-    from optimized.engine.llm import DTYPES, kv_cache_blocks
+    from optimized.entry.llm import DTYPES, kv_cache_blocks
     from optimized.models.config import load_config
     from optimized.models.loader import check_checkpoint
 

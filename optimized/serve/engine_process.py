@@ -313,7 +313,7 @@ def engine_main(conn: Connection, llm_kwargs: dict[str, Any]) -> None:
             except (BrokenPipeError, ConnectionResetError):
                 server_gone.set()
 
-    from optimized.engine.llm import LLM
+    from optimized.entry.llm import LLM
 
     try:
         llm = LLM(**llm_kwargs)

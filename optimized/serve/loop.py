@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from optimized.engine.engine import EngineLimits
-from optimized.engine.llm import LLM, RequestOutput
 from optimized.engine.sampling_params import SamplingParams
+from optimized.entry.llm import LLM, RequestOutput
 from optimized.serve.metrics import EngineMetrics
 from optimized.verify.shadow import ShadowDivergence
 
