@@ -41,11 +41,11 @@ def drain(llm: LLM) -> dict[int, RequestOutput]:
 
 def assert_idle(llm: LLM) -> None:
     """ABORT-5: every invariant holds on both schedulers, and no block is used once everything finished."""
-    assert llm.engine.shadow is not None
-    for sched in (llm.engine.scheduler, llm.engine.shadow.ref):
+    assert llm.shadow is not None
+    for sched in (llm.engine.scheduler, llm.shadow.ref):
         state = snapshot(sched)
         assert check_state(state) == [] and state.used_block_ids == set()
-    assert llm.engine.live == {} and llm.engine.shadow.by_arrival == {}
+    assert llm.engine.live == {} and llm.shadow.by_arrival == {}
     assert llm.engine.stats.compared_steps == llm.engine.stats.steps
 
 
@@ -68,8 +68,8 @@ def test_add_request_refuses_like_generate_and_changes_nothing() -> None:
     llm = make()
     llm.add_request(PROMPTS[0], GREEDY)
     llm.step()
-    assert llm.engine.shadow is not None
-    before = (snapshot(llm.engine.scheduler), snapshot(llm.engine.shadow.ref), sorted(llm.engine.live),
+    assert llm.shadow is not None
+    before = (snapshot(llm.engine.scheduler), snapshot(llm.shadow.ref), sorted(llm.engine.live),
               llm._rng.getstate())
     for prompt, params, field in (([], GREEDY, "prompt"), ([1, 300], GREEDY, "vocab_size"),
                                   ([1] * 95, GREEDY, "max_model_len"),
@@ -78,7 +78,7 @@ def test_add_request_refuses_like_generate_and_changes_nothing() -> None:
             llm.add_request(prompt, params)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.add_request(PROMPTS[1], "greedy")  # type: ignore[arg-type]
-    after = (snapshot(llm.engine.scheduler), snapshot(llm.engine.shadow.ref), sorted(llm.engine.live),
+    after = (snapshot(llm.engine.scheduler), snapshot(llm.shadow.ref), sorted(llm.engine.live),
              llm._rng.getstate())
     assert after == before
     assert llm.add_request(PROMPTS[1], GREEDY) == 1  # the refused ones took no id
@@ -152,10 +152,10 @@ def test_abort_refusals_and_no_ops() -> None:
     for bad in (2, -1, "0", True):
         with pytest.raises(ValueError, match="request_id"):
             llm.abort(bad)  # type: ignore[arg-type]
-    assert llm.engine.shadow is not None
-    before = snapshot(llm.engine.scheduler), snapshot(llm.engine.shadow.ref)
+    assert llm.shadow is not None
+    before = snapshot(llm.engine.scheduler), snapshot(llm.shadow.ref)
     assert llm.abort(done) is None
-    assert (snapshot(llm.engine.scheduler), snapshot(llm.engine.shadow.ref)) == before
+    assert (snapshot(llm.engine.scheduler), snapshot(llm.shadow.ref)) == before
     assert llm.abort(live) is not None and llm.abort(live) is None
     assert drain(llm) == {}
     assert_idle(llm)

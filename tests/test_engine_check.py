@@ -25,7 +25,7 @@ make = partial(make_llm, kvcache_block_size=2, num_kvcache_blocks=32)
 @pytest.mark.clause("ENG-15")
 def test_check_mode_is_off_by_default_and_counts_steps() -> None:
     """ENG-15: check mode is off unless asked; when on, every step is compared."""
-    assert LLM(str(checkpoint("qwen3")), num_kvcache_blocks=8).engine.shadow is None
+    assert LLM(str(checkpoint("qwen3")), num_kvcache_blocks=8).shadow is None
     llm = make()
     llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.engine.stats.compared_steps == llm.engine.stats.steps > 0

@@ -65,14 +65,14 @@ def fail_on_call(monkeypatch: pytest.MonkeyPatch, llm: LLM, k: int) -> list[list
 
 def consistent(llm: LLM, idle: bool = False) -> None:
     """FAULT-2: every invariant on both schedulers; when idle, no block used and the shadow empty too."""
-    assert llm.engine.shadow is not None
-    for sched in (llm.engine.scheduler, llm.engine.shadow.ref):
+    assert llm.shadow is not None
+    for sched in (llm.engine.scheduler, llm.shadow.ref):
         state = snapshot(sched)
         assert check_state(state) == []
         if idle:
             assert state.used_block_ids == set()
     if idle:
-        assert llm.engine.live == {} and llm.engine.shadow.by_arrival == {}
+        assert llm.engine.live == {} and llm.shadow.by_arrival == {}
 
 
 def drain(llm: LLM) -> dict[int, RequestOutput]:
@@ -238,7 +238,7 @@ POINTS: dict[str, tuple[str, str, bool]] = {
 
 
 def owner_of(llm: LLM, where: str) -> Any:
-    shadow = llm.engine.shadow
+    shadow = llm.shadow
     assert shadow is not None
     return {"scheduler": llm.engine.scheduler, "shadow": shadow, "shadow_ref": shadow.ref,
             "runner": llm.engine.runner}[where]
@@ -323,7 +323,7 @@ def test_an_exception_half_way_through_an_add_or_an_abort_leaves_the_engine_refu
     """FAULT-4: the shadow raises after the engine's scheduler already took (or released) the request: the
     exception propagates as itself and the engine refuses further use, naming the add or the abort."""
     llm = make()
-    shadow = llm.engine.shadow
+    shadow = llm.shadow
     assert shadow is not None
     if operation == "abort":
         llm.add_request(PROMPTS[0], GREEDY)

@@ -51,9 +51,9 @@ REFUSED: dict[str, tuple[list[int], SamplingParams, str]] = {
 
 
 def state(llm: LLM) -> tuple[Any, ...]:
-    engine = llm.engine
-    assert engine.shadow is not None
-    return snapshot(engine.scheduler), snapshot(engine.shadow.ref), sorted(engine.live)
+    engine, shadow = llm.engine, llm.shadow
+    assert shadow is not None
+    return snapshot(engine.scheduler), snapshot(shadow.ref), sorted(engine.live)
 
 
 @pytest.mark.clause("ENG-9", "ENG-10")

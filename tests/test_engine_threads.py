@@ -68,11 +68,11 @@ def run_threads(work: list[Callable[[], None]]) -> None:
 
 def assert_idle(llm: LLM, failed_steps: int = 0) -> None:
     """No live request, every block free and every invariant, in the engine and in its shadow."""
-    assert llm.engine.shadow is not None
-    for sched in (llm.engine.scheduler, llm.engine.shadow.ref):
+    assert llm.shadow is not None
+    for sched in (llm.engine.scheduler, llm.shadow.ref):
         state = snapshot(sched)
         assert check_state(state) == [] and state.used_block_ids == set()
-    assert llm.engine.live == {} and llm.engine.shadow.by_arrival == {}
+    assert llm.engine.live == {} and llm.shadow.by_arrival == {}
     assert not llm.has_unfinished_requests()
     assert llm.engine.stats.compared_steps == llm.engine.stats.steps and llm.engine.stats.failed_steps == failed_steps
 

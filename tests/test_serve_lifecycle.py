@@ -117,17 +117,17 @@ def test_a_divergence_fails_requests_and_turns_health_503(caplog: pytest.LogCapt
     says so (streamed: an error event), /health turns 503, nothing more is admitted, and the log holds both
     schedulers' states."""
     llm = make_llm(num_kvcache_blocks=64)
-    assert llm.engine.shadow is not None
-    real = llm.engine.shadow.after_postprocess
+    assert llm.shadow is not None
+    real = llm.shadow.after_postprocess
     calls = [0]
 
     def diverge_at_step_five(*args: Any) -> None:
         calls[0] += 1
         if calls[0] == 5:
-            llm.engine.shadow._fail(llm.engine.scheduler, "injected by the test")  # type: ignore[union-attr]
+            llm.shadow._fail(llm.engine.scheduler, "injected by the test")  # type: ignore[union-attr]
         real(*args)
 
-    monkeypatch.setattr(llm.engine.shadow, "after_postprocess", diverge_at_step_five)
+    monkeypatch.setattr(llm.shadow, "after_postprocess", diverge_at_step_five)
     server = InProcess(llm)
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
@@ -533,7 +533,7 @@ def test_a_divergence_found_by_an_abort_is_counted(monkeypatch: pytest.MonkeyPat
     """SERVE-11, SERVE-12: check mode's shadow diverging while a hang-up is aborted fails the loop and counts one
     divergence, as a divergence found by a step does."""
     llm = make_llm(num_kvcache_blocks=64)
-    shadow = llm.engine.shadow
+    shadow = llm.shadow
     assert shadow is not None
     metrics = Metrics()
     loop = EngineLoop(llm, metrics)

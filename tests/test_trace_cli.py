@@ -106,14 +106,15 @@ def test_bench_throughput_trace_prints_both_sides_and_the_cost(capsys: pytest.Ca
 def test_the_cost_of_tracing_counts_every_call_into_the_recorder(tmp_path: Path) -> None:
     """TRACE-12: the recorder's own time includes the check of each request's add record (a whole JSON encoding
     of its prompt), not only the record's making and writing."""
-    from optimized.trace.cost import Stopwatch, _timing
+    from optimized.engine.sampling_params import SamplingParams
+    from optimized.trace.cost import TimedObserver
+    from optimized.trace.recorder import TraceObserver
 
     recorder = Recorder(tmp_path / "t.jsonl", SchedulerConfig(num_blocks=8, block_size=4, max_num_seqs=2,
                                                               max_num_batched_tokens=16, eos=-1), (0,))
-    watch = Stopwatch()
+    watch = TimedObserver(TraceObserver(recorder, 0))
     try:
-        with _timing(watch, recorder):
-            recorder.check_add(list(range(50_000)), 4, False)
+        watch.check_add(list(range(50_000)), SamplingParams(max_tokens=4))
         assert watch.seconds > 0
     finally:
         recorder.close()

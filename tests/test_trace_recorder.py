@@ -45,8 +45,8 @@ def test_a_closed_or_broken_trace_refuses_the_next_change_before_it_begins(tmp_p
     assert path.read_bytes() == written
 
     broken = make(trace=tmp_path / "b.jsonl")
-    assert broken.engine.recorder is not None
-    broken.engine.recorder.broken = "OSError: No space left on device"
+    assert broken.recorder is not None
+    broken.recorder.broken = "OSError: No space left on device"
     with pytest.raises(OSError, match="the trace is incomplete since an earlier write failed"):
         broken.add_request([1, 2], GREEDY)
     assert broken.engine.trusted and not broken.engine.by_arrival and not broken.has_unfinished_requests()
@@ -88,7 +88,7 @@ def test_closing_closes_even_when_flushing_or_stopping_workers_raises(
     monkeypatch.setattr(launch, "close", stop_fails)
     with pytest.raises(RuntimeError, match="a worker would not stop"):
         llm.close()
-    assert llm.engine.recorder is not None and llm.engine.recorder.file.closed
+    assert llm.recorder is not None and llm.recorder.file.closed
 
 
 def test_an_unused_stream_recorder() -> None:

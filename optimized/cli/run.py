@@ -91,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
         f"finish reasons: stop {sum(o.finish_reason == 'stop' for o in outs)}, "
         f"length {sum(o.finish_reason == 'length' for o in outs)}"
     )
-    if llm.engine.shadow is None:
+    if llm.shadow is None:
         print("decisions identical to the reference: not checked (--no-check)")
     else:
         print(f"decisions identical to the reference: {st.compared_steps}/{st.steps} steps")

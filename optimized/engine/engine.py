@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from invariants.block_math import admits
 from optimized.core.errors import is_strict_int
 
 # The one import point of the scheduler the engine drives (reference.* has the same API).
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
 from optimized.engine.model_runner import DrawParams, ModelRunner
-from optimized.engine.sampling_params import SamplingParams, token_id
-from optimized.trace.recorder import Recorder, record_engine_failure, record_engine_step, record_schedule
-from optimized.verify.shadow import Shadow
+from optimized.engine.observer import StepObserver
+from optimized.engine.sampling_params import SamplingParams
+from optimized.engine.validation import EngineLimits, validate_request
 
 __all__ = ["Engine", "EngineLimits", "EngineStats", "Request", "SchedulerConfig", "describe", "validate_request"]
 
@@ -72,48 +71,6 @@ class EngineStats:
     failed_steps: int = 0  # FAULT-1: steps whose model run raised (not counted in ``steps``)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    vocab_size: int
-    max_model_len: int
-    num_blocks: int
-    block_size: int
-    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-
-
-def validate_request(token_ids: Seq[int], params: SamplingParams, limits: EngineLimits) -> list[int]:
-    """The prompt as plain ints, or a ValueError naming the limit when the engine must refuse it (ENG-9).
-
-    Changes nothing.
-    """
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"sampling_params must be optimized.SamplingParams, got {type(params).__name__}")
-    # Re-running the dataclass validation catches a params object mutated after it was made.
-    SamplingParams(**{f: getattr(params, f) for f in params.__dataclass_fields__})
-    ids = [token_id(t) for t in token_ids]
-    n = len(ids)
-    if n == 0:
-        raise ValueError("prompt must hold at least one token")
-    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids must be in [0, vocab_size={limits.vocab_size}), got {bad[0]!r}")
-    # SamplingParams refused negative and non-integer stop ids when made; only the model knows the upper bound,
-    # and an id past it can never be drawn, so the stop would silently never happen.
-    unreachable = [t for t in params.stop_token_ids if t >= limits.vocab_size]
-    if unreachable:
-        raise ValueError(f"stop_token_ids must be in [0, vocab_size={limits.vocab_size}), got {unreachable[0]!r}")
-    if n + params.max_tokens > limits.max_model_len:
-        raise ValueError(
-            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len={limits.max_model_len}"
-        )
-    if not admits(n, params.max_tokens, limits.block_size, limits.num_blocks):
-        raise ValueError(
-            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) can never fit the KV cache "
-            f"(num_kvcache_blocks={limits.num_blocks} of kvcache_block_size={limits.block_size})"
-        )
-    return ids
 
 
 def describe(error: BaseException) -> str:
@@ -151,13 +108,12 @@ class _Change:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig, limits: EngineLimits, check: bool,
-                 recorder: Recorder | None = None) -> None:
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig, limits: EngineLimits,
+                 observers: Seq[StepObserver] = ()) -> None:
         self.runner = runner
-        self.recorder = recorder  # TRACE-1: the run written down as it happens
         self.limits = limits
         self.scheduler = Scheduler(config)
-        self.shadow = Shadow(config) if check else None
+        self.observers = list(observers)  # told of every change, in order (ARCH-3): the recorder, the shadow
         self.live: dict[int, Request] = {}  # by seq_id
         self.by_arrival: dict[int, Request] = {}  # the same live requests, by arrival
         self.failed: list[Request] = []  # FAULT-1: requests of failed steps, until the caller takes them
@@ -187,8 +143,8 @@ class Engine:
         if self.busy is not None:
             raise RuntimeError(f"the engine failed inside {self.busy} ({self.broken_by}) and its state is undefined: "
                                "make a new LLM")
-        if self.recorder is not None:  # TRACE-1: a closed or broken trace refuses the change before it begins
-            self.recorder.require_writable()
+        for observer in self.observers:  # TRACE-1: a closed or broken trace refuses the change before it begins
+            observer.before_change()
 
     def add(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
         self.require_trusted()
@@ -199,18 +155,13 @@ class Engine:
         """``add`` for a request the caller has already passed through ``validate_request``."""
         self.require_trusted()
         request = self._request(token_ids, params, seed)
-        recorder = self.recorder  # TRACE-1: its add record made first, so a line it must refuse changes nothing
-        line = None if recorder is None else recorder.add_line(request.arrival, token_ids, params.max_tokens,
-                                                                 params.ignore_eos)
         with self._adding:
             self.scheduler.add(request.seq, request.stop_ids)
-            if self.shadow is not None:
-                self.shadow.add(request.arrival, request.seq.token_ids, params, request.stop_ids)
             self.live[request.seq.seq_id] = request
             self.by_arrival[request.arrival] = request
             self._arrivals += 1
-            if recorder is not None and line is not None:
-                recorder.write_add(line)
+            for observer in self.observers:
+                observer.added(request)
         return request
 
     def _request(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
@@ -240,10 +191,8 @@ class Engine:
             self.scheduler.abort(request.seq)
             request.finish_reason = reason
             self._forget(request)
-            if self.shadow is not None:
-                self.shadow.abort(self.scheduler, arrival, self._live_arrivals())
-            if self.recorder is not None:
-                self.recorder.abort(arrival)
+            for observer in self.observers:
+                observer.aborted(self.scheduler, request, self.live)
             if reason == "abort":  # a stop string's end is not an abort in the stats
                 self.stats.aborted_requests += 1
         return request
@@ -274,17 +223,15 @@ class Engine:
         out = self.scheduler.schedule()  # says whom it preempted: no scan of the live requests (OPT-22)
         seqs, is_prefill, live = out.batch, out.is_prefill, self.live
         requests = [live[s.seq_id] for s in seqs]
-        if self.shadow is not None:
-            preempted = [live[s.seq_id].arrival for s in out.preempted]
-            self.shadow.after_schedule(self.scheduler, requests, is_prefill, preempted)
-        recorder = self.recorder
-        decided = "" if recorder is None else record_schedule(recorder, out, requests, live)
+        observers = self.observers
+        for observer in observers:
+            observer.scheduled(self.scheduler, out, requests, live)
         start = time.perf_counter()
         try:
             tokens = self.runner.run(seqs, is_prefill, [r.draw for r in requests])
         except BaseException as fault:
-            if recorder is not None:
-                record_engine_failure(recorder, decided, fault, start)
+            for observer in observers:
+                observer.step_failed(fault, start)
             self._fail_batch_under(fault, seqs, requests)
             raise
         self._count(out, time.perf_counter() - start)
@@ -292,11 +239,8 @@ class Engine:
         for r in finished:
             r.finish_reason = self._finish_reason(r)
             self._forget(r)
-        if recorder is not None:
-            record_engine_step(recorder, decided, tokens, finished, self._eos, start)
-        if self.shadow is not None:
-            self.shadow.after_postprocess(self.scheduler, tokens, [r.arrival for r in finished])
-            self.stats.compared_steps += 1
+        for observer in observers:
+            observer.stepped(self.scheduler, tokens, finished, start)
         return finished
 
     def _fail_batch_under(self, fault: BaseException, seqs: list[Sequence], requests: list[Request]) -> None:
@@ -314,8 +258,8 @@ class Engine:
         for r in requests:
             r.finish_reason = "error"
             self._forget(r)
-        if self.shadow is not None:
-            self.shadow.fail_step(self.scheduler, [r.arrival for r in requests], self._live_arrivals())
+        for observer in self.observers:
+            observer.batch_withdrawn(self.scheduler, requests, self.live)
         self.failed.extend(requests)
         self.stats.failed_steps += 1
         self.busy = None  # FAULT-2: consistent again; the fault propagates without marking the engine
@@ -323,9 +267,6 @@ class Engine:
     def _forget(self, request: Request) -> None:
         del self.live[request.seq.seq_id]
         del self.by_arrival[request.arrival]
-
-    def _live_arrivals(self) -> dict[int, int]:
-        return {seq_id: r.arrival for seq_id, r in self.live.items()}
 
     def _finish_reason(self, r: Request) -> str:
         last = r.seq.last_token
@@ -335,7 +276,7 @@ class Engine:
 
     @property
     def _eos(self) -> int:
-        return self.limits.eos_token_ids[0] if self.limits.eos_token_ids else -1
+        return self.limits.eos
 
     def _count(self, out: ScheduleOutput, seconds: float) -> None:
         st = self.stats

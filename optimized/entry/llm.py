@@ -47,13 +47,15 @@ import torch
 from optimized.core.errors import is_strict_int, strict_int
 from optimized.engine import cpu_defaults
 from optimized.engine.detokenizer import IncrementalDetokenizer
-from optimized.engine.engine import Engine, EngineLimits, Request, SchedulerConfig, describe, validate_request
+from optimized.engine.engine import Engine, EngineStats, Request, SchedulerConfig, describe
 from optimized.engine.model_runner import ModelRunner
 from optimized.engine.sampling_params import SamplingParams
+from optimized.engine.validation import EngineLimits, validate_request
 from optimized.models.config import load_config
 from optimized.models.loader import load_model
 from optimized.models.tokenizer import load_tokenizer
-from optimized.trace.recorder import Recorder, trace_file
+from optimized.trace.recorder import Recorder, TraceObserver, trace_file
+from optimized.verify.shadow import Shadow
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,6 +68,16 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" (eos or a stop token), "length", "abort" (ABORT-8) or "error" (FAULT-1)
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """The engine's load between steps (SERVE-6's gauges)."""
+
+    running: int
+    waiting: int
+    free_blocks: int
+    num_blocks: int
 
 
 def _number(value: object) -> bool:
@@ -276,9 +288,16 @@ class LLM:
             eos=c.eos,
         )
         limits = EngineLimits(c.vocab_size, max_model_len, num_kvcache_blocks, block_size, c.eos_token_ids)
-        recorder = None if trace_path is None else Recorder(trace_path, config, c.eos_token_ids, trace_wall_times,
-                                                             max_model_len=max_model_len)
-        self.engine = Engine(runner, config, limits, check, recorder)
+        self.engine = Engine(runner, config, limits)
+        # The plug-ins, wired here and known to the engine only as observers (ARCH-3): the trace first, so a step
+        # the shadow finds divergent is still on disk.
+        self.recorder = None if trace_path is None else Recorder(trace_path, config, c.eos_token_ids,
+                                                                 trace_wall_times, max_model_len=max_model_len)
+        if self.recorder is not None:
+            self.engine.observers.append(TraceObserver(self.recorder, limits.eos))
+        self.shadow = Shadow(config, self.engine.stats) if check else None
+        if self.shadow is not None:
+            self.engine.observers.append(self.shadow)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()  # THREAD-1: held for one engine operation at a time
         self._changes = 0  # steps and aborts so far: a generate call that sees it move rescans its requests
@@ -304,6 +323,34 @@ class LLM:
             raise ValueError(f"model must be a checkpoint folder, got {str(model)!r}")
         return path
 
+    # --- the read API: what serve/, cli/ and benchmarks/ may know of the engine (ARCH-5) ---------------------
+    @property
+    def limits(self) -> EngineLimits:
+        """The engine's fixed limits: vocabulary, max_model_len, KV blocks and their size, EOS ids."""
+        return self.engine.limits
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's counters since it was made (steps, tokens, preemptions, cache hits, seconds)."""
+        return self.engine.stats
+
+    @property
+    def checked(self) -> bool:
+        """Check mode is on: every step is compared with the reference scheduler."""
+        return self.shadow is not None
+
+    @property
+    def traced(self) -> bool:
+        """A trace records the run (TRACE-1)."""
+        return self.recorder is not None
+
+    def gauges(self) -> Gauges:
+        """Requests running and waiting, and KV blocks free, between steps (no lock: one consistent read of
+        three counters is not promised while another thread steps)."""
+        scheduler = self.engine.scheduler
+        return Gauges(len(scheduler.running), len(scheduler.waiting), scheduler.block_manager.free.count,
+                      self.engine.limits.num_blocks)
+
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any, and wait for them (TP-9); the LLM is unusable afterwards
         under tensor parallelism. Idempotent; a single-process LLM has nothing to stop. A trace is flushed and
@@ -314,8 +361,8 @@ class LLM:
             try:
                 launch.close(self.engine.runner)
             finally:  # the trace is closed even when stopping the workers raised
-                if self.engine.recorder is not None:
-                    self.engine.recorder.close()
+                for observer in self.engine.observers:
+                    observer.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -333,8 +380,8 @@ class LLM:
     def _validated(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
         """ENG-9: the prompt's token ids and its params, or a ValueError naming the limit (nothing changed)."""
         ids = validate_request(self._tokens(prompt), params, self.engine.limits)
-        if self.engine.recorder is not None:  # TRACE-4: nor an add record the trace reader would refuse
-            self.engine.recorder.check_add(ids, params.max_tokens, params.ignore_eos)
+        for observer in self.engine.observers:  # TRACE-4: nor an add record the trace reader would refuse
+            observer.check_add(ids, params)
         return ids, params
 
     def _add(self, ids: list[int], params: SamplingParams) -> Request:

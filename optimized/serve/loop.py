@@ -132,7 +132,7 @@ class EngineInfo:
 
     @staticmethod
     def of(llm: LLM) -> EngineInfo:
-        return EngineInfo(llm.engine.limits, llm.model_dir, llm.engine.recorder is not None)
+        return EngineInfo(llm.engine.limits, llm.model_dir, llm.recorder is not None)
 
 
 def engine_state(llm: LLM) -> dict[str, Any]:

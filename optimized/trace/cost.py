@@ -18,14 +18,12 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import optimized.engine.engine as engine_module
 from optimized.engine.sampling_params import SamplingParams
-from optimized.trace.recorder import Recorder
+from optimized.trace.recorder import Recorder, TraceObserver
 
 ROUNDS = 3  # runs per side
 TARGET_PERCENT = 3.0  # TRACE-12: what tracing may cost
@@ -36,58 +34,44 @@ def _prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
-class Stopwatch:
-    def __init__(self) -> None:
+class TimedObserver:
+    """An engine observer wrapped so that every call the engine makes into it is timed (TRACE-12): no global
+    is patched, the engine sees one more observer."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
         self.seconds = 0.0
 
-    def timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
+    def __getattr__(self, hook: str) -> Callable[..., Any]:
+        call = getattr(self.inner, hook)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                return call(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
 
-        return run
-
-
-HOOKS = ("record_schedule", "record_engine_step")
-
-
-@contextmanager
-def _timing(watch: Stopwatch, recorder: Recorder) -> Iterator[None]:
-    """Every call the engine makes into the recorder, timed: its two step hooks and the add record's check, line and
-    write."""
-    saved = {name: getattr(engine_module, name) for name in HOOKS}
-    for name, fn in saved.items():
-        setattr(engine_module, name, watch.timed(fn))
-    for method in ("check_add", "add_line", "write_add"):  # an instance attribute shadows the method
-        setattr(recorder, method, watch.timed(getattr(recorder, method)))
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(engine_module, name, fn)
+        return timed
 
 
 def _serve(llm: Any, prompts: list[list[int]], outputs: list[int], trace: Path | None) -> tuple[float, float]:
     """Seconds to serve the requests, recording them in ``trace`` when given; and the seconds spent recording."""
     engine = llm.engine
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
-    watch = Stopwatch()
     if trace is None:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, 0.0
     recorder = Recorder(trace, engine.scheduler.config, engine.limits.eos_token_ids)
-    engine.recorder = recorder
+    watch = TimedObserver(TraceObserver(recorder, engine.limits.eos))
+    engine.observers.append(watch)
     try:
-        with _timing(watch, recorder):
-            start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            return time.perf_counter() - start, watch.seconds
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start, watch.seconds
     finally:
-        engine.recorder = None
+        engine.observers.remove(watch)
         recorder.close()
 
 

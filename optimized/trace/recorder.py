@@ -246,6 +246,44 @@ def record_engine_failure(recorder: Recorder, decided: str, fault: BaseException
         fault.add_note(f"recording the failed step in the trace then raised {_describe(error)}")
 
 
+class TraceObserver:
+    """The recorder as the engine's ``StepObserver`` (ARCH-3): each change of the engine written as it happens."""
+
+    def __init__(self, recorder: Recorder, eos: int) -> None:
+        self.recorder = recorder
+        self.eos = eos  # the scheduler's own EOS: a stop by it is no cut (TRACE-3)
+        self._decided = ""  # the step in progress's decisions, serialized when made
+
+    def before_change(self) -> None:
+        self.recorder.require_writable()
+
+    def check_add(self, token_ids: Sequence[int], params: Any) -> None:
+        self.recorder.check_add(token_ids, params.max_tokens, params.ignore_eos)
+
+    def added(self, request: Any) -> None:
+        seq, params = request.seq, request.params
+        self.recorder.add(request.arrival, seq.token_ids[: seq.num_prompt_tokens], params.max_tokens,
+                          params.ignore_eos)
+
+    def scheduled(self, scheduler: Any, out: Any, requests: Sequence[Tracked], live: Mapping[int, Tracked]) -> None:
+        self._decided = record_schedule(self.recorder, out, requests, live)
+
+    def stepped(self, scheduler: Any, tokens: Any, finished: Sequence[Tracked], start: float) -> None:
+        record_engine_step(self.recorder, self._decided, tokens, finished, self.eos, start)
+
+    def step_failed(self, fault: BaseException, start: float) -> None:
+        record_engine_failure(self.recorder, self._decided, fault, start)
+
+    def batch_withdrawn(self, scheduler: Any, failed: Sequence[Any], live: Mapping[int, Any]) -> None:
+        """Recorded by ``step_failed`` already: the failed record names the batch (TRACE-2)."""
+
+    def aborted(self, scheduler: Any, request: Tracked, live: Mapping[int, Any]) -> None:
+        self.recorder.abort(request.arrival)
+
+    def close(self) -> None:
+        self.recorder.close()
+
+
 def _describe(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

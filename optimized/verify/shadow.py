@@ -15,7 +15,7 @@ implementations number their sequences independently.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import reference
@@ -63,6 +63,11 @@ class Arrived(Protocol):
     seq: Any
 
 
+def _arrivals(live: Mapping[int, Arrived]) -> dict[int, int]:
+    """Live requests' arrivals by the engine's seq_id."""
+    return {seq_id: r.arrival for seq_id, r in live.items()}
+
+
 def _dump(state: SchedulerState) -> str:
     def seqs(views: list[Any]) -> str:
         return "\n".join(
@@ -79,7 +84,9 @@ def _dump(state: SchedulerState) -> str:
 
 
 class Shadow:
-    def __init__(self, config: SchedulerKnobs) -> None:
+    """Check mode as the engine's ``StepObserver`` (ARCH-3): every hook mirrors the change on the reference."""
+
+    def __init__(self, config: SchedulerKnobs, stats: Any = None) -> None:
         self.ref = reference.Scheduler(
             reference.SchedulerConfig(
                 num_blocks=config.num_blocks,
@@ -96,7 +103,39 @@ class Shadow:
         self.batch: list[reference.Sequence] = []
         self.is_prefill = True
         self.step = 0
+        self.stats = stats  # the engine's EngineStats: ``compared_steps`` counts the steps compared
 
+    # --- the engine's StepObserver hooks ----------------------------------------------------------------
+    def before_change(self) -> None:
+        """The shadow refuses nothing."""
+
+    def check_add(self, token_ids: Sequence[int], params: Any) -> None:
+        """The reference takes whatever the engine validated."""
+
+    def added(self, request: Any) -> None:
+        self.add(request.arrival, request.seq.token_ids, request.params, request.stop_ids)
+
+    def scheduled(self, scheduler: Any, out: Any, requests: Sequence[Arrived], live: Mapping[int, Arrived]) -> None:
+        self.after_schedule(scheduler, requests, out.is_prefill, [live[s.seq_id].arrival for s in out.preempted])
+
+    def stepped(self, scheduler: Any, tokens: Any, finished: Sequence[Arrived], start: float) -> None:
+        self.after_postprocess(scheduler, tokens, [r.arrival for r in finished])
+        if self.stats is not None:
+            self.stats.compared_steps += 1
+
+    def step_failed(self, fault: BaseException, start: float) -> None:
+        """Mirrored once the batch is withdrawn (``batch_withdrawn``)."""
+
+    def batch_withdrawn(self, scheduler: Any, failed: Sequence[Arrived], live: Mapping[int, Arrived]) -> None:
+        self.fail_step(scheduler, [r.arrival for r in failed], _arrivals(live))
+
+    def aborted(self, scheduler: Any, request: Arrived, live: Mapping[int, Arrived]) -> None:
+        self.abort(scheduler, request.arrival, _arrivals(live))
+
+    def close(self) -> None:
+        """Nothing kept."""
+
+    # --- the comparisons ----------------------------------------------------------------------------------
     def add(self, arrival: int, token_ids: Sequence[int], params: SamplingParams, stops: frozenset[int]) -> None:
         """The same request; ``stops`` its stop set, which the reference honours through the extension rule."""
         rp = reference.SamplingParams(params.temperature, params.max_tokens, params.ignore_eos)
