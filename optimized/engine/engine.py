@@ -7,20 +7,22 @@ on exactly the tokens the scheduler granted and postprocesses exactly that
 batch; the scheduler reports whom a step preempted and finished (OPT-22), so
 a step does no scan of the live requests. Stop tokens are the scheduler's
 (ENG-12, OPT-23): each request's stop set is handed to the scheduler with the
-sequence, and postprocess finishes a sequence that draws one, beside EOS;
-check mode hands the same sets to the shadow, which applies the rule with
-``reference.extensions``. Beyond the lesson (spec/abort.md): a live request can
-be aborted between steps, and a step whose model run raises fails its batch
-(FAULT-1, FAULT-2): the batch's grants are withdrawn, its requests finish with
-``"error"``, the exception propagates, and every other request stays queued;
-the shadow does the same, so decisions stay identical. Any other exception
+sequence, and postprocess finishes a sequence that draws one, beside EOS.
+Every change is told to the engine's observers (``StepObserver``, ARCH-3), in
+order: check mode's shadow mirrors it on the reference, the recorder writes it.
+Beyond the lesson (spec/abort.md): a live request can be aborted between steps,
+and a step whose model run raises fails its batch (FAULT-1, FAULT-2): the
+batch's grants are withdrawn, its requests finish with ``"error"``, the
+exception propagates, and every other request stays queued; the observers are
+told, so the shadow's decisions stay identical. Any other exception
 in a step, an add or an abort (a bug, a divergence, a KeyboardInterrupt at an
 arbitrary point: FAULT-4) may have left the state half changed: ``busy`` then
 still names the interrupted operation, every later call raises RuntimeError
 (ENG-24), and the exception itself propagates untouched; a cleanup that fails
 never replaces the exception that caused it (FAULT-5). The scheduler
-implementation is imported in exactly one place, ``_SCHEDULER`` below. The
-engine is not thread-safe: ``LLM`` serializes calls into it (THREAD-1).
+implementation is imported in exactly one place, the import of
+``optimized.core.scheduler`` below. The engine is not thread-safe: ``LLM``
+serializes calls into it (THREAD-1).
 """
 
 from __future__ import annotations
