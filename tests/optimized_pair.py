@@ -1,30 +1,32 @@
-"""Shared drivers of the optimized-scheduler tests: the reference and the optimized scheduler in lockstep."""
+"""Shared drivers of the optimized-scheduler tests: the reference and the optimized scheduler in lockstep.
+
+Both are driven through the scheduler port (ARCH-4): the reference by its adapter, which reports whom a step
+preempted and whom a postprocess finished as the optimized scheduler does.
+"""
 
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import optimized
 import reference
-from invariants import check_batch, check_state, seq_view, snapshot
-from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
-from optimized.engine.sampling_params import SamplingParams
-from optimized.verify.conformance import parse_workload
-from optimized.verify.shadow import schedule_reporting_preemptions
-from reference.extensions import postprocess_with_stops
+from invariants import SeqView, check_batch, check_state, seq_view, snapshot
+from optimized.core.port import PortFactory, ScheduleOutput
+from optimized.core.scheduler import Scheduler, SchedulerConfig, Sequence
+from optimized.verify.conformance import implementation, parse_workload
+from optimized.verify.reference_port import ReferencePort
 
 SAMPLES_FILE = Path(optimized.__file__).parent / "verify" / "data" / "conformance.jsonl"
 SAMPLES = [json.loads(line) for line in SAMPLES_FILE.read_text().splitlines() if line.strip()]
 
 
-def opt_impl() -> ModuleType:
-    return importlib.import_module("optimized")
+def opt_impl() -> PortFactory:
+    return implementation("optimized")
 
 
 def check_step(scheduler: Any, batch: list[Any], is_prefill: bool) -> None:
@@ -39,15 +41,14 @@ def check_between(scheduler: Any, batch: list[Any], is_prefill: bool) -> None:
     assert not found, found
 
 
-def twin_run(workload: dict[str, Any], steps: int) -> tuple[reference.Scheduler, Scheduler]:
+def twin_run(workload: dict[str, Any], steps: int) -> tuple[ReferencePort, Scheduler]:
     """Drive both schedulers with the same requests and tokens; compare batches on the way."""
     w = parse_workload(workload)
-    ref, opt = reference.Scheduler(reference.SchedulerConfig(**w.config)), Scheduler(SchedulerConfig(**w.config))
+    config = SchedulerConfig(**w.config)
+    ref, opt = ReferencePort(config), Scheduler(config)
     for r in w.requests:
-        ref.add(reference.Sequence(r.prompt, reference.SamplingParams(max_tokens=r.max_tokens,
-                                                                      ignore_eos=r.ignore_eos), w.config["block_size"]))
-        opt.add(Sequence(r.prompt, SamplingParams(max_tokens=r.max_tokens, ignore_eos=r.ignore_eos),
-                         w.config["block_size"]))
+        ref.add(ref.new_sequence(r.prompt, r.max_tokens, r.ignore_eos))
+        opt.add(opt.new_sequence(r.prompt, r.max_tokens, r.ignore_eos))
     for _ in range(steps):
         if ref.is_finished():
             break
@@ -72,21 +73,18 @@ class Pair:
     def __init__(self, **config: int) -> None:
         config.setdefault("eos", 0)
         self.block_size = config["block_size"]
-        self.ref = reference.Scheduler(reference.SchedulerConfig(**config))
+        self.ref = ReferencePort(SchedulerConfig(**config))
         self.opt = Scheduler(SchedulerConfig(**config))
         self.ref_seqs: list[reference.Sequence] = []
         self.opt_seqs: list[Sequence] = []
-        self.outputs: list[ScheduleOutput] = []
-        self.stops: dict[int, frozenset[int]] = {}  # reference seq_id -> stop set (OPT-23)
+        self.outputs: list[ScheduleOutput[Sequence]] = []
 
     def add(self, prompt: list[int], max_tokens: int, ignore_eos: bool = True, stops: frozenset[int] = frozenset(),
             ) -> int:
-        r = reference.Sequence(prompt, reference.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
-                               self.block_size)
-        o = Sequence(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), self.block_size)
-        self.ref.add(r)
+        r = self.ref.new_sequence(prompt, max_tokens, ignore_eos)
+        o = self.opt.new_sequence(prompt, max_tokens, ignore_eos)
+        self.ref.add(r, stops)
         self.opt.add(o, stops)
-        self.stops[r.seq_id] = stops
         self.ref_seqs.append(r)
         self.opt_seqs.append(o)
         return len(self.ref_seqs) - 1
@@ -100,7 +98,8 @@ class Pair:
             assert self.opt.is_finished()
             return False
         holding = {id(s) for s in self.ref_seqs if s.block_table}
-        rb, rp, ref_preempted = schedule_reporting_preemptions(self.ref)
+        ref_out = self.ref.schedule()
+        rb, rp = ref_out.batch, ref_out.is_prefill
         out = self.opt.schedule()
         self.outputs.append(out)
         ob, op = out.batch, out.is_prefill
@@ -109,17 +108,17 @@ class Pair:
         assert [(s.num_scheduled_tokens, s.block_table) for s in rb] == \
                [(s.num_scheduled_tokens, s.block_table) for s in ob]
         # OPT-22: what the step reports is what the reference did.
-        assert [self.opt_seqs.index(s) for s in out.preempted] == [self.ref_seqs.index(s) for s in ref_preempted]
+        assert [self.opt_seqs.index(s) for s in out.preempted] == [self.ref_seqs.index(s) for s in ref_out.preempted]
         admitted = [s.num_cached_tokens for s in rb if id(s) not in holding] if rp else []
-        assert out.prefix_hit_tokens == sum(admitted)
-        assert out.prefix_query_tokens == (sum(s.num_tokens for s in rb if id(s) not in holding) if rp else 0)
+        assert out.prefix_hit_tokens == ref_out.prefix_hit_tokens == sum(admitted)
+        looked_up = sum(s.num_tokens for s in rb if id(s) not in holding) if rp else 0
+        assert out.prefix_query_tokens == ref_out.prefix_query_tokens == looked_up
         model = [1 + (len(s) * 7) % 5 for s in rb]
-        postprocess_with_stops(self.ref, rb, model, rp, [self.stops[s.seq_id] for s in rb])
+        ref_finished = self.ref.postprocess(rb, model, rp)
         self.check_calendar()
         finished = self.opt.postprocess(list(ob) if copy_batch else ob, model if tokens is None else tokens(model), op)
         self.check_calendar()
-        assert [self.opt_seqs.index(s) for s in finished] == \
-               [self.ref_seqs.index(s) for s in rb if s.status is reference.SequenceStatus.FINISHED]
+        assert [self.opt_seqs.index(s) for s in finished] == [self.ref_seqs.index(s) for s in ref_finished]
         return True
 
     def run(self, arrivals: list[tuple[list[int], int, int]], invariants: bool = True) -> int:
@@ -157,9 +156,12 @@ class Pair:
             assert [self.ref_seqs.index(s) for s in getattr(self.ref, attr)] == \
                    [self.opt_seqs.index(s) for s in getattr(self.opt, attr)]
         for rs, os_ in zip(self.ref_seqs, self.opt_seqs, strict=True):
-            assert (rs.status.name, rs.token_ids, rs.num_cached_tokens, rs.num_scheduled_tokens, rs.block_table) == \
-                   (os_.status.name, os_.token_ids, os_.num_cached_tokens, os_.num_scheduled_tokens,
-                    os_.block_table)
+            assert unnumbered(seq_view(rs)) == unnumbered(seq_view(os_))
+
+
+def unnumbered(view: SeqView) -> SeqView:
+    """A sequence's view without its id: the two schedulers number their sequences independently."""
+    return dataclasses.replace(view, seq_id=-1)
 
 
 def expected_chain(prompt: list[int], block_size: int) -> list[int]:

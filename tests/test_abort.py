@@ -35,7 +35,8 @@ class Pair:
 
     def __init__(self, cfg: ref.SchedulerConfig) -> None:
         self.ref = ref.Scheduler(cfg)
-        self.opt = opt.Scheduler(cfg)
+        self.opt = opt.Scheduler(opt.SchedulerConfig(cfg.num_blocks, cfg.block_size, cfg.max_num_seqs,
+                                                     cfg.max_num_batched_tokens, cfg.eos))
         self.ref_seqs: list[ref.Sequence] = []
         self.opt_seqs: list[opt.Sequence] = []
 

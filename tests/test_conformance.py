@@ -1,7 +1,8 @@
 """The 80 shipped conformance samples replay identically on the reference, every step checked.
 
-Each sample is replayed through the normative loop (optimized/verify/conformance.py)
-with a scheduler that snapshots itself around schedule() and postprocess(), so
+Each sample is replayed through the normative loop (optimized/verify/conformance.py),
+driving through the reference's port adapter a lesson scheduler that snapshots
+itself around schedule() and postprocess(), so
 the state invariants, the batch invariants and the step contract are all
 checked at every step. Two mutants show the traces pin the lesson's decisions:
 a LIFO free queue and an oldest-first victim both change some trace.
@@ -11,16 +12,18 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from functools import partial
 from importlib import resources
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 import reference
 from invariants import SchedulerState, SeqView, Violation, check_batch, check_state, seq_view, snapshot
+from optimized.core.port import PortFactory
 from optimized.verify.conformance import parse_workload, replay
 from optimized.verify.machines.step_contract import check_postprocess, check_schedule
+from optimized.verify.reference_port import ReferencePort
 from reference import Sequence
 
 
@@ -63,14 +66,9 @@ class CheckedScheduler(reference.Scheduler):
                                              self.eos, self.ignore_eos)
 
 
-def impl_with(scheduler: type[reference.Scheduler]) -> ModuleType:
-    """The reference's API with another Scheduler class, for the replay loop."""
-    module = ModuleType("checked_reference")
-    module.Scheduler = scheduler  # type: ignore[attr-defined]
-    module.SchedulerConfig = reference.SchedulerConfig  # type: ignore[attr-defined]
-    module.SamplingParams = reference.SamplingParams  # type: ignore[attr-defined]
-    module.Sequence = reference.Sequence  # type: ignore[attr-defined]
-    return module
+def impl_with(scheduler: type[reference.Scheduler]) -> PortFactory:
+    """The reference's port with another lesson Scheduler class, for the replay loop."""
+    return partial(ReferencePort, lesson=scheduler)
 
 
 def replay_checked(sample: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Violation]]:

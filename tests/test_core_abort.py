@@ -12,9 +12,7 @@ from tests.optimized_pair import Pair
 
 
 def aborted(p: Pair, index: int) -> None:
-    from reference.extensions import abort
-
-    abort(p.ref, p.ref_seqs[index])
+    p.ref.abort(p.ref_seqs[index])
     p.opt.abort(p.opt_seqs[index])
     p.agree()
 
@@ -109,8 +107,6 @@ def test_abort_refuses_mid_step_and_strangers_changing_nothing() -> None:
 @pytest.mark.clause("OPT-20")
 def test_abort_step_withdraws_a_failed_decode_batch_like_the_reference() -> None:
     """OPT-20: a failed decode step's members are aborted in batch order; the run goes on identically."""
-    from reference.extensions import abort_step
-
     p = Pair(block_size=2, num_blocks=9, max_num_seqs=4, max_num_batched_tokens=32)
     for i in range(3):
         p.add([i + 1] * 3, 6)
@@ -120,7 +116,7 @@ def test_abort_step_withdraws_a_failed_decode_batch_like_the_reference() -> None
     ob, _ = p.opt.schedule()
     with pytest.raises(ValueError, match="exactly the sequences"):
         p.opt.abort_step(ob[:-1])
-    abort_step(p.ref, rb)
+    p.ref.abort_step(rb)
     p.opt.abort_step(ob)
     p.agree()
     p.add([7, 7, 7], 4)

@@ -358,7 +358,6 @@ def test_hits_that_repeat_a_block_are_each_a_holder(monkeypatch: pytest.MonkeyPa
 def test_a_freed_block_frees_every_hit_that_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """OPT-14: a remembered walk whose hits repeat one block (a collision) marks every one of them free when that
     block is released, as a fresh walk would; else the admission test counts freed hits as held."""
-    from reference.extensions import abort
 
     _five_hash_values(monkeypatch)
     p = Pair(block_size=2, num_blocks=5, max_num_seqs=4, max_num_batched_tokens=16)
@@ -369,7 +368,7 @@ def test_a_freed_block_frees_every_hit_that_names_it(monkeypatch: pytest.MonkeyP
     p.step()
     bm = p.opt.block_manager
     assert bm._memo is not None and bm._memo.hits[:3] == [1, 1, 1]
-    abort(p.ref, p.ref_seqs[0])
+    p.ref.abort(p.ref_seqs[0])
     p.opt.abort(p.opt_seqs[0])  # block 1 goes free
     bm.flush()
     memo, fresh = bm._memo, bm._walk(p.opt_seqs[2])

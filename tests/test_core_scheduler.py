@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
 from optimized.core.errors import EmptyDecodeError
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
-from optimized.engine.sampling_params import SamplingParams
 from optimized.verify.conformance import parse_workload, replay
 from tests.optimized_pair import SAMPLES, Pair, check_between, check_step, opt_impl
 
@@ -30,7 +27,7 @@ class Recording(Scheduler):
 
     raised: list[type[BaseException]]
 
-    def schedule(self) -> ScheduleOutput:
+    def schedule(self) -> ScheduleOutput[Sequence]:
         try:
             return super().schedule()
         except BaseException as e:
@@ -49,9 +46,7 @@ def test_the_empty_decode_raises_EmptyDecodeError_at_the_reference_step(index: i
         s.raised = raised
         return s
 
-    impl = SimpleNamespace(Scheduler=make, SchedulerConfig=SchedulerConfig, SamplingParams=SamplingParams,
-                           Sequence=Sequence)
-    trace = replay(parse_workload(SAMPLES[index]["workload"]), impl)  # type: ignore[arg-type]
+    trace = replay(parse_workload(SAMPLES[index]["workload"]), make)
     assert trace == SAMPLES[index]["trace"]
     assert raised == [EmptyDecodeError]
 

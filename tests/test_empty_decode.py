@@ -15,11 +15,12 @@ from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
-import reference
 from optimized.core.errors import EmptyDecodeError
-from optimized.verify.conformance import Request, Workload, replay
+from optimized.core.port import SchedulerPort
+from optimized.verify.conformance import Request, Workload, implementation, replay
 from optimized.verify.machines import Stats, counting
 from optimized.verify.machines.reference_machine import Machine, UnadmittedMachine
+from optimized.verify.machines.step_contract import can_allocate
 
 EOS = 9
 HUNT = settings(max_examples=80, stateful_step_count=30, derandomize=True, database=None, deadline=None,
@@ -88,7 +89,7 @@ def replay_bounded(workload: Workload) -> list[dict[str, Any]]:
         if steps > cap:
             raise Runaway(f"{steps} steps > {cap}")
 
-    return replay(workload, reference, on_schedule=count)
+    return replay(workload, implementation("reference"), on_schedule=count)
 
 
 @pytest.mark.clause("ADMIT-2", "EDGE-2")
@@ -142,10 +143,11 @@ def test_a_cache_that_holds_everyone_never_preempts(workload: Workload) -> None:
     c["num_blocks"] = sum(ceil_div(len(r.prompt) + r.max_tokens - 1, c["block_size"]) for r in workload.requests)
     roomy = Workload(c, workload.requests)
 
-    def every_waiting_sequence_fits(scheduler: Any, *_: Any) -> None:
-        for seq in scheduler.waiting:
+    def every_waiting_sequence_fits(port: SchedulerPort[Any], *_: Any) -> None:
+        state = port.snapshot()
+        for seq in state.waiting:
             if not seq.block_table:
-                assert scheduler.block_manager.can_allocate(seq) != -1
+                assert can_allocate(state, seq.token_ids) != -1
 
-    trace = replay(roomy, reference, on_postprocess=every_waiting_sequence_fits)
+    trace = replay(roomy, implementation("reference"), on_postprocess=every_waiting_sequence_fits)
     assert not any(record.get("preempted") for record in trace)

@@ -18,7 +18,7 @@ import pytest
 
 import reference
 from invariants import SchedulerState, SeqView, Violation, check_batch, check_state, seq_view, snapshot
-from optimized.verify.conformance import parse_workload, replay
+from optimized.verify.conformance import implementation, parse_workload, replay
 
 SAMPLES = Path(__file__).resolve().parent.parent / "optimized" / "verify" / "data" / "conformance.jsonl"
 BLOCK_SIZE = 4
@@ -566,7 +566,8 @@ def test_all_conformance_samples_replay_without_violations() -> None:
     empty_decodes = 0
     for index, sample in enumerate(samples):
         recorder = Recorder(index)
-        trace = replay(parse_workload(sample["workload"]), reference, recorder.on_schedule, recorder.on_postprocess)
+        trace = replay(parse_workload(sample["workload"]), implementation("reference"), recorder.on_schedule,
+                       recorder.on_postprocess)
         assert trace == sample["trace"]
         empty_decodes += "error" in trace[-1]
         found.extend(recorder.found)

@@ -32,9 +32,10 @@ TABLE = [5, 2, 7, 0]
 
 
 @pytest.mark.clause("MUT-8")
-def test_the_lesson_defaults_of_the_config() -> None:
-    """MUT-8 (reference/config.py, 16384 -> 16385): the defaults are spec/knobs.md's."""
-    config = ref.SchedulerConfig(num_blocks=1, block_size=2)
+@pytest.mark.parametrize("config_class", [ref.SchedulerConfig, opt.SchedulerConfig])
+def test_the_lesson_defaults_of_the_config(config_class: type[ref.SchedulerConfig | opt.SchedulerConfig]) -> None:
+    """MUT-8 (reference/config.py, 16384 -> 16385): the defaults are spec/knobs.md's, in the core's config too."""
+    config = config_class(num_blocks=1, block_size=2)
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.eos) == (512, 16384, -1)
 
 
@@ -89,7 +90,7 @@ def test_last_token_before_and_after_the_scheduler_holds_the_tokens() -> None:
     assert _sequence([], 1).last_token == ref.Sequence([], ref.SamplingParams(), 4).last_token == -1
     seq = _sequence([4, 5, 6], 8)
     assert seq.last_token == 6
-    scheduler = opt.Scheduler(ref.SchedulerConfig(num_blocks=16, block_size=4))
+    scheduler = opt.Scheduler(opt.SchedulerConfig(num_blocks=16, block_size=4))
     scheduler.add(seq)
     assert seq.last_token == 6
     _step(scheduler, 9)
@@ -99,7 +100,7 @@ def test_last_token_before_and_after_the_scheduler_holds_the_tokens() -> None:
 @pytest.mark.clause("MUT-8")
 def test_decode_writes_tokens_where_the_arena_moved_them() -> None:
     """MUT-8 (core/decode_group.py 179): after the arena packs its regions, decode writes each token where it moved."""
-    scheduler = opt.Scheduler(ref.SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4))
+    scheduler = opt.Scheduler(opt.SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4))
     gone, kept = _sequence([1, 2], 30), _sequence([3, 4, 5], 30)
     scheduler.add(gone)
     scheduler.add(kept)
@@ -116,7 +117,7 @@ def test_decode_writes_tokens_where_the_arena_moved_them() -> None:
 @pytest.mark.clause("MUT-8")
 def test_after_a_failed_decode_step_the_rest_can_be_aborted() -> None:
     """MUT-8 (core/scheduler.py 163): abort_step withdraws the step; a request left running can be aborted at once."""
-    scheduler = opt.Scheduler(ref.SchedulerConfig(num_blocks=16, block_size=4, max_num_seqs=1))
+    scheduler = opt.Scheduler(opt.SchedulerConfig(num_blocks=16, block_size=4, max_num_seqs=1))
     first, second = _sequence([1, 2, 3], 10), _sequence([4, 5, 6], 10)
     scheduler.add(first)
     scheduler.add(second)
@@ -173,7 +174,7 @@ def test_the_arena_grows_enough_after_a_packing() -> None:
 @pytest.mark.clause("MUT-8")
 def test_a_bad_count_is_refused_naming_its_field_and_bound() -> None:
     """MUT-8 (core/errors.py 31, ``minimum is None`` flipped): the ValueError names the field and the bound."""
-    scheduler = opt.Scheduler(ref.SchedulerConfig(num_blocks=4, block_size=2))
+    scheduler = opt.Scheduler(opt.SchedulerConfig(num_blocks=4, block_size=2))
     with pytest.raises(ValueError, match=r"^max_tokens must be an integer >= 1, got 0$"):
         scheduler.add(_sequence([1, 2], 0, block_size=2))
     with pytest.raises(ValueError, match=r"^count must be an integer, got 'x'$"):
@@ -187,7 +188,7 @@ def test_a_walk_stops_at_a_hash_hit_whose_tokens_differ() -> None:
     Equal chain hashes over other tokens need an xxh64 collision, which no test can make; the stored bytes of
     the second cached block are changed by hand instead. Like the reference, the walk keeps the first hit.
     """
-    scheduler = opt.Scheduler(ref.SchedulerConfig(num_blocks=8, block_size=2))
+    scheduler = opt.Scheduler(opt.SchedulerConfig(num_blocks=8, block_size=2))
     scheduler.add(_sequence([1, 2, 3, 4, 5], 1, block_size=2))
     _step(scheduler, 6)  # prefill: blocks 0 and 1 fill and register; max_tokens 1 finishes it, they go free
     bm = scheduler.block_manager

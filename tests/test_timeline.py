@@ -21,7 +21,7 @@ from optimized.cli import main
 from optimized.trace.figures import FIGURES
 from optimized.trace.recorder import Recorder
 from optimized.trace.replay import replay_trace
-from optimized.trace.schema import Added, Trace, read_trace
+from optimized.trace.schema import Request, Trace, read_trace
 from optimized.trace.timeline import build_timeline, ordinal, perfetto, png, shown_rows, track_ids
 from optimized.trace.workload import record_workload, workload_trace
 from optimized.verify.conformance import parse_workload
@@ -261,7 +261,7 @@ def _blocked_behind_the_head(trace: Trace) -> bool:
 
 def _hit(trace: Trace) -> bool:
     """A prefill granted fewer tokens than its prompt holds, all at once: the rest came from the cache."""
-    prompts = {e.id: len(e.prompt) for e in trace.events if isinstance(e, Added)}
+    prompts = {e.id: len(e.prompt) for e in trace.events if isinstance(e, Request)}
     return any(s.prefill and n < prompts[rid] and rid > 0 for s in trace.steps for rid, n, _ in s.batch)
 
 
@@ -356,7 +356,7 @@ def test_each_figure_shows_what_its_caption_says() -> None:
     assert grants(preemption, 3) == [7, 7 + 2 - 4]  # recomputed: its 9 tokens less the one block still cached
 
     blocked = traces["head-of-line-blocking"]
-    prompts = {e.id: len(e.prompt) for e in blocked.events if isinstance(e, Added)}
+    prompts = {e.id: len(e.prompt) for e in blocked.events if isinstance(e, Request)}
     assert (prompts[1], prompts[2]) == (24, 3) and _blocked_behind_the_head(blocked)
     free = [blocked.config["num_blocks"] - len(t) for s in blocked.steps if not s.prefill for i, _, t in s.batch
             if i == 0]

@@ -116,9 +116,9 @@ def test_the_kept_counts_are_the_counted_ones(monkeypatch: pytest.MonkeyPatch) -
 
     def compared(self: Any, scheduler: Any) -> tuple[int, int, int]:
         kept = real(self, scheduler)
-        bm = scheduler.block_manager
-        free = list(bm.free_block_ids)
-        seen.append((kept, (len(bm.used_block_ids), len(free), sum(bm.blocks[b].hash != -1 for b in free))))
+        state = scheduler.snapshot()
+        free = state.free_block_ids
+        seen.append((kept, (len(state.used_block_ids), len(free), sum(state.blocks[b].hash != -1 for b in free))))
         return kept
 
     monkeypatch.setattr(draw.CacheCounts, "look", compared)

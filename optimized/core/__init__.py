@@ -2,10 +2,14 @@
 
 Invariant: every decision made here (who runs, how many tokens, which blocks, who is
 preempted, who finishes, what enters the prefix cache) is the reference scheduler's
-(spec/optimized-scheduler.md). The room holds the scheduler and what only it uses:
+(spec/optimized-scheduler.md). The room holds the scheduler, the port every consumer drives
+a scheduler through, and what only the scheduler uses:
 
-* scheduler.py: ``Scheduler`` (add, schedule -> ``ScheduleOutput``, postprocess -> finished, abort);
-* sequence.py: ``Sequence`` (the reference's attributes) over its ``CoreState`` record;
+* port.py: ``SchedulerPort`` (ARCH-4), ``ScheduleOutput``, ``BlockReader``; the reference's adapter is
+  optimized/verify/reference_port.py, so nothing here imports ``reference``;
+* scheduler.py: ``Scheduler`` (add, schedule -> ``ScheduleOutput``, postprocess -> finished, abort), a port;
+* config.py: ``SchedulerConfig``, validated when built (KNOB-4);
+* sequence.py: ``Sequence`` (the reference's attributes) over its ``CoreState`` record, ``SequenceStatus``;
 * decode_group.py: the decode batch kept from step to step, advanced by a clock;
 * kv_cache_manager.py: the prefix cache (typed registration log, chain hashes) over
   block_pool.py (free queue and reference counts, on free_queue.py) and walk_memo.py;

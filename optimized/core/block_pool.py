@@ -39,6 +39,10 @@ class BlockPool:
     def used_block_ids(self) -> set[int]:
         return {b for b in range(self.num_blocks) if not self.free.contains(b)}
 
+    def ref_count(self, block_id: int) -> int:
+        """How many tables hold the block (0 when it is free); one block read, no scan."""
+        return 0 if self.free.contains(block_id) else self._extra[block_id] + 1
+
     def held(self, block_ids: list[int]) -> list[bool]:
         """Whether each block is used (not on the free queue)."""
         slot, front = self.free.slots(), self.free.front

@@ -122,6 +122,17 @@ class KVCacheManager:
     def used_block_ids(self) -> set[int]:
         return self.pool.used_block_ids
 
+    # --- one block at a time (the scheduler port's BlockReader, ARCH-4) ---------------------------------
+    @property
+    def num_free(self) -> int:
+        return self.free.count
+
+    def is_used(self, block_id: int) -> bool:
+        return not self.free.contains(block_id)
+
+    def ref_count(self, block_id: int) -> int:
+        return self.pool.ref_count(block_id)
+
     def block_hash(self, block_id: int) -> int:
         self.flush()
         return self._hashes.get(block_id, -1)

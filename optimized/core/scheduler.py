@@ -11,7 +11,8 @@ event this step (a fresh block, a full block to hash, a finish, a preemption);
 the rest of the batch is advanced by the group's clock and one numpy scatter.
 Where the reference's ``assert scheduled_seqs`` fires, ``EmptyDecodeError``
 is raised with the state the reference leaves: every preempted sequence back
-at the front of ``waiting``, ``running`` empty (OPT-9).
+at the front of ``waiting``, ``running`` empty (OPT-9). It satisfies the
+scheduler port (port.py, ARCH-4) as it is: its consumers need no adapter.
 """
 
 from __future__ import annotations
@@ -19,52 +20,26 @@ from __future__ import annotations
 import functools
 import struct
 from collections import deque
-from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from invariants.block_math import prefill_grant
 from invariants.state import BlockView, SchedulerState, seq_view
+from optimized.core.config import SchedulerConfig
 from optimized.core.decode_group import DecodeGroup
 from optimized.core.errors import EmptyDecodeError, is_strict_int, strict_int
 from optimized.core.kv_cache_manager import KVCacheManager
-from optimized.core.sequence import Sequence
+from optimized.core.port import ScheduleOutput
+from optimized.core.sequence import I64, Sequence, SequenceParams, SequenceStatus
 from optimized.core.token_arena import TokenArena
-from reference.config import SchedulerConfig
-from reference.sequence import SequenceStatus
 
 __all__ = ["ScheduleOutput", "Scheduler", "SchedulerConfig", "Sequence", "SequenceStatus"]
 
-I64 = npt.NDArray[np.int64]
 RUNNING = SequenceStatus.RUNNING
 WAITING = SequenceStatus.WAITING
 FINISHED = SequenceStatus.FINISHED
-
-
-@dataclass(slots=True)  # not frozen: a frozen dataclass costs about 0.5 us more to build, on every step
-class ScheduleOutput:
-    """What one ``schedule()`` did (OPT-22): the batch to run, and what the caller would otherwise scan for.
-
-    A report, read by the caller; nothing in the core reads it back, so changing one changes no decision.
-
-    ``batch`` is handed back to ``postprocess`` as it is. ``preempted`` are the sequences this step sent
-    back to waiting, in the order it preempted them; ``prefix_hit_tokens`` counts the tokens the sequences
-    admitted this step took from the prefix cache, ``prefix_query_tokens`` the tokens they looked up there
-    (all theirs: a preempted sequence's generated ones too). Unpacking gives the lesson's ``(batch, is_prefill)``
-    pair, so code written against the reference's ``schedule()`` drives this scheduler unchanged.
-    """
-
-    batch: list[Sequence]
-    is_prefill: bool
-    preempted: tuple[Sequence, ...] = ()
-    prefix_hit_tokens: int = 0
-    prefix_query_tokens: int = 0
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter((self.batch, self.is_prefill))  # a tuple's iterator: cheaper than a generator per step
 
 
 class Scheduler:
@@ -93,8 +68,18 @@ class Scheduler:
         """The running queue, front first (read it; do not modify it)."""
         return self._running
 
+    @property
+    def blocks(self) -> KVCacheManager:
+        """The KV-cache blocks, one at a time (the port's ``BlockReader``)."""
+        return self.block_manager
+
     def is_finished(self) -> bool:
         return not self._waiting and not self._running
+
+    def new_sequence(self, token_ids: list[int] | I64, max_tokens: int, ignore_eos: bool = False,
+                     temperature: float = 1.0) -> Sequence:
+        """A sequence of this scheduler's block size (the engine makes its own from its ``SamplingParams``)."""
+        return Sequence(token_ids, SequenceParams(temperature, max_tokens, ignore_eos), self.block_size)
 
     def add(self, seq: Sequence, stop_token_ids: Collection[int] = ()) -> None:
         """Queue a new sequence; ValueError (and no change) when it cannot be one of ours.
@@ -118,7 +103,7 @@ class Scheduler:
         core.own = None
         self._waiting.append(seq)
 
-    def schedule(self) -> ScheduleOutput:
+    def schedule(self) -> ScheduleOutput[Sequence]:
         if self._group.inflight:  # schedule twice without postprocess: back to per-sequence fields
             self._group.dissolve()
         if self._waiting:
@@ -192,7 +177,7 @@ class Scheduler:
         core.nsched = 0
 
     # --- lesson §2: the prefill loop, on cached hashes ------------------------------------------
-    def _prefill(self) -> ScheduleOutput | None:
+    def _prefill(self) -> ScheduleOutput[Sequence] | None:
         scheduled: list[Sequence] = []
         num_batched_tokens = 0
         hit_blocks = query_tokens = 0
@@ -230,7 +215,7 @@ class Scheduler:
         return ScheduleOutput(scheduled, True, (), hit_blocks * block_size, query_tokens)
 
     # --- lesson §4: the decode loop, as one group ----------------------------------------------
-    def _decode(self) -> ScheduleOutput:
+    def _decode(self) -> ScheduleOutput[Sequence]:
         group, running = self._group, self._running
         preempted: tuple[Sequence, ...] = ()
         members = group.members

@@ -23,14 +23,14 @@ and increasing: arrival order is id order.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Protocol
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from invariants.block_math import blocks_for
 from optimized.core.errors import is_strict_int, strict_int
-from reference.sequence import SequenceStatus
 
 if TYPE_CHECKING:
     from optimized.core.token_arena import TokenArena
@@ -39,6 +39,23 @@ I64 = npt.NDArray[np.int64]
 
 _seq_ids = itertools.count()
 _INT64 = np.dtype("<i8")
+
+
+class SequenceStatus(Enum):
+    """Where a sequence is: waiting, running, or finished (or aborted). The core's own: no consumer compares it
+    with the reference's (a port says who finished, ARCH-4)."""
+
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class SequenceParams(NamedTuple):
+    """What a sequence reads of its sampling parameters (the engine's ``SamplingParams`` has the same fields)."""
+
+    temperature: float
+    max_tokens: int
+    ignore_eos: bool
 
 
 class GroupClock(Protocol):

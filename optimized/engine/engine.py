@@ -280,7 +280,7 @@ class Engine:
     def _eos(self) -> int:
         return self.limits.eos
 
-    def _count(self, out: ScheduleOutput, seconds: float) -> None:
+    def _count(self, out: ScheduleOutput[Sequence], seconds: float) -> None:
         st = self.stats
         seqs = out.batch
         st.steps += 1

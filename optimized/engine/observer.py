@@ -33,7 +33,7 @@ class StepObserver(Protocol):
     def added(self, request: Request) -> None:
         """``request`` was queued (inside the add)."""
 
-    def scheduled(self, scheduler: Scheduler, out: ScheduleOutput, requests: Sequence[Request],
+    def scheduled(self, scheduler: Scheduler, out: ScheduleOutput[Any], requests: Sequence[Request],
                   live: Mapping[int, Request]) -> None:
         """``schedule()`` decided ``out``; ``requests`` are its batch's, ``live`` every live one by seq_id."""
 

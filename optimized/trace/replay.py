@@ -5,8 +5,9 @@ its own: adds, aborts and steps in file order; each step's recorded tokens are
 handed to ``postprocess`` (a failed step's batch is withdrawn with
 ``abort_step`` instead, FAULT-2); a request cut by a stop token is added with
 its ``max_tokens`` lowered to what it produced, which finishes it in the same
-postprocess, in the same batch position (TRACE-3). The reference is driven
-through ``reference.extensions`` for aborts, as check mode's shadow drives it.
+postprocess, in the same batch position (TRACE-3). Either scheduler is driven
+through the scheduler port (ARCH-4), which reports whom a step preempted and
+whom a postprocess finished, so the replay never asks which one it holds.
 After every ``schedule()`` the batch, prefill flag and preemptions are compared
 with the record and the invariants of ``optimized.trace.checks`` checked (every
 batch invariant, INV-2 on the held blocks; the whole state every
@@ -18,24 +19,22 @@ the replay and is named by step and field.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Protocol
 
-import reference
-from optimized.core.errors import EmptyDecodeError
-from optimized.trace.checks import FULL_EVERY, BlockReader, batch_violations, state_violations
-from optimized.trace.schema import Aborted, Added, Step, Trace
-from optimized.verify.conformance import implementation
-from reference import extensions
+from optimized.core.config import SchedulerConfig
+from optimized.core.port import EmptyDecodeError, PortFactory, SchedulerPort
+from optimized.trace.checks import FULL_EVERY, batch_violations, state_violations
+from optimized.trace.schema import Aborted, Step, Trace
+from optimized.verify.conformance import Request, implementation
 
 
 class Observer(Protocol):
     """Watches a replay: ``scheduled`` right after each ``schedule()`` returned a batch, ``stepped`` after each
     step replayed identically (with the record, the scheduler, its batch and the request id of each seq_id)."""
 
-    def scheduled(self, scheduler: Any) -> None: ...
+    def scheduled(self, scheduler: SchedulerPort[Any]) -> None: ...
 
-    def stepped(self, record: Step, scheduler: Any, batch: list[Any], id_of: dict[int, int]) -> None: ...
+    def stepped(self, record: Step, scheduler: SchedulerPort[Any], batch: list[Any], id_of: dict[int, int]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -67,33 +66,24 @@ def first_difference(field: str, recorded: Any, replayed: Any) -> str | None:
 
 
 class _Driver:
-    def __init__(self, trace: Trace, impl: ModuleType, observer: Observer | None) -> None:
+    def __init__(self, trace: Trace, factory: PortFactory, observer: Observer | None) -> None:
         self.trace = trace
         self.observer = observer
-        self.impl = impl
-        self.scheduler = impl.Scheduler(impl.SchedulerConfig(**trace.config))
-        self.is_reference = isinstance(self.scheduler, reference.Scheduler)
-        self.blocks = BlockReader(self.scheduler)
+        self.scheduler = factory(SchedulerConfig(**trace.config))
         self.replayed = 0  # step records replayed so far
         self.full = False  # whether the current step checks the whole state
         self.seq_of: dict[int, Any] = {}  # request id -> sequence
         self.id_of: dict[int, int] = {}  # seq_id -> request id
 
-    def add(self, added: Added) -> None:
-        impl = self.impl
-        params = impl.SamplingParams(max_tokens=self.trace.max_tokens(added), ignore_eos=added.ignore_eos)
-        seq = impl.Sequence(added.prompt, params, self.trace.config["block_size"])
+    def add(self, added: Request) -> None:
+        seq = self.scheduler.new_sequence(added.prompt, self.trace.max_tokens(added), added.ignore_eos)
         self.seq_of[added.id] = seq
         self.id_of[seq.seq_id] = added.id
         self.scheduler.add(seq)
 
     def abort(self, aborted: Aborted) -> str | None:
-        seq = self.seq_of[aborted.id]
         try:
-            if self.is_reference:
-                extensions.abort(self.scheduler, seq)
-            else:
-                self.scheduler.abort(seq)
+            self.scheduler.abort(self.seq_of[aborted.id])
         except ValueError:
             return f"before step {aborted.before}: abort of request {aborted.id}, which the replay has finished"
         return self._violations(f"after the abort of request {aborted.id}")
@@ -103,21 +93,19 @@ class _Driver:
         sched, n = self.scheduler, record.step
         self.full = self.replayed % FULL_EVERY == FULL_EVERY - 1  # every FULL_EVERY-th step checks the whole state too
         self.replayed += 1
-        running_before = {s.seq_id for s in sched.running}
-        empty: type[Exception] = AssertionError if self.is_reference else EmptyDecodeError
         try:
-            batch, prefill = sched.schedule()
-        except empty:
+            out = sched.schedule()
+        except EmptyDecodeError:
             return (None if record.empty_decode else f"step {n}: the replay hit the empty decode (EDGE-2), "
                     "the trace records a batch"), []
+        batch, prefill = out.batch, out.is_prefill
         if record.empty_decode:
             return f"step {n}: the trace records the empty decode, the replay scheduled a batch", batch
         if self.observer is not None:
             self.observer.scheduled(sched)
-        waiting_after = {s.seq_id for s in sched.waiting}
         ids = self.id_of
         replayed = [(ids[s.seq_id], s.num_scheduled_tokens, list(s.block_table)) for s in batch]
-        preempted = sorted(ids[i] for i in running_before & waiting_after)
+        preempted = sorted(ids[s.seq_id] for s in out.preempted)
         difference = (first_difference("prefill", record.prefill, prefill)
                       or first_difference("batch", [list(e) for e in record.batch], [list(e) for e in replayed])
                       or first_difference("preempted", record.preempted, preempted)
@@ -129,24 +117,23 @@ class _Driver:
     def _finish_step(self, record: Step, batch: list[Any], prefill: bool) -> str | None:
         sched = self.scheduler
         if record.failed is not None:
-            (extensions.abort_step(sched, batch) if self.is_reference else sched.abort_step(batch))
+            sched.abort_step(batch)
             return self._violations("after the failed step")
-        sched.postprocess(batch, record.tokens, prefill)
-        finished = [self.id_of[s.seq_id] for s in batch if s.status.name == "FINISHED"]
+        finished = [self.id_of[s.seq_id] for s in sched.postprocess(batch, record.tokens, prefill)]
         return first_difference("finished", record.finished, finished) or self._violations(
             "after postprocess")
 
     def _batch_violations(self, batch: list[Any], prefill: bool) -> str | None:
-        found = batch_violations(self.scheduler, self.blocks, batch, prefill, self.full)
+        found = batch_violations(self.scheduler, batch, prefill, self.full)
         return f"invariant {found[0].clause} after schedule(): {found[0].message}" if found else None
 
     def _violations(self, when: str, full: bool = False) -> str | None:
-        found = state_violations(self.scheduler, self.blocks, full or self.full)
+        found = state_violations(self.scheduler, full or self.full)
         return f"invariant {found[0].clause} {when}: {found[0].message}" if found else None
 
     def end(self) -> str | None:
         """The whole state checked once more after the last record."""
-        found = state_violations(self.scheduler, self.blocks, full=True)
+        found = state_violations(self.scheduler, full=True)
         return f"after the last step: invariant {found[0].clause}: {found[0].message}" if found else None
 
 
@@ -155,7 +142,7 @@ def replay_trace(trace: Trace, impl_name: str, observe: Observer | None = None) 
     driver = _Driver(trace, implementation(impl_name), observe)
     total, identical = len(trace.steps), 0
     for event in trace.events:
-        if isinstance(event, Added):
+        if isinstance(event, Request):
             driver.add(event)
             continue
         if isinstance(event, Aborted):

@@ -21,7 +21,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from optimized.verify.conformance import CONFIG_FIELDS, bounded_lines
+from optimized.verify.conformance import CONFIG_FIELDS, Request, bounded_lines
 from optimized.verify.conformance import _json_line as json_line
 
 VERSION = 2  # what the recorder writes: block tables as deltas (TRACE-2); version 1 (whole tables) still reads
@@ -38,17 +38,6 @@ HEADER_MAXIMUMS = {"num_blocks": 1 << 31, "block_size": 1 << 16}
 
 class TraceError(ValueError):
     """A trace file is malformed; the message names the line and the field."""
-
-
-@dataclass(frozen=True)
-class Added:
-    """A request arrived before step ``arrive`` (``max_tokens`` as asked; a later ``cut`` may lower it)."""
-
-    id: int
-    prompt: list[int]
-    max_tokens: int
-    ignore_eos: bool
-    arrive: int
 
 
 @dataclass(frozen=True)
@@ -72,7 +61,7 @@ class Step:
     wall: tuple[float, float] | None = None
 
 
-Event = Added | Aborted | Step
+Event = Request | Aborted | Step  # an ``add`` record is a Request without ``output``, the one request record
 
 
 @dataclass
@@ -92,7 +81,7 @@ class Trace:
         """The step numbers, increasing (read once the trace is whole)."""
         return [s.step for s in self.steps]
 
-    def max_tokens(self, added: Added) -> int:
+    def max_tokens(self, added: Request) -> int:
         """The ``max_tokens`` a replay gives the request: lowered by its cut, if it has one, and to one past the
         number of steps from its arrival on. A step appends at most one token, so within the trace the count never
         reaches that bound and the decisions are the same; a hostile ``max_tokens`` cannot make the replay reserve
@@ -147,7 +136,7 @@ def parse_header(obj: Any) -> tuple[dict[str, int], list[int], int]:
     return config, eos_ids, obj["version"]
 
 
-def _added(obj: Any, first: int) -> Added:
+def _added(obj: Any, first: int) -> Request:
     """An ``add`` record: CONF-1's request fields less ``output`` (the step records hold the tokens)."""
     if not isinstance(obj, dict):
         raise _fail("add", "must be an object")
@@ -162,7 +151,7 @@ def _added(obj: Any, first: int) -> Added:
     arrive = _int(_key(obj, "arrive", "add"), "add.arrive")
     if arrive < first:
         raise _fail("add.arrive", f"is {arrive}, but step {first - 1} precedes this record")
-    return Added(rid, prompt, max_tokens, ignore_eos, arrive)
+    return Request(rid, prompt, max_tokens, ignore_eos, arrive)
 
 
 class Tables:
@@ -251,7 +240,7 @@ class _Builder:
         self.next = 0  # the least number the next step record may have
         self.following = 0  # the number of the step after the last step record: the one an abort precedes
         self.aborted_before: int | None = None  # the step the aborts since the last step record precede
-        self.ids: dict[int, Added] = {}
+        self.ids: dict[int, Request] = {}
         self.ended: dict[int, str] = {}  # request id -> how it ended ("finished", "aborted", "failed")
         self.wall_end = 0.0  # the last recorded step's end, in seconds
 
@@ -288,7 +277,7 @@ class _Builder:
         self.next = self.following = step.step + 1
         self.aborted_before = None
 
-    def _add(self, added: Added) -> None:
+    def _add(self, added: Request) -> None:
         if added.id in self.ids:
             raise _fail("add.id", f"{added.id} was added before")
         self.ids[added.id] = added
@@ -361,5 +350,5 @@ def read_trace_stream(stream: BinaryIO, first: list[bytes] | None = None) -> Tra
     return read_trace(bounded_lines(stream, MAX_TRACE_BYTES, TraceError, "trace", first))
 
 
-__all__ = ["VERSION", "Aborted", "Added", "Event", "Step", "Trace", "TraceError", "is_trace_header",
+__all__ = ["VERSION", "Aborted", "Event", "Request", "Step", "Trace", "TraceError", "is_trace_header",
            "read_trace", "read_trace_stream"]

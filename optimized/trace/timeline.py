@@ -22,8 +22,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from optimized.core.port import SchedulerPort
 from optimized.trace.replay import replay_trace
-from optimized.trace.schema import Aborted, Added, Step, Trace
+from optimized.trace.schema import Aborted, Request, Step, Trace
 
 STATES = ("waiting", "chunk", "prefill", "decode", "stalled", "preempted")
 LABELS = {"waiting": "waiting", "chunk": "prefill chunk", "prefill": "prefill", "decode": "decoding",
@@ -80,10 +81,10 @@ class _Observer:
         self.blocks = (0, 0, 0)
         self.counts = CacheCounts()
 
-    def scheduled(self, scheduler: Any) -> None:
+    def scheduled(self, scheduler: SchedulerPort[Any]) -> None:
         self.blocks = self.counts.look(scheduler)
 
-    def stepped(self, record: Step, scheduler: Any, batch: list[Any], id_of: dict[int, int]) -> None:
+    def stepped(self, record: Step, scheduler: SchedulerPort[Any], batch: list[Any], id_of: dict[int, int]) -> None:
         waiting = [id_of[s.seq_id] for s in scheduler.waiting]
         running = [id_of[s.seq_id] for s in scheduler.running]
         granted = {i: n for i, n, _ in record.batch}
@@ -112,27 +113,29 @@ class _Observer:
 
 
 class CacheCounts:
-    """Used, free and free-but-cached block counts of a reference scheduler, kept without a scan of the cache.
+    """Used, free and free-but-cached block counts of a scheduler, kept without a scan of the cache.
 
     A block changes between free and used, or gains or loses its hash, only while some live sequence's table holds
     it (allocation puts a block in a table, release takes it out of one, hashes are set on held blocks). So at each
-    look only the blocks held now or at the last look are re-read, and the free-but-cached set stays exact.
+    look only the blocks held now or at the last look are re-read (through the port's ``BlockReader``), and the
+    free-but-cached set stays exact.
     """
 
     def __init__(self) -> None:
         self.free_cached: set[int] = set()
         self.last_held: set[int] = set()
 
-    def look(self, scheduler: Any) -> tuple[int, int, int]:
-        bm = scheduler.block_manager
+    def look(self, scheduler: SchedulerPort[Any]) -> tuple[int, int, int]:
+        blocks = scheduler.blocks
         held = {b for s in (*scheduler.running, *scheduler.waiting) for b in s.block_table}
         for block_id in held | self.last_held:
-            if block_id not in bm.used_block_ids and bm.blocks[block_id].hash != -1:
+            if not blocks.is_used(block_id) and blocks.block_hash(block_id) != -1:
                 self.free_cached.add(block_id)
             else:
                 self.free_cached.discard(block_id)
         self.last_held = held
-        return len(bm.used_block_ids), len(bm.free_block_ids), len(self.free_cached)
+        free = blocks.num_free
+        return blocks.num_blocks - free, free, len(self.free_cached)
 
 
 def build_timeline(trace: Trace, axis: str = "steps") -> Timeline:
@@ -143,7 +146,7 @@ def build_timeline(trace: Trace, axis: str = "steps") -> Timeline:
         raise ValueError("axis 'wall' needs a trace recorded with wall times (--trace-wall-times)")
     observer = _Observer(trace, axis == "wall")
     outcome = replay_trace(trace, "reference", observer)
-    requests = [e.id for e in trace.events if isinstance(e, Added)]
+    requests = [e.id for e in trace.events if isinstance(e, Request)]
     starts = {f.step: f.start for f in observer.frames}
     aborts = [(e.id, starts.get(e.before, observer.frames[-1].end if observer.frames else 0.0))
               for e in trace.events if isinstance(e, Aborted)]

@@ -5,24 +5,27 @@ changes nothing and is reported by field; ``read_workloads`` validates a whole
 file before any of it is replayed, and treats it as hostile bytes: bounded
 size, strict UTF-8, bounded nesting, every integer an int64 (spec/cli.md,
 CLI-7). Whatever the bytes, the reader returns workloads that replay without
-error or raises ``WorkloadError`` naming the line. ``replay`` drives any implementation
-that exposes the reference's API (``SchedulerConfig``, ``SamplingParams``,
-``Sequence``, ``Scheduler``) and returns the trace records; an empty decode ends
-the trace exactly where the lesson's ``assert scheduled_seqs`` fires.
+error or raises ``WorkloadError`` naming the line. ``replay`` is the one
+workload loop (CONF-2): it drives any implementation through the scheduler
+port (``implementation(name)`` gives its factory) and returns the trace
+records; a ``ReplayWatcher`` sees each arrival and step (the trace records a
+workload through it, TRACE-8). The port's ``EmptyDecodeError`` ends the trace
+exactly where the lesson's ``assert scheduled_seqs`` fires.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
-from types import ModuleType
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-import reference
-from optimized.core.errors import EmptyDecodeError, WorkloadError, is_strict_int
+from optimized.core.config import SchedulerConfig
+from optimized.core.errors import WorkloadError, is_strict_int
+from optimized.core.port import EmptyDecodeError, PortFactory, ScheduleOutput, SchedulerPort
+from optimized.core.scheduler import Scheduler
+from optimized.verify.reference_port import ReferencePort
 
 CONFIG_FIELDS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "eos")
 # A replay builds every block: bound what one line of input can make this process allocate.
@@ -37,12 +40,16 @@ MAX_DEPTH = 16
 
 @dataclass(frozen=True)
 class Request:
+    """A request as a workload (CONF-1) and a trace's ``add`` record (TRACE-2) state it, arriving before step
+    ``arrive``. ``output`` is a workload's model answers; a trace's request has none (its step records hold the
+    tokens), and its ``max_tokens`` is as asked (a later ``cut`` may lower it)."""
+
     id: int
     prompt: list[int]
     max_tokens: int
     ignore_eos: bool
     arrive: int
-    output: list[int]
+    output: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -119,63 +126,97 @@ def parse_workload(obj: Any) -> Workload:
     return Workload(config, requests)
 
 
-def implementation(name: str) -> ModuleType:
-    """The package whose scheduler API a replay drives: 'reference' or 'optimized'."""
-    if name not in ("reference", "optimized"):
+IMPLEMENTATIONS: dict[str, PortFactory] = {"reference": ReferencePort, "optimized": Scheduler}
+
+
+def implementation(name: str) -> PortFactory:
+    """The factory of the scheduler a replay drives through the port: 'reference' or 'optimized'."""
+    if name not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be 'reference' or 'optimized', got {name!r}")
-    return importlib.import_module(name)
+    return IMPLEMENTATIONS[name]
 
 
-StepHook = Callable[[Any, list[Any], bool], None]
+StepHook = Callable[[SchedulerPort[Any], list[Any], bool], None]
 
 
-def replay(workload: Workload, impl: ModuleType, on_schedule: StepHook | None = None,
-           on_postprocess: StepHook | None = None) -> list[dict[str, Any]]:
-    """Run the normative replay loop and return its trace records.
+class ReplayWatcher:
+    """What the replay loop tells whoever watches it, in the order it happens; each hook does nothing here."""
 
-    ``on_schedule`` sees (scheduler, batch, is_prefill) right after schedule();
-    ``on_postprocess`` the same right after postprocess(). Tests hang invariant
-    checks there.
+    def added(self, step: int, request: Request) -> None:
+        """``request`` was added before step ``step``'s schedule()."""
+
+    def scheduled(self, port: SchedulerPort[Any], out: ScheduleOutput[Any]) -> None:
+        """Step's schedule() decided ``out``."""
+
+    def stepped(self, port: SchedulerPort[Any], record: dict[str, Any], tokens: list[int]) -> None:
+        """The step's postprocess ran on ``tokens``; ``record`` is its trace record (CONF-3). The empty decode's
+        record (CONF-4) comes here too, with no tokens: it ends the replay."""
+
+
+class _Hooks(ReplayWatcher):
+    """``replay``'s two function hooks as a watcher: (port, batch, is_prefill) after schedule() and postprocess()."""
+
+    def __init__(self, on_schedule: StepHook | None, on_postprocess: StepHook | None) -> None:
+        self.on_schedule, self.on_postprocess = on_schedule, on_postprocess
+        self.batch: list[Any] = []
+        self.is_prefill = False
+
+    def scheduled(self, port: SchedulerPort[Any], out: ScheduleOutput[Any]) -> None:
+        self.batch, self.is_prefill = out.batch, out.is_prefill
+        if self.on_schedule is not None:
+            self.on_schedule(port, out.batch, out.is_prefill)
+
+    def stepped(self, port: SchedulerPort[Any], record: dict[str, Any], tokens: list[int]) -> None:
+        if self.on_postprocess is not None and "error" not in record:
+            self.on_postprocess(port, self.batch, self.is_prefill)
+
+
+def replay(workload: Workload, factory: PortFactory, on_schedule: StepHook | None = None,
+           on_postprocess: StepHook | None = None, watcher: ReplayWatcher | None = None) -> list[dict[str, Any]]:
+    """Run the normative replay loop (CONF-2) and return its trace records (CONF-3, CONF-4).
+
+    ``on_schedule`` sees (port, batch, is_prefill) right after schedule(); ``on_postprocess`` the same right
+    after postprocess(). Tests hang invariant checks there. ``watcher`` sees every arrival and step.
     """
-    scheduler = impl.Scheduler(impl.SchedulerConfig(**workload.config))
-    # The reference keeps the lesson's ``assert scheduled_seqs``; the optimized scheduler raises a typed error.
-    # Catching only that one keeps any other failure of an implementation a failure.
-    empty_decode: type[Exception] = AssertionError if isinstance(scheduler, reference.Scheduler) else EmptyDecodeError
+    port = factory(SchedulerConfig(**workload.config))
+    watchers = [w for w in (_Hooks(on_schedule, on_postprocess), watcher) if w is not None]
     pending = sorted(workload.requests, key=lambda r: (r.arrive, r.id))
     request_of: dict[int, Request] = {}
     trace: list[dict[str, Any]] = []
     step = 0
-    while pending or not scheduler.is_finished():
+    while pending or not port.is_finished():
         while pending and pending[0].arrive <= step:
             r = pending.pop(0)
-            params = impl.SamplingParams(max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
-            seq = impl.Sequence(r.prompt, params, workload.config["block_size"])
+            seq = port.new_sequence(r.prompt, r.max_tokens, r.ignore_eos)
             request_of[seq.seq_id] = r
-            scheduler.add(seq)
-        if scheduler.is_finished():
+            for w in watchers:
+                w.added(step, r)
+            port.add(seq)
+        if port.is_finished():
             step = pending[0].arrive
             continue
-        running_before = {s.seq_id for s in scheduler.running}
         try:
-            seqs, is_prefill = scheduler.schedule()
-        except empty_decode:
+            out = port.schedule()
+        except EmptyDecodeError:
             trace.append({"step": step, "error": "empty decode"})
+            for w in watchers:
+                w.stepped(port, trace[-1], [])
             break
-        waiting_after = {s.seq_id for s in scheduler.waiting}
-        if on_schedule is not None:
-            on_schedule(scheduler, seqs, is_prefill)
+        seqs, is_prefill = out.batch, out.is_prefill
+        for w in watchers:
+            w.scheduled(port, out)
         record: dict[str, Any] = {
             "step": step,
             "prefill": is_prefill,
             "batch": [[request_of[s.seq_id].id, s.num_scheduled_tokens, list(s.block_table)] for s in seqs],
-            "preempted": sorted(request_of[i].id for i in running_before & waiting_after),
+            "preempted": sorted(request_of[s.seq_id].id for s in out.preempted),
         }
         tokens = [request_of[s.seq_id].output[s.num_completion_tokens] for s in seqs]
-        scheduler.postprocess(seqs, tokens, is_prefill)
-        if on_postprocess is not None:
-            on_postprocess(scheduler, seqs, is_prefill)
-        record["finished"] = [request_of[s.seq_id].id for s in seqs if s.status.name == "FINISHED"]
+        finished = port.postprocess(seqs, tokens, is_prefill)
+        record["finished"] = [request_of[s.seq_id].id for s in finished]
         trace.append(record)
+        for w in watchers:
+            w.stepped(port, record, tokens)
         step += 1
     return trace
 

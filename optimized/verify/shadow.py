@@ -1,42 +1,32 @@
 """Check mode: the reference scheduler runs in lockstep with the engine's and must decide the same.
 
 The shadow mirrors every add (same tokens, same max_tokens/ignore_eos, same
-scheduler config) and is fed the engine's tokens, so both schedulers see the
-same history. After each schedule() it compares the batch (arrival ids in
-order), each sequence's granted tokens and block table, prefill-or-decode, and
-the preempted arrivals; after postprocess() the finished arrivals. Every
-invariant of ``invariants`` is checked on both schedulers at both points. An
-abort, or a failed step's batch (spec/abort.md, beyond the lesson), is applied
-to the reference with ``reference.extensions`` and the free queues (which
-hold the release order) must then be equal. The first difference or violation
-raises ``ShadowDivergence`` with both states dumped. Sequences are matched by arrival order, never by seq_id: the two
+stop set, same scheduler config) and is fed the engine's tokens, so both
+schedulers see the same history. Both are driven through the scheduler port
+(ARCH-4): the reference through its adapter (``reference_port``), whose
+``schedule()`` reports whom it preempted and whose ``postprocess`` whom it
+finished, as the engine's does. After each schedule() it compares the batch
+(arrival ids in order), each sequence's granted tokens and block table,
+prefill-or-decode, and the preempted arrivals; after postprocess() the
+finished arrivals. Every invariant of ``invariants`` is checked on both
+schedulers at both points. An abort, or a failed step's batch (spec/abort.md,
+beyond the lesson), is applied to the reference through the port, and the
+free queues (which hold the release order) must then be equal. The first
+difference or violation raises ``ShadowDivergence`` with both states dumped.
+Sequences are matched by arrival order, never by seq_id: the two
 implementations number their sequences independently.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
-import reference
-from invariants import SchedulerState, check_batch, check_state, seq_view, snapshot
+from invariants import SchedulerState, check_batch, check_state, seq_view
+from optimized.core.config import SchedulerConfig
+from optimized.core.port import EmptyDecodeError, ScheduleOutput, SchedulerPort, SeqLike
 from optimized.engine.sampling_params import SamplingParams
-from reference.extensions import abort, abort_step, postprocess_with_stops
-
-
-def schedule_reporting_preemptions(
-    ref: reference.Scheduler,
-) -> tuple[list[reference.Sequence], bool, list[reference.Sequence]]:
-    """The reference's ``schedule()`` (the lesson's signature, kept) and whom it preempted.
-
-    Only a decode step preempts, and only running sequences: those sent back to waiting, always the
-    queue's tail first, so the preemption order is the reverse of their running order. This adapter reads
-    that off the reference's queues, to be compared with ``ScheduleOutput.preempted`` (OPT-22).
-    """
-    running_before = list(ref.running)
-    batch, is_prefill = ref.schedule()
-    preempted = [s for s in reversed(running_before) if s.status is reference.SequenceStatus.WAITING]
-    return batch, is_prefill, preempted
+from optimized.verify.reference_port import ReferencePort
 
 
 class ShadowDivergence(RuntimeError):
@@ -87,20 +77,12 @@ class Shadow:
     """Check mode as the engine's ``StepObserver`` (ARCH-3): every hook mirrors the change on the reference."""
 
     def __init__(self, config: SchedulerKnobs, stats: Any = None) -> None:
-        self.ref = reference.Scheduler(
-            reference.SchedulerConfig(
-                num_blocks=config.num_blocks,
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                eos=config.eos,
-            )
-        )
-        self.block_size = config.block_size
-        self.by_arrival: dict[int, reference.Sequence] = {}
+        self.ref: SchedulerPort[Any] = ReferencePort(SchedulerConfig(
+            num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, eos=config.eos))
+        self.by_arrival: dict[int, SeqLike] = {}
         self.arrival_of: dict[int, int] = {}  # reference seq_id -> arrival
-        self.stops: dict[int, frozenset[int]] = {}  # reference seq_id -> stop set (ENG-12)
-        self.batch: list[reference.Sequence] = []
+        self.batch: list[Any] = []
         self.is_prefill = True
         self.step = 0
         self.stats = stats  # the engine's EngineStats: ``compared_steps`` counts the steps compared
@@ -115,10 +97,11 @@ class Shadow:
     def added(self, request: Any) -> None:
         self.add(request.arrival, request.seq.token_ids, request.params, request.stop_ids)
 
-    def scheduled(self, scheduler: Any, out: Any, requests: Sequence[Arrived], live: Mapping[int, Arrived]) -> None:
+    def scheduled(self, scheduler: SchedulerPort[Any], out: ScheduleOutput[Any], requests: Sequence[Arrived],
+                  live: Mapping[int, Arrived]) -> None:
         self.after_schedule(scheduler, requests, out.is_prefill, [live[s.seq_id].arrival for s in out.preempted])
 
-    def stepped(self, scheduler: Any, tokens: Any, finished: Sequence[Arrived], start: float) -> None:
+    def stepped(self, scheduler: SchedulerPort[Any], tokens: Any, finished: Sequence[Arrived], start: float) -> None:
         self.after_postprocess(scheduler, tokens, [r.arrival for r in finished])
         if self.stats is not None:
             self.stats.compared_steps += 1
@@ -126,10 +109,11 @@ class Shadow:
     def step_failed(self, fault: BaseException, start: float) -> None:
         """Mirrored once the batch is withdrawn (``batch_withdrawn``)."""
 
-    def batch_withdrawn(self, scheduler: Any, failed: Sequence[Arrived], live: Mapping[int, Arrived]) -> None:
+    def batch_withdrawn(self, scheduler: SchedulerPort[Any], failed: Sequence[Arrived],
+                        live: Mapping[int, Arrived]) -> None:
         self.fail_step(scheduler, [r.arrival for r in failed], _arrivals(live))
 
-    def aborted(self, scheduler: Any, request: Arrived, live: Mapping[int, Arrived]) -> None:
+    def aborted(self, scheduler: SchedulerPort[Any], request: Arrived, live: Mapping[int, Arrived]) -> None:
         self.abort(scheduler, request.arrival, _arrivals(live))
 
     def close(self) -> None:
@@ -137,27 +121,27 @@ class Shadow:
 
     # --- the comparisons ----------------------------------------------------------------------------------
     def add(self, arrival: int, token_ids: Sequence[int], params: SamplingParams, stops: frozenset[int]) -> None:
-        """The same request; ``stops`` its stop set, which the reference honours through the extension rule."""
-        rp = reference.SamplingParams(params.temperature, params.max_tokens, params.ignore_eos)
-        seq = reference.Sequence(list(token_ids), rp, self.block_size)
+        """The same request; ``stops`` its stop set (ENG-12), which the reference honours through the port."""
+        seq = self.ref.new_sequence(list(token_ids), params.max_tokens, params.ignore_eos, params.temperature)
         self.by_arrival[arrival] = seq
         self.arrival_of[seq.seq_id] = arrival
-        self.stops[seq.seq_id] = stops
-        self.ref.add(seq)
+        self.ref.add(seq, stops)
 
-    def _fail(self, engine_scheduler: Any, what: str) -> None:
+    def _fail(self, engine_scheduler: SchedulerPort[Any], what: str) -> NoReturn:
         raise ShadowDivergence(
             f"check mode, step {self.step}: {what}\n"
-            f"--- engine scheduler ---\n{_dump(snapshot(engine_scheduler))}\n"
-            f"--- reference scheduler ---\n{_dump(snapshot(self.ref))}"
+            f"--- engine scheduler ---\n{_dump(engine_scheduler.snapshot())}\n"
+            f"--- reference scheduler ---\n{_dump(self.ref.snapshot())}"
         )
 
-    def _check(self, engine_scheduler: Any, batch: list[Any] | None = None) -> None:
+    def _check(self, engine_scheduler: SchedulerPort[Any], batch: list[Any] | None = None) -> None:
         """Invariants on both schedulers: with ``batch`` right after schedule(), without it between steps."""
         between_steps = batch is None
         ref_batch = None if batch is None else self.batch
-        for name, sched, seqs in (("engine", engine_scheduler, batch), ("reference", self.ref, ref_batch)):
-            state = snapshot(sched)
+        ports: tuple[tuple[str, SchedulerPort[Any], list[Any] | None], ...] = (
+            ("engine", engine_scheduler, batch), ("reference", self.ref, ref_batch))
+        for name, port, seqs in ports:
+            state = port.snapshot()
             violations = check_state(state, between_steps=between_steps)
             if seqs is not None:
                 violations += check_batch(state, [seq_view(s) for s in seqs], self.is_prefill)
@@ -165,10 +149,14 @@ class Shadow:
                 self._fail(engine_scheduler, f"{name} scheduler breaks " + "; ".join(map(str, violations)))
 
     def after_schedule(
-        self, engine_scheduler: Any, batch: Sequence[Arrived], is_prefill: bool, preempted: list[int]
+        self, engine_scheduler: SchedulerPort[Any], batch: Sequence[Arrived], is_prefill: bool, preempted: list[int]
     ) -> None:
-        self.batch, self.is_prefill, preempted_seqs = schedule_reporting_preemptions(self.ref)
-        ref_preempted = [self.arrival_of[s.seq_id] for s in preempted_seqs]
+        try:
+            out = self.ref.schedule()
+        except EmptyDecodeError:
+            self._fail(engine_scheduler, "the reference hit the empty decode (EDGE-2), the engine scheduled a batch")
+        self.batch, self.is_prefill = out.batch, out.is_prefill
+        ref_preempted = [self.arrival_of[s.seq_id] for s in out.preempted]
         mine = [(r.arrival, r.seq.num_scheduled_tokens, list(r.seq.block_table)) for r in batch]
         ref = [(self.arrival_of[s.seq_id], s.num_scheduled_tokens, list(s.block_table)) for s in self.batch]
         if is_prefill != self.is_prefill:
@@ -179,10 +167,9 @@ class Shadow:
             self._fail(engine_scheduler, f"preempted arrivals engine={preempted} reference={ref_preempted}")
         self._check(engine_scheduler, [r.seq for r in batch])
 
-    def after_postprocess(self, engine_scheduler: Any, tokens: list[int], finished: list[int]) -> None:
-        stops = [self.stops[s.seq_id] for s in self.batch]
-        postprocess_with_stops(self.ref, self.batch, tokens, self.is_prefill, stops)  # ENG-12 beside EOS
-        ref_finished = [self.arrival_of[s.seq_id] for s in self.batch if s.status == reference.SequenceStatus.FINISHED]
+    def after_postprocess(self, engine_scheduler: SchedulerPort[Any], tokens: list[int], finished: list[int]) -> None:
+        done = self.ref.postprocess(self.batch, tokens, self.is_prefill)  # the stop sets too (ENG-12)
+        ref_finished = [self.arrival_of[s.seq_id] for s in done]
         if sorted(finished) != sorted(ref_finished):
             self._fail(engine_scheduler, f"finished arrivals engine={finished} reference={ref_finished}")
         for a in ref_finished:
@@ -191,22 +178,23 @@ class Shadow:
         self._check(engine_scheduler)
         self.step += 1
 
-    def abort(self, engine_scheduler: Any, arrival: int, engine_arrivals: dict[int, int]) -> None:
+    def abort(self, engine_scheduler: SchedulerPort[Any], arrival: int, engine_arrivals: dict[int, int]) -> None:
         """ABORT-8: the engine aborted this live arrival between steps; the reference aborts it too.
 
         ``engine_arrivals`` maps the engine's live seq ids to arrivals.
         """
         seq = self._forget(arrival)
-        abort(self.ref, seq)
+        self.ref.abort(seq)
         self._compare_release(engine_scheduler, engine_arrivals, f"abort of arrival {arrival}")
         self._check(engine_scheduler)
 
-    def fail_step(self, engine_scheduler: Any, failed: list[int], engine_arrivals: dict[int, int]) -> None:
+    def fail_step(self, engine_scheduler: SchedulerPort[Any], failed: list[int],
+                  engine_arrivals: dict[int, int]) -> None:
         """FAULT-2: the engine's step failed after schedule(); the reference fails the same batch."""
         mine = [self.arrival_of[s.seq_id] for s in self.batch]
         if failed != mine:
             self._fail(engine_scheduler, f"failed batch engine={failed} reference={mine}")
-        abort_step(self.ref, self.batch)
+        self.ref.abort_step(self.batch)
         for a in mine:
             self._forget(a)
         self.batch = []
@@ -214,21 +202,23 @@ class Shadow:
         self._check(engine_scheduler)
         self.step += 1
 
-    def _forget(self, arrival: int) -> reference.Sequence:
+    def _forget(self, arrival: int) -> SeqLike:
         """A request finished or was aborted: drop it from the maps."""
         seq = self.by_arrival.pop(arrival)
         del self.arrival_of[seq.seq_id]
-        del self.stops[seq.seq_id]
         return seq
 
-    def _compare_release(self, engine_scheduler: Any, engine_arrivals: dict[int, int], what: str) -> None:
+    def _compare_release(self, engine_scheduler: SchedulerPort[Any], engine_arrivals: dict[int, int],
+                         what: str) -> None:
         """The same queues, by arrival, and the same free queue: block ids agree by construction (every table was
         compared when scheduled), so equal free queues mean the same blocks released in the same order."""
-        for name in ("waiting", "running"):
-            mine = [engine_arrivals[s.seq_id] for s in getattr(engine_scheduler, name)]
-            ref = [self.arrival_of[s.seq_id] for s in getattr(self.ref, name)]
+        queues = (("waiting", engine_scheduler.waiting, self.ref.waiting),
+                  ("running", engine_scheduler.running, self.ref.running))
+        for name, engine_queue, ref_queue in queues:
+            mine = [engine_arrivals[s.seq_id] for s in engine_queue]
+            ref = [self.arrival_of[s.seq_id] for s in ref_queue]
             if mine != ref:
                 self._fail(engine_scheduler, f"{name} after {what}: engine={mine} reference={ref}")
-        mine_free, ref_free = snapshot(engine_scheduler).free_block_ids, snapshot(self.ref).free_block_ids
+        mine_free, ref_free = engine_scheduler.snapshot().free_block_ids, self.ref.snapshot().free_block_ids
         if mine_free != ref_free:
             self._fail(engine_scheduler, f"free queue after {what}: engine={mine_free} reference={ref_free}")

@@ -9,8 +9,7 @@ tokens (prompt and output so far), then goes on, so prompts share and extend
 each other and hit blocks that decode filled; cache hits are freed and walked
 again while a request waits (MUT-7). Rules run steps (the same model tokens,
 EOS now and then, to both), give one request in eight stop tokens that finish
-it beside EOS (OPT-23: ``Scheduler.add``'s stop set,
-``reference.extensions.postprocess_with_stops``), and sometimes hand the
+it beside EOS (OPT-23: the port's ``add`` takes the stop set), and sometimes hand the
 batch back to postprocess as a copy of the list schedule() returned, which
 the optimized scheduler must treat like the list itself. At most MAX_LIVE
 requests are live at once, and a rule lets the queue drain, so a run is many
@@ -23,11 +22,13 @@ table). Both must hit the empty decode (the reference's assert, our
 EmptyDecodeError) at the same step, and leave the same state behind it: the
 run goes on after it, so later steps compare too. Beyond the lesson
 (spec/abort.md), the same live request - waiting, mid-chunk or running - is
-aborted in both now and then (``reference.extensions.abort`` and
-``Scheduler.abort``), and a step sometimes fails after schedule(), its batch
-aborted in both (``abort_step``); the states must agree after it and every
-later decision too. Every invariant of spec/invariants.md is checked on both.
-The machine's only outside effect is the ``Stats`` it was handed.
+aborted in both now and then (the port's ``abort``), and a step sometimes
+fails after schedule(), its batch aborted in both (``abort_step``); the states
+must agree after it and every later decision too. Every invariant of
+spec/invariants.md is checked on both. Both schedulers are driven through the
+scheduler port (ARCH-4), the reference through its adapter, so what each step
+reports (preempted, prefix hits, finished) is compared too. The machine's
+only outside effect is the ``Stats`` it was handed.
 """
 
 from __future__ import annotations
@@ -36,15 +37,14 @@ import contextlib
 from typing import Any
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
-import optimized.core.scheduler as opt
-import reference as ref
-from invariants import SchedulerState, Violation, check_batch, check_state, seq_view, snapshot
-from optimized.core.errors import EmptyDecodeError
-from optimized.engine.sampling_params import SamplingParams
+from invariants import SchedulerState, Violation, check_batch, check_state, seq_view
+from optimized.core.config import SchedulerConfig
+from optimized.core.port import EmptyDecodeError, ScheduleOutput, SchedulerPort
+from optimized.verify.conformance import implementation
 from optimized.verify.machines import Stats
-from reference.extensions import abort, abort_step, postprocess_with_stops
+from optimized.verify.machines.failure_rule import FailureRule
 
 EOS = 7
 TOKENS = st.integers(1, 3)  # few distinct ids: prompts collide and blocks get shared
@@ -56,7 +56,7 @@ MAX_LIVE = 5
 DRAIN_STEPS = 30
 
 configs = st.builds(
-    ref.SchedulerConfig,
+    SchedulerConfig,
     num_blocks=st.integers(1, 8),
     block_size=st.one_of(st.integers(2, 4), st.integers(2, 16)),
     max_num_seqs=st.integers(1, 5),
@@ -74,9 +74,11 @@ def _ids(seqs: Any, arrival: dict[int, int]) -> list[int]:
 
 
 def _seq_fields(seq: Any) -> tuple[Any, ...]:
-    return (seq.status.name, seq.num_tokens, len(seq), seq.num_prompt_tokens, seq.num_cached_tokens,
-            seq.num_scheduled_tokens, seq.is_prefill, list(seq.block_table), list(seq.token_ids), seq.max_tokens,
-            seq.ignore_eos, seq.temperature, seq.num_completion_tokens, list(seq.completion_token_ids))
+    """Everything a sequence says of itself but its id (the two number their sequences independently)."""
+    view = seq_view(seq)
+    return (view.status, view.token_ids, view.num_prompt_tokens, view.num_cached_tokens, view.num_scheduled_tokens,
+            view.block_table, view.max_tokens, view.is_prefill, seq.num_tokens, len(seq), seq.ignore_eos,
+            seq.temperature, seq.num_completion_tokens, list(seq.completion_token_ids))
 
 
 def _state_fields(state: SchedulerState, arrival: dict[int, int]) -> tuple[Any, ...]:
@@ -85,34 +87,33 @@ def _state_fields(state: SchedulerState, arrival: dict[int, int]) -> tuple[Any, 
             [arrival[s.seq_id] for s in state.waiting], [arrival[s.seq_id] for s in state.running])
 
 
-class DifferentialMachine(RuleBasedStateMachine):
+class DifferentialMachine(FailureRule):
     """The same serving loop on both schedulers; every decision and state must be equal (OPT-1)."""
 
     def __init__(self, stats: Stats | None = None) -> None:
         super().__init__()
         self.stats = stats if stats is not None else Stats()
         self.stats.examples += 1
-        self.config = ref.SchedulerConfig(num_blocks=1, block_size=2)
-        self.ref: ref.Scheduler | None = None
-        self.opt: opt.Scheduler | None = None
+        self.config = SchedulerConfig(num_blocks=1, block_size=2)
+        self.ref: SchedulerPort[Any] | None = None
+        self.opt: SchedulerPort[Any] | None = None
         self.admission_rule = True
         self.prefixes: list[list[int]] = []
-        self.ref_seqs: list[ref.Sequence] = []  # by arrival index
-        self.opt_seqs: list[opt.Sequence] = []
+        self.ref_seqs: list[Any] = []  # by arrival index
+        self.opt_seqs: list[Any] = []
         self.ref_arrival: dict[int, int] = {}
         self.opt_arrival: dict[int, int] = {}
-        self.stops: list[frozenset[int]] = []  # by arrival index (OPT-23)
 
     # --- setup and arrivals ----------------------------------------------------------------------
     @initialize(config=configs, admission_rule=st.booleans(),
                 prefixes=st.lists(st.lists(TOKENS, max_size=MAX_REQUEST_TOKENS), min_size=1, max_size=3))
-    def a_server_starts(self, config: ref.SchedulerConfig, admission_rule: bool, prefixes: list[list[int]]) -> None:
+    def a_server_starts(self, config: SchedulerConfig, admission_rule: bool, prefixes: list[list[int]]) -> None:
         self.stats.rule_applications += 1
         self.config = config
         self.admission_rule = admission_rule
         self.prefixes = prefixes
-        self.ref = ref.Scheduler(config)
-        self.opt = opt.Scheduler(config)
+        self.ref = implementation("reference")(config)
+        self.opt = implementation("optimized")(config)
 
     def room(self) -> int:
         """How many requests may still arrive now (MAX_LIVE)."""
@@ -152,17 +153,14 @@ class DifferentialMachine(RuleBasedStateMachine):
         stops = data.draw(st.frozensets(MODEL_TOKENS, min_size=1, max_size=2), label="stop tokens") if with_stops \
             else frozenset[int]()
         prompt = shared + tail
-        r = ref.Sequence(prompt, ref.SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
-                         self.config.block_size)
-        o = opt.Sequence(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
-                         self.config.block_size)
+        r = self.ref.new_sequence(prompt, max_tokens, ignore_eos)
+        o = self.opt.new_sequence(prompt, max_tokens, ignore_eos)
         index = len(self.ref_seqs)
         self.ref_arrival[r.seq_id] = index
         self.opt_arrival[o.seq_id] = index
         self.ref_seqs.append(r)
         self.opt_seqs.append(o)
-        self.stops.append(stops)
-        self.ref.add(r)
+        self.ref.add(r, stops)
         self.opt.add(o, stops)
         self.stats.requests += 1
         self.compare("add")
@@ -197,12 +195,12 @@ class DifferentialMachine(RuleBasedStateMachine):
                 break
             self.step(data)
 
-    def schedule_both(self) -> tuple[list[ref.Sequence], list[opt.Sequence], bool] | None:
+    def schedule_both(self) -> tuple[list[Any], list[Any], bool] | None:
         """schedule() on both, compared and checked; None (counted as a step) at an empty decode in both."""
         assert self.ref is not None and self.opt is not None
-        running_before = {self.ref_arrival[s.seq_id] for s in self.ref.running}
-        ref_out = opt_out = None
-        with contextlib.suppress(AssertionError):  # the lesson's assert scheduled_seqs
+        ref_out: ScheduleOutput[Any] | None = None
+        opt_out: ScheduleOutput[Any] | None = None
+        with contextlib.suppress(EmptyDecodeError):  # the lesson's assert scheduled_seqs, through its adapter
             ref_out = self.ref.schedule()
         with contextlib.suppress(EmptyDecodeError):
             opt_out = self.opt.schedule()
@@ -212,15 +210,21 @@ class DifferentialMachine(RuleBasedStateMachine):
         if ref_out is None or opt_out is None:
             self.stats.steps += 1
             return None
-        (ref_batch, ref_prefill), (opt_batch, opt_prefill) = ref_out, opt_out
+        ref_batch, ref_prefill, opt_batch, opt_prefill = ref_out.batch, ref_out.is_prefill, opt_out.batch, \
+            opt_out.is_prefill
         if ref_prefill != opt_prefill or _ids(ref_batch, self.ref_arrival) != _ids(opt_batch, self.opt_arrival):
             raise Disagreement(f"OPT-1: batches differ: {ref_batch} {ref_prefill} / {opt_batch} {opt_prefill}")
         for r, o in zip(ref_batch, opt_batch, strict=True):
             if _seq_fields(r) != _seq_fields(o):
                 raise Disagreement(f"OPT-1: scheduled sequence differs: {_seq_fields(r)} / {_seq_fields(o)}")
+        reports = [(_ids(out.preempted, arrival), out.prefix_hit_tokens, out.prefix_query_tokens)
+                   for out, arrival in ((ref_out, self.ref_arrival), (opt_out, self.opt_arrival))]
+        if reports[0] != reports[1]:
+            raise Disagreement(f"OPT-22: (preempted, prefix hits, lookups) differ: {reports[0]} / {reports[1]}")
         self.check(self.opt, opt_batch, opt_prefill)
         self.check(self.ref, ref_batch, ref_prefill)
-        self.count(running_before, opt_prefill)
+        self.stats.preemptions += len(ref_out.preempted)
+        self.stats.prefix_hit_tokens += ref_out.prefix_hit_tokens
         return ref_batch, opt_batch, ref_prefill
 
     def step(self, data: st.DataObject) -> None:
@@ -233,34 +237,19 @@ class DifferentialMachine(RuleBasedStateMachine):
         tokens = data.draw(st.lists(MODEL_TOKENS, min_size=len(ref_batch), max_size=len(ref_batch)), label="tokens")
         if data.draw(st.booleans(), label="batch handed back as a copy"):
             ref_batch, opt_batch = list(ref_batch), list(opt_batch)
-        stops = [self.stops[self.ref_arrival[s.seq_id]] for s in ref_batch]
-        postprocess_with_stops(self.ref, ref_batch, tokens, ref_prefill, stops)
-        self.opt.postprocess(opt_batch, tokens, opt_prefill)
-        finished = [[s.status.name == "FINISHED" for s in batch] for batch in (ref_batch, opt_batch)]
+        finished = [_ids(self.ref.postprocess(ref_batch, tokens, ref_prefill), self.ref_arrival),
+                    _ids(self.opt.postprocess(opt_batch, tokens, opt_prefill), self.opt_arrival)]
         if finished[0] != finished[1]:
             raise Disagreement(f"OPT-1: finishes differ: {finished}")
         self.stats.steps += 1
         self.compare("postprocess")
 
-    # --- beyond the lesson: aborts and failed steps ---------------------------------------------------
-    @precondition(lambda self: self.busy())
-    @rule(data=st.data(), fault=st.booleans())
-    def something_goes_wrong(self, data: st.DataObject, fault: bool) -> None:
-        """ABORT-6: a client hangs up, or the model raises mid-step; both schedulers take the same request(s) back.
-
-        One rule for both keeps them rarer than arrivals and steps, so runs still reach full caches.
-        """
-        self.stats.rule_applications += 1
-        if fault:
-            self.a_step_fails()
-        else:
-            self.a_request_is_aborted(data)
-
+    # --- beyond the lesson: aborts and failed steps (ABORT-6: both take the same request(s) back) ------------
     def a_request_is_aborted(self, data: st.DataObject) -> None:
         assert self.ref is not None and self.opt is not None
         live = [self.ref_arrival[s.seq_id] for s in (*self.ref.waiting, *self.ref.running)]
         index = data.draw(st.sampled_from(live), label="aborted request")
-        abort(self.ref, self.ref_seqs[index])
+        self.ref.abort(self.ref_seqs[index])
         self.opt.abort(self.opt_seqs[index])
         self.stats.aborts += 1
         self.compare(f"abort of request {index}")
@@ -272,25 +261,18 @@ class DifferentialMachine(RuleBasedStateMachine):
         if scheduled is None:
             return
         ref_batch, opt_batch, _is_prefill = scheduled
-        abort_step(self.ref, ref_batch)
+        self.ref.abort_step(ref_batch)
         self.opt.abort_step(opt_batch)
         self.stats.steps += 1
         self.stats.aborts += len(ref_batch)
         self.compare("failed step")
 
-    def check(self, scheduler: Any, batch: list[Any], is_prefill: bool) -> None:
-        state = snapshot(scheduler)
-        found: list[Violation] = check_batch(state, [seq_view(s) for s in batch], is_prefill)
+    def check(self, port: SchedulerPort[Any], batch: list[Any], is_prefill: bool) -> None:
+        found: list[Violation] = check_batch(port.snapshot(), [seq_view(s) for s in batch], is_prefill)
         self.stats.violations += len(found)
         if found:
-            raise Disagreement(f"{type(scheduler).__module__}: " + "; ".join(map(str, found)))
-
-    def count(self, running_before: set[int], is_prefill: bool) -> None:
-        assert self.ref is not None
-        waiting_now = {self.ref_arrival[s.seq_id] for s in self.ref.waiting}
-        self.stats.preemptions += len(running_before & waiting_now)
-        if is_prefill:
-            self.stats.prefix_hit_tokens += sum(s.num_cached_tokens for s in self.ref.running if s.is_prefill)
+            name = "reference" if port is self.ref else "optimized"
+            raise Disagreement(f"{name}: " + "; ".join(map(str, found)))
 
     # --- the comparison ---------------------------------------------------------------------------
     def compare(self, when: str, between_steps: bool = True) -> None:
@@ -299,7 +281,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         for index, (r, o) in enumerate(zip(self.ref_seqs, self.opt_seqs, strict=True)):
             if _seq_fields(r) != _seq_fields(o):
                 raise Disagreement(f"OPT-1 after {when}: request {index}: {_seq_fields(r)} / {_seq_fields(o)}")
-        ref_state, opt_state = snapshot(self.ref), snapshot(self.opt)
+        ref_state, opt_state = self.ref.snapshot(), self.opt.snapshot()
         if _state_fields(ref_state, self.ref_arrival) != _state_fields(opt_state, self.opt_arrival):
             raise Disagreement(f"OPT-1 after {when}: states differ:\n{ref_state}\n{opt_state}")
         for name, state in (("reference", ref_state), ("optimized", opt_state)):
@@ -313,11 +295,11 @@ class DifferentialMachine(RuleBasedStateMachine):
         """OPT-1: the same requests wait and run, in the same order."""
         if self.ref is None or self.opt is None:
             return
-        for attr in ("waiting", "running"):
-            r = _ids(getattr(self.ref, attr), self.ref_arrival)
-            o = _ids(getattr(self.opt, attr), self.opt_arrival)
+        for name, r_queue, o_queue in (("waiting", self.ref.waiting, self.opt.waiting),
+                                       ("running", self.ref.running, self.opt.running)):
+            r, o = _ids(r_queue, self.ref_arrival), _ids(o_queue, self.opt_arrival)
             if r != o:
-                raise Disagreement(f"OPT-1: {attr} differs: {r} / {o}")
+                raise Disagreement(f"OPT-1: {name} differs: {r} / {o}")
 
 
 Machine = DifferentialMachine

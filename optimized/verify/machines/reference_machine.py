@@ -7,7 +7,8 @@ EOS now and then). Prompts share prefixes so the prefix cache hits, and are
 long against the budget and the cache so chunking and preemption happen.
 Beyond the lesson (spec/abort.md), a live request is aborted now and then -
 waiting, mid-chunk or running - and a step sometimes fails after schedule(),
-its batch aborted; both are checked against abort_contract.py.
+its batch aborted; both are checked against abort_contract.py. The reference
+is driven through the scheduler port (ARCH-4), by its adapter.
 Requests obey the admission rule (ADMIT-1) unless a subclass turns it off.
 Every step is checked against the step contract (step_contract.py) and every
 state against ``invariants.check_state``; a failure names the broken clause.
@@ -17,18 +18,19 @@ The machine's only outside effect is the ``Stats`` it was handed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from invariants import SchedulerState, SeqView, Violation, check_batch, check_state, seq_view, snapshot
-from optimized.core.errors import EmptyDecodeError
+from invariants import SchedulerState, SeqView, Violation, check_batch, check_state, seq_view
+from optimized.core.config import SchedulerConfig
+from optimized.core.port import EmptyDecodeError, SchedulerPort
+from optimized.verify.conformance import implementation
 from optimized.verify.machines import Stats
 from optimized.verify.machines.abort_contract import check_abort, check_abort_step
+from optimized.verify.machines.failure_rule import FailureRule
 from optimized.verify.machines.step_contract import check_postprocess, check_schedule
-from reference import SamplingParams, Scheduler, SchedulerConfig, Sequence
-from reference.extensions import abort, abort_step
 
 EOS = 9
 PROMPT_TOKENS = st.integers(1, 3)  # three token ids: prompts collide, so blocks get shared
@@ -80,7 +82,7 @@ class StepFailed(AssertionError):
     """A step broke spec clauses; the message lists them."""
 
 
-class Machine(RuleBasedStateMachine):
+class Machine(FailureRule):
     """Requests arrive and steps run; the spec's clauses hold after every rule."""
 
     ADMISSION_RULE: ClassVar[bool] = True
@@ -89,7 +91,7 @@ class Machine(RuleBasedStateMachine):
         super().__init__()
         self.stats = stats if stats is not None else Stats()
         self.stats.examples += 1
-        self._scheduler: Scheduler | None = None
+        self._scheduler: SchedulerPort[Any] | None = None
         self.config = SchedulerConfig(num_blocks=1, block_size=2)
         self.prefixes: list[list[int]] = []
         self.request_strategy: st.SearchStrategy[Request] = st.nothing()
@@ -100,7 +102,7 @@ class Machine(RuleBasedStateMachine):
         self.last_violations: list[Violation] = []
 
     @property
-    def scheduler(self) -> Scheduler:
+    def scheduler(self) -> SchedulerPort[Any]:
         assert self._scheduler is not None, "initialize runs before every rule"
         return self._scheduler
 
@@ -111,7 +113,7 @@ class Machine(RuleBasedStateMachine):
         self.config = config
         self.prefixes = prefixes
         self.request_strategy = requests(config, prefixes, self.ADMISSION_RULE)
-        self._scheduler = Scheduler(config)
+        self._scheduler = implementation("reference")(config)
 
     @rule(data=st.data(), n=st.integers(1, 3))
     def requests_arrive(self, data: st.DataObject, n: int) -> None:
@@ -123,21 +125,20 @@ class Machine(RuleBasedStateMachine):
     def add(self, request: Request) -> None:
         # The strategy keeps footprints within the cache; this states that it does.
         assert admissible(len(request.prompt), request.max_tokens, self.config) or not self.ADMISSION_RULE
-        seq = Sequence(request.prompt, SamplingParams(max_tokens=request.max_tokens, ignore_eos=request.ignore_eos),
-                       self.config.block_size)
+        seq = self.scheduler.new_sequence(request.prompt, request.max_tokens, request.ignore_eos)
         self.requests[seq.seq_id] = request
         self.scheduler.add(seq)
         self.stats.requests += 1
         self.step_bound += request.max_tokens + ceil_div(len(request.prompt), self.config.max_num_batched_tokens)
 
-    @precondition(lambda self: self._scheduler is not None and not self.scheduler.is_finished())
+    @precondition(lambda self: self.busy())
     @rule(data=st.data())
     def a_step_runs(self, data: st.DataObject) -> None:
         """One schedule() and its postprocess(), the model answering each scheduled sequence."""
         self.stats.rule_applications += 1
         self.step(data)
 
-    @precondition(lambda self: self._scheduler is not None and not self.scheduler.is_finished())
+    @precondition(lambda self: self.busy())
     @rule(data=st.data(), n=st.integers(2, 8))
     def time_passes(self, data: st.DataObject, n: int) -> None:
         """Several steps with no arrival, as when the server is busy generating."""
@@ -147,55 +148,43 @@ class Machine(RuleBasedStateMachine):
                 break
             self.step(data)
 
-    @precondition(lambda self: self._scheduler is not None and not self.scheduler.is_finished())
-    @rule(data=st.data(), fault=st.booleans())
-    def something_goes_wrong(self, data: st.DataObject, fault: bool) -> None:
-        """Beyond the lesson (spec/abort.md): a client hangs up, or the model raises in the middle of a step.
-
-        One rule for both keeps them rarer than arrivals and steps, so runs still reach full caches.
-        """
-        self.stats.rule_applications += 1
-        if fault:
-            self.a_step_fails()
-        else:
-            self.a_request_is_aborted(data)
+    def busy(self) -> bool:
+        return self._scheduler is not None and not self.scheduler.is_finished()
 
     def a_request_is_aborted(self, data: st.DataObject) -> None:
         """ABORT-1..3: the request leaves wherever it is (waiting, mid-chunk or running)."""
         live = [*self.scheduler.waiting, *self.scheduler.running]
         seq = data.draw(st.sampled_from(live), label="aborted request")
-        before = snapshot(self.scheduler)
-        abort(self.scheduler, seq)
+        before = self.scheduler.snapshot()
+        self.scheduler.abort(seq)
         self.finished.add(seq.seq_id)
         self.stats.aborts += 1
-        self.last_violations = check_abort(before, snapshot(self.scheduler), seq.seq_id)
+        self.last_violations = check_abort(before, self.scheduler.snapshot(), seq.seq_id)
         self.stats.violations += len(self.last_violations)
 
     def a_step_fails(self) -> None:
         """FAULT-2: the model raises after schedule(); the batch's grants are withdrawn and its members aborted."""
         batch, _is_prefill, state, found = self.schedule()
-        abort_step(self.scheduler, batch)
+        self.scheduler.abort_step(batch)
         ids = [s.seq_id for s in batch]
         self.finished.update(ids)
         self.steps += 1
         self.step_bound += 1  # a failed step is a schedule() call the liveness bound did not charge
         self.stats.steps += 1
         self.stats.aborts += len(ids)
-        found += check_abort_step(state, snapshot(self.scheduler), ids)
+        found += check_abort_step(state, self.scheduler.snapshot(), ids)
         self.stats.violations += len(found)
         self.last_violations = found
 
-    def schedule(self) -> tuple[list[Sequence], bool, SchedulerState, list[Violation]]:
+    def schedule(self) -> tuple[list[Any], bool, SchedulerState, list[Violation]]:
         """One schedule(), checked: its batch, the prefill flag, the state right after it and what it broke."""
-        before = snapshot(self.scheduler)
+        before = self.scheduler.snapshot()
         try:
             batch, is_prefill = self.scheduler.schedule()
-        except AssertionError:
-            if self.scheduler.running or not self.scheduler.waiting:
-                raise
+        except EmptyDecodeError:
             raise EmptyDecodeError(f"EDGE-2: empty decode at step {self.steps}: the only running sequence "
                                    f"preempted itself ({before.running[0] if before.running else None})") from None
-        scheduled = snapshot(self.scheduler)
+        scheduled = self.scheduler.snapshot()
         views = [seq_view(s) for s in batch]
         found = [*check_batch(scheduled, views, is_prefill), *check_schedule(before, scheduled, views, is_prefill)]
         self.count(before, scheduled, views, is_prefill)
@@ -205,11 +194,11 @@ class Machine(RuleBasedStateMachine):
         batch, is_prefill, scheduled, found = self.schedule()
         views = [seq_view(s) for s in batch]
         tokens = data.draw(st.lists(MODEL_TOKENS, min_size=len(batch), max_size=len(batch)), label="model tokens")
-        self.scheduler.postprocess(batch, tokens, is_prefill)
-        after = snapshot(self.scheduler)
+        finished = self.scheduler.postprocess(batch, tokens, is_prefill)
+        after = self.scheduler.snapshot()
         ignore_eos = {i: r.ignore_eos for i, r in self.requests.items()}
         found += check_postprocess(scheduled, after, views, tokens, is_prefill, EOS, ignore_eos)
-        self.finished.update(s.seq_id for s in batch if s.status.name == "FINISHED")
+        self.finished.update(s.seq_id for s in finished)
         self.steps += 1
         self.stats.steps += 1
         self.stats.violations += len(found)
@@ -234,7 +223,7 @@ class Machine(RuleBasedStateMachine):
     def every_block_and_queue_is_consistent(self) -> None:
         """spec/invariants.md: the state between steps."""
         if self._scheduler is not None:
-            found = check_state(snapshot(self.scheduler))
+            found = check_state(self.scheduler.snapshot())
             self.stats.violations += len(found)
             if found:
                 raise StepFailed("; ".join(map(str, found)))

@@ -1,0 +1,139 @@
+"""The reference scheduler behind the scheduler port (ARCH-4): a thin adapter, so the lesson keeps its signatures.
+
+Invariant: every decision is the lesson's own code (``reference.Scheduler``)
+or ``reference.extensions`` (abort, the failed step, stop tokens), called
+unchanged; the adapter only reports what the lesson's signatures do not
+return, read off its queues: whom a step preempted (the running sequences
+that are waiting after it, the queue's tail first, as the lesson pops them),
+its prefix-cache hits, whom a postprocess finished. The lesson's ``assert
+scheduled_seqs`` becomes the port's one ``EmptyDecodeError``, and only that
+assert: an ``AssertionError`` that leaves anything but the empty decode's state
+(``running`` empty, something waiting) propagates as it is.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection
+
+import reference
+from invariants import SchedulerState, snapshot
+from optimized.core.config import SchedulerConfig
+from optimized.core.port import EmptyDecodeError, ScheduleOutput
+from reference import extensions
+
+WAITING = reference.SequenceStatus.WAITING
+FINISHED = reference.SequenceStatus.FINISHED
+
+
+class ReferenceBlocks:
+    """The lesson's block manager read one block at a time (the port's ``BlockReader``)."""
+
+    def __init__(self, block_manager: reference.BlockManager) -> None:
+        self._bm = block_manager
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._bm.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._bm.free_block_ids)
+
+    def is_used(self, block_id: int) -> bool:
+        return block_id in self._bm.used_block_ids
+
+    def ref_count(self, block_id: int) -> int:
+        return self._bm.blocks[block_id].ref_count
+
+    def block_hash(self, block_id: int) -> int:
+        return self._bm.blocks[block_id].hash
+
+    def token_ids_of(self, block_id: int) -> list[int]:
+        return list(self._bm.blocks[block_id].token_ids)
+
+
+class ReferencePort:
+    """``reference.Scheduler`` as a ``SchedulerPort[reference.Sequence]``.
+
+    ``lesson`` is the scheduler class to drive: the lesson's, or a test's variant of it (a mutant whose
+    decisions a replay must tell apart). ``lesson_scheduler`` is the instance, for a test to look inside.
+    """
+
+    def __init__(self, config: SchedulerConfig,
+                 lesson: type[reference.Scheduler] = reference.Scheduler) -> None:
+        self.config = config
+        self.lesson_scheduler = lesson(reference.SchedulerConfig(
+            num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, eos=config.eos))
+        self.blocks = ReferenceBlocks(self.lesson_scheduler.block_manager)
+        self._stops: dict[int, frozenset[int]] = {}  # seq_id -> its stop set, for the sequences that have one
+
+    @property
+    def waiting(self) -> deque[reference.Sequence]:
+        return self.lesson_scheduler.waiting
+
+    @property
+    def running(self) -> deque[reference.Sequence]:
+        return self.lesson_scheduler.running
+
+    def new_sequence(self, token_ids: list[int], max_tokens: int, ignore_eos: bool = False,
+                     temperature: float = 1.0) -> reference.Sequence:
+        params = reference.SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        return reference.Sequence(list(token_ids), params, self.config.block_size)
+
+    def is_finished(self) -> bool:
+        return self.lesson_scheduler.is_finished()
+
+    def add(self, seq: reference.Sequence, stop_token_ids: Collection[int] = ()) -> None:
+        """The lesson's add; a stop set is honoured by ``extensions.postprocess_with_stops`` (OPT-23)."""
+        self.lesson_scheduler.add(seq)
+        if stop_token_ids:
+            self._stops[seq.seq_id] = frozenset(stop_token_ids)
+
+    def schedule(self) -> ScheduleOutput[reference.Sequence]:
+        lesson = self.lesson_scheduler
+        running_before = list(lesson.running)
+        waiting = lesson.waiting
+        holding = waiting[0] if waiting and waiting[0].block_table else None  # only waiting[0] holds (INV-20)
+        try:
+            batch, is_prefill = lesson.schedule()
+        except AssertionError:
+            if lesson.running or not lesson.waiting:  # not ``assert scheduled_seqs``: some other assert
+                raise
+            raise EmptyDecodeError("schedule(): nothing fits and nothing is running (the lesson's assert "
+                                   "scheduled_seqs)") from None
+        if is_prefill:  # only a decode step preempts; only a prefill step admits
+            admitted = [s for s in batch if s is not holding]
+            hits = sum(s.num_cached_tokens for s in admitted)  # allocate set it to the cached blocks' tokens
+            return ScheduleOutput(batch, True, (), hits, sum(s.num_tokens for s in admitted))
+        # The decode loop preempts from the tail of running (itself last), so this is the order it preempted.
+        preempted = tuple(s for s in reversed(running_before) if s.status is WAITING)
+        return ScheduleOutput(batch, False, preempted)
+
+    def postprocess(self, seqs: list[reference.Sequence], token_ids: list[int],
+                    is_prefill: bool) -> list[reference.Sequence]:
+        """The lesson's postprocess (with the stop rule when a member has a stop set); who finished, in batch
+        order."""
+        stops = self._stops
+        if stops and any(s.seq_id in stops for s in seqs):
+            extensions.postprocess_with_stops(self.lesson_scheduler, seqs, token_ids, is_prefill,
+                                              [stops.get(s.seq_id, frozenset()) for s in seqs])
+        else:
+            self.lesson_scheduler.postprocess(seqs, token_ids, is_prefill)
+        finished = [s for s in seqs if s.status is FINISHED]
+        for seq in finished:
+            stops.pop(seq.seq_id, None)
+        return finished
+
+    def abort(self, seq: reference.Sequence) -> None:
+        extensions.abort(self.lesson_scheduler, seq)
+        self._stops.pop(seq.seq_id, None)
+
+    def abort_step(self, batch: list[reference.Sequence]) -> None:
+        extensions.abort_step(self.lesson_scheduler, batch)
+        for seq in batch:
+            self._stops.pop(seq.seq_id, None)
+
+    def snapshot(self) -> SchedulerState:
+        return snapshot(self.lesson_scheduler)
