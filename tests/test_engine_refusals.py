@@ -13,6 +13,7 @@ import pytest
 
 from invariants import snapshot
 from optimized import LLM, SamplingParams
+from optimized.engine.validation import RequestRefused
 from optimized.models.tokenizer import load_tokenizer
 from tests.engine_fixtures import VOCAB, checkpoint, hf_greedy, make_llm
 
@@ -33,19 +34,27 @@ def _nan_temperature() -> SamplingParams:
     return sp
 
 
-# (prompt, params, what the message must name)
-REFUSED: dict[str, tuple[list[int], SamplingParams, str]] = {
-    "empty prompt": ([], GREEDY, "prompt"),
-    "token above vocab": ([1, VOCAB], GREEDY, "vocab_size"),
-    "negative token": ([-1, 2], GREEDY, "vocab_size"),
-    "over max_model_len": ([1] * 41, GREEDY, "max_model_len"),
-    "never fits the KV cache": ([1] * 35, SamplingParams(temperature=0.0, max_tokens=7), "num_kvcache_blocks"),
-    "non-finite temperature": (GOOD, _nan_temperature(), "temperature"),
+LONG = "context_length_exceeded"
+# (prompt, params, what the message must name, the refusal's field and code)
+REFUSED: dict[str, tuple[list[int], SamplingParams, str, str, str | None]] = {
+    "empty prompt": ([], GREEDY, "prompt", "prompt", None),
+    "token above vocab": ([1, VOCAB], GREEDY, "vocab_size", "prompt", None),
+    "negative token": ([-1, 2], GREEDY, "vocab_size", "prompt", None),
+    "over max_model_len": ([1] * 38, SamplingParams(temperature=0.0, max_tokens=11), "max_model_len", "max_tokens",
+                           LONG),
+    "prompt alone over max_model_len": ([1] * 48, GREEDY, "prompt is too long.*max_model_len", "prompt", LONG),
+    "never fits the KV cache": ([1] * 35, SamplingParams(temperature=0.0, max_tokens=7), "num_kvcache_blocks",
+                                "max_tokens", LONG),
+    "prompt alone never fits the KV cache": ([1] * 41, SamplingParams(temperature=0.0, max_tokens=1),
+                                             "prompt is too long.*num_kvcache_blocks", "prompt", LONG),
+    "non-finite temperature": (GOOD, _nan_temperature(), "temperature", "temperature", None),
     # An id the model can never draw would silently never stop the request.
     "stop token at vocab": (
         GOOD,
         SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(3, VOCAB)),
         rf"stop_token_ids.*vocab_size={VOCAB}",
+        "stop_token_ids",
+        None,
     ),
 }
 
@@ -56,18 +65,23 @@ def state(llm: LLM) -> tuple[Any, ...]:
     return snapshot(engine.scheduler), snapshot(shadow.ref), sorted(engine.live)
 
 
-@pytest.mark.clause("ENG-9", "ENG-10")
+@pytest.mark.clause("ENG-9", "ENG-10", "ARCH-6")
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_refused_request_changes_nothing(case: str) -> None:
     """ENG-9, ENG-10: the whole call is refused before any request is added; a request already pending and later
-    ones complete exactly as they would have."""
-    prompt, params, field = REFUSED[case]
+    ones complete exactly as they would have. ARCH-6: the refusal carries the field at fault and, past a
+    context limit, OpenAI's code (the prompt's field when the prompt with one token cannot fit)."""
+    prompt, params, words, field, code = REFUSED[case]
     llm = make()
     pending = llm.engine.add([9, 8, 7], GREEDY, seed=0)
     llm.engine.step()  # the pending request holds blocks now
     before = state(llm)
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(RequestRefused, match="prompt 1: .*" + words) as refused:
         llm.generate([GOOD, prompt], [GREEDY, params], use_tqdm=False)
+    assert (refused.value.field, refused.value.code) == (field, code)
+    with pytest.raises(RequestRefused, match=words) as refused:
+        llm.add_request(prompt, params)
+    assert (refused.value.field, refused.value.code) == (field, code)
     assert state(llm) == before
     out = llm.generate([GOOD], GREEDY, use_tqdm=False)[0]
     while llm.engine.has_unfinished():
@@ -94,20 +108,45 @@ def test_admission_rule_is_exact() -> None:
     [
         ({"temperature": -0.5}, "temperature"),
         ({"temperature": math.inf}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": 2.01}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": 0}, "top_k"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"top_k": 1.5}, "top_k"),
         ({"top_k": -2}, "top_k"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"seed": 1.0}, "seed"),
         ({"stop_token_ids": (4, -1)}, "stop_token_ids"),
         ({"stop_token_ids": (4, 2.0)}, "stop_token_ids"),
         ({"stop_token_ids": (True,)}, "stop_token_ids"),
+        ({"stop": ("a", "b", "c", "d", "e")}, "stop"),
+        ({"stop": ("",)}, "stop"),
     ],
 )
 def test_bad_sampling_params_are_refused_where_made(kwargs: dict[str, Any], field: str) -> None:
-    """ENG-9: SamplingParams refuses bad values when made, so no bad request reaches add()."""
-    with pytest.raises(ValueError, match=field):
+    """ENG-9, ARCH-6: SamplingParams refuses bad values when made, with a RequestRefused naming the field (in its
+    message and as ``field``), so no bad request reaches add()."""
+    with pytest.raises(RequestRefused, match=field) as refused:
         SamplingParams(**kwargs)
+    assert refused.value.field == field and refused.value.code is None
+
+
+@pytest.mark.clause("ENG-9", "ARCH-6")
+def test_the_bounds_themselves_are_taken_and_top_k_zero_is_off() -> None:
+    """ENG-9: temperature 0 and 2, top_p 1 and at most 4 stop strings are taken; top_k 0 means off, stored as -1,
+    and draws what top_k -1 draws."""
+    for temperature in (0.0, 2.0):
+        assert SamplingParams(temperature=temperature).temperature == temperature
+    assert SamplingParams(stop=("a", "b", "c", "d")).stop == ("a", "b", "c", "d")
+    assert SamplingParams(top_k=0).top_k == -1 and SamplingParams(top_k=0) == SamplingParams(top_k=-1)
+    llm = make()
+    drawn = [llm.generate([GOOD], SamplingParams(temperature=1.0, max_tokens=6, seed=3, top_k=k),
+                          use_tqdm=False)[0].token_ids for k in (0, -1)]
+    assert drawn[0] == drawn[1]
 
 
 @pytest.mark.clause("ENG-9", "ENG-12")

@@ -7,6 +7,7 @@ the same default model: the oracle of served == offline.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -24,6 +25,7 @@ import openai
 import pytest
 
 from optimized import LLM, SamplingParams
+from optimized.engine.validation import RequestRefused
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-test-0123456789"
@@ -303,13 +305,13 @@ BAD: list[tuple[str, str, dict[str, Any] | bytes, int, str | None, str]] = [
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "default"),
     ("no prompt", "/v1/completions", {"model": "default"}, 400, "prompt", "required"),
     ("prompt a number", "/v1/completions", {"model": "default", "prompt": 5}, 400, "prompt", "valid"),
-    ("prompt empty ids", "/v1/completions", {"model": "default", "prompt": []}, 400, "prompt", "at least 1"),
-    ("negative id", "/v1/completions", {"model": "default", "prompt": [1, -2]}, 400, "prompt.1", "greater"),
+    ("prompt empty ids", "/v1/completions", {"model": "default", "prompt": []}, 400, "prompt", "at least one token"),
+    ("negative id", "/v1/completions", {"model": "default", "prompt": [1, -2]}, 400, "prompt", "vocab_size"),
     ("id past vocab", "/v1/completions", {"model": "default", "prompt": [1, 999]}, 400, "prompt", "vocab_size"),
     ("max_tokens a string", "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": "5"}, 400,
      "max_tokens", "integer"),
     ("max_tokens 0", "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 0}, 400, "max_tokens",
-     "greater"),
+     "max_tokens must be an integer >= 1"),
     ("max_model_len", "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 5000}, 400,
      "max_tokens", "max_model_len=4096"),
     ("never fits the cache", "/v1/completions", {"model": "default", "prompt": "xy", "max_tokens": 3000}, 400,
@@ -317,14 +319,15 @@ BAD: list[tuple[str, str, dict[str, Any] | bytes, int, str | None, str]] = [
     ("temperature a bool", "/v1/completions", {"model": "default", "prompt": "x", "temperature": True}, 400,
      "temperature", "number"),
     ("temperature 3", "/v1/completions", {"model": "default", "prompt": "x", "temperature": 3}, 400,
-     "temperature", "less than or equal to 2"),
-    ("top_p 0", "/v1/completions", {"model": "default", "prompt": "x", "top_p": 0}, 400, "top_p", "greater"),
-    ("top_k -2", "/v1/completions", {"model": "default", "prompt": "x", "top_k": -2}, 400, "top_k", "greater"),
+     "temperature", "temperature must be in [0, 2]"),
+    ("top_p 0", "/v1/completions", {"model": "default", "prompt": "x", "top_p": 0}, 400, "top_p", "in (0, 1]"),
+    ("top_k -2", "/v1/completions", {"model": "default", "prompt": "x", "top_k": -2}, 400, "top_k",
+     "-1 or 0 (off) or a positive integer"),
     ("seed a float", "/v1/completions", {"model": "default", "prompt": "x", "seed": 1.5}, 400, "seed", "integer"),
     ("five stops", "/v1/completions", {"model": "default", "prompt": "x", "stop": list("abcde")}, 400, "stop",
      "at most 4"),
-    ("empty stop", "/v1/completions", {"model": "default", "prompt": "x", "stop": [""]}, 400, "stop.0",
-     "at least 1"),
+    ("empty stop", "/v1/completions", {"model": "default", "prompt": "x", "stop": [""]}, 400, "stop",
+     "non-empty strings"),
     ("n 2", "/v1/completions", {"model": "default", "prompt": "x", "n": 2}, 400, "n", "n=1"),
     ("stream a string", "/v1/completions", {"model": "default", "prompt": "x", "stream": "yes"}, 400, "stream",
      "boolean"),
@@ -372,7 +375,7 @@ BAD: list[tuple[str, str, dict[str, Any] | bytes, int, str | None, str]] = [
      "content": "x"}], "response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
     ("max_completion_tokens -1", "/v1/chat/completions",
      {"model": "default", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, 400,
-     "max_completion_tokens", "greater"),
+     "max_completion_tokens", "max_tokens must be an integer >= 1"),
 ]
 
 
@@ -388,6 +391,68 @@ def test_bad_requests_are_refused_with_openai_errors(server: Served, name: str, 
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and words in error["message"], error
+
+
+# (name, the completion body's fields, the param and code both paths name); the Python side asks for the same
+# prompt (default "x") and SamplingParams, with the server's default max_tokens (16).
+RULES: list[tuple[str, dict[str, Any], str, str | None]] = [
+    ("temperature above 2", {"temperature": 2.5}, "temperature", None),
+    ("temperature negative", {"temperature": -0.1}, "temperature", None),
+    ("temperature NaN", {"temperature": math.nan}, "temperature", None),
+    ("temperature a string", {"temperature": "hot"}, "temperature", None),
+    ("top_p 0", {"top_p": 0.0}, "top_p", None),
+    ("top_p NaN", {"top_p": math.nan}, "top_p", None),
+    ("top_k -2", {"top_k": -2}, "top_k", None),
+    ("top_k a float", {"top_k": 1.5}, "top_k", None),
+    ("max_tokens 0", {"max_tokens": 0}, "max_tokens", None),
+    ("seed a float", {"seed": 1.5}, "seed", None),
+    ("ignore_eos a string", {"ignore_eos": "yes"}, "ignore_eos", None),
+    ("an empty stop", {"stop": [""]}, "stop", None),
+    ("five stops", {"stop": list("abcde")}, "stop", None),
+    ("a negative stop id", {"stop_token_ids": [-1]}, "stop_token_ids", None),
+    ("a stop id past the vocabulary", {"stop_token_ids": [300]}, "stop_token_ids", None),
+    ("an empty prompt", {"prompt": []}, "prompt", None),
+    ("a prompt id past the vocabulary", {"prompt": [1, 999]}, "prompt", None),
+    ("a negative prompt id", {"prompt": [1, -2]}, "prompt", None),
+    ("past max_model_len by max_tokens", {"max_tokens": 5000}, "max_tokens", "context_length_exceeded"),
+    ("past the cache by max_tokens", {"prompt": "xy", "max_tokens": 3000}, "max_tokens", "context_length_exceeded"),
+    ("a prompt past max_model_len", {"prompt": "x" * 4100}, "prompt", "context_length_exceeded"),
+    ("a prompt past the cache", {"prompt": "x" * 2100, "max_tokens": 1}, "prompt", "context_length_exceeded"),
+]
+
+
+@pytest.mark.clause("ARCH-6", "SERVE-8", "ENG-9")
+@pytest.mark.parametrize(("name", "fields", "param", "code"), RULES, ids=[r[0] for r in RULES])
+def test_http_and_python_refuse_alike(server: Served, offline: LLM, name: str, fields: dict[str, Any], param: str,
+                                      code: str | None) -> None:
+    """ARCH-6: each rule refuses the same request in Python (a RequestRefused carrying the field and code) and over
+    HTTP (a 400 whose param and code are the same), and the Python refusal changes nothing."""
+    sampling = {"max_tokens": 16, **{k: v for k, v in fields.items() if k != "prompt"}}
+    prompt = fields.get("prompt", "x")
+    with pytest.raises(RequestRefused) as refused:
+        offline.add_request(prompt, SamplingParams(**sampling))
+    assert (refused.value.field, refused.value.code) == (param, code)
+    assert not offline.has_unfinished_requests()
+    response = server.post("/v1/completions", json.dumps({"model": "default", "prompt": prompt, **sampling}))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error"), error
+
+
+@pytest.mark.clause("ARCH-6", "ENG-9", "SERVE-1")
+def test_top_k_zero_and_temperature_two_are_taken_alike(server: Served, offline: LLM) -> None:
+    """ARCH-6: top_k 0 means off (vLLM's meaning; stored as -1) in Python and over HTTP, and temperature 2 (the
+    bound) is taken by both: the served tokens are LLM.generate's with top_k -1."""
+    assert SamplingParams(top_k=0).top_k == -1
+    for temperature in (0.9, 2.0):
+        params = sampled(31, 10, top_k=-1)
+        params = SamplingParams(**{**params.__dict__, "temperature": temperature})
+        want = offline.generate(["Hello"], params, use_tqdm=False)[0].token_ids
+        assert offline.generate(["Hello"], SamplingParams(**{**params.__dict__, "top_k": 0}),
+                                use_tqdm=False)[0].token_ids == want
+        request = body("Hello", params)
+        request["extra_body"] = {**request["extra_body"], "top_k": 0}
+        assert token_ids(server.client.completions.create(**request).choices[0]) == want
 
 
 @pytest.mark.clause("SERVE-8", "SERVE-10")

@@ -23,6 +23,8 @@ import uvicorn
 
 from optimized import LLM, SamplingParams
 from optimized.cli import main as cli_main
+from optimized.engine.validation import RequestRefused
+from optimized.entry.llm import EngineState
 from optimized.serve.app import Lifecycle, ServerOptions, build_app
 from optimized.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
 from optimized.serve.loop import EngineInfo, EngineLoop, FinishEvent, Stream, TokenEvent
@@ -603,14 +605,15 @@ def test_prefix_cache_hits_never_exceed_queries_under_preemption() -> None:
     assert queries == stats.prefix_cache_query_tokens == looked_up[0] > sum(map(len, prompts))
 
 
-@pytest.mark.clause("SERVE-4", "SERVE-8")
-def test_a_streamed_refusal_is_labelled_by_its_status(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-4, SERVE-8: a request the engine refuses at admission (its word is final) ends a stream with an error
-    event whose type matches its 400: invalid_request_error, not server_error."""
+@pytest.mark.clause("SERVE-4", "SERVE-8", "ARCH-6")
+def test_a_refusal_at_admission_is_answered_by_its_field_and_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-4, SERVE-8, ARCH-6: a request the engine refuses at admission (its word is final) is answered by the
+    refusal's field and code, whatever its words say: whole, a 400 with them; streamed, an error event typed
+    invalid_request_error (not server_error), then [DONE]."""
     llm = make_llm(num_kvcache_blocks=16, check=False)
 
     def refuse(*args: Any) -> int:
-        raise ValueError("prompt: refused by the engine")
+        raise RequestRefused("refused by the engine, in words naming no field", "stop_token_ids", "some_code")
 
     monkeypatch.setattr(llm, "add_request", refuse)
     server = InProcess(llm)
@@ -619,9 +622,33 @@ def test_a_streamed_refusal_is_labelled_by_its_status(monkeypatch: pytest.Monkey
         ask = {"model": "default", "prompt": [1, 2], "max_tokens": 2, "stream": True}
         with httpx.Client() as client:
             stream_lines(client, server.url + "/v1/completions", ask, threading.Event(), out)
+            whole = client.post(server.url + "/v1/completions", json={**ask, "stream": False})
         error = json.loads(out[0])["error"]
         assert error["type"] == "invalid_request_error" and "refused by the engine" in error["message"]
+        assert (error["param"], error["code"]) == ("stop_token_ids", "some_code")
         assert out[-1] == "[DONE]"
+        assert whole.status_code == 400 and whole.json()["error"] == {**error}
+    finally:
+        server.close()
+
+
+@pytest.mark.clause("SERVE-8", "ARCH-6")
+def test_the_server_answers_a_refusal_by_its_attributes_never_its_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SERVE-8, ARCH-6: the HTTP side's refusal becomes a 400 whose param and code are the refusal's field and
+    code, even when its message names neither: the server reads no message text."""
+    from optimized.serve import app
+
+    def refuse(*args: Any) -> list[int]:
+        raise RequestRefused("these words name no field", "top_p", "a_code")
+
+    monkeypatch.setattr(app, "validate_request", refuse)
+    server = InProcess(make_llm(num_kvcache_blocks=16, check=False))
+    try:
+        response = httpx.post(server.url + "/v1/completions", json={"model": "default", "prompt": [1, 2]})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert (error["param"], error["code"], error["type"]) == ("top_p", "a_code", "invalid_request_error")
+        assert "these words name no field" in error["message"]
     finally:
         server.close()
 
@@ -635,7 +662,7 @@ def test_bench_serve_starts_the_server_with_every_engine_flag(monkeypatch: pytes
 
     from optimized.benchmarks import serve as bench
     from optimized.cli import serve as serve_command
-    from optimized.cli.engine_options import llm_kwargs
+    from optimized.engine.args import EngineArgs
 
     bench_parser, serve_parser = argparse.ArgumentParser(), argparse.ArgumentParser()
     bench.add_arguments(bench_parser)
@@ -644,11 +671,11 @@ def test_bench_serve_starts_the_server_with_every_engine_flag(monkeypatch: pytes
              "--cpu-kvcache-gib", "0.25", "--gpu-memory-utilization", "0.5", "--dtype", "float64", "--seed", "-3",
              "--max-model-len", "512", "--block-size", "8"]
     args = bench_parser.parse_args(given)
-    assert llm_kwargs(args) == {"model": None, "tensor_parallel_size": 2, "attention_backend": "torch",
-                                "enforce_eager": False, "check": True, "cpu_kvcache_gib": 0.25,
-                                "gpu_memory_utilization": 0.5, "dtype": "float64", "seed": -3, "max_model_len": 512,
-                                "kvcache_block_size": 8}
-    assert llm_kwargs(serve_parser.parse_args(bench._server_flags(args))) == llm_kwargs(args)
+    engine = EngineArgs.from_cli_args(args)
+    assert engine == EngineArgs(tensor_parallel_size=2, attention_backend="torch", enforce_eager=False, check=True,
+                                cpu_kvcache_gib=0.25, gpu_memory_utilization=0.5, dtype="float64", seed=-3,
+                                max_model_len=512, kvcache_block_size=8)
+    assert EngineArgs.from_cli_args(serve_parser.parse_args(bench._server_flags(args))) == engine
     monkeypatch.setenv("NANOVERIFY_API_KEY", "sk-bench")
     assert "NANOVERIFY_API_KEY" not in bench.server_environment()
 
@@ -736,7 +763,7 @@ def test_a_probe_whose_caller_gave_up_is_skipped_not_a_crash() -> None:
     try:
         with loop._cv:  # the loop cannot take the probe before its caller gives up on it
             assert loop.engine_state().cancel()
-        assert loop.engine_state().result(10)["free_blocks"] == 16
+        assert loop.engine_state().result(10).free_blocks == 16
         assert loop.failure is None and loop.alive()
     finally:
         loop.stop()
@@ -750,11 +777,12 @@ def test_a_probe_whose_caller_gave_up_is_skipped_not_a_crash() -> None:
     reader = EngineProcess.__new__(EngineProcess)  # its answering half only: no process to start
     reader._lock = threading.RLock()
     reader._states = {}
+    state = EngineState(16, 16, 0, 0, 0, [], 0)
     for key, ok in ((1, True), (2, False)):
-        given_up: Future[dict[str, Any]] = Future()
+        given_up: Future[EngineState] = Future()
         given_up.cancel()
         reader._states[key] = given_up
-        reader._answer(key, ok, {"free_blocks": 16} if ok else "the engine loop stopped")
+        reader._answer(key, state if ok else None, None if ok else "the engine loop stopped")
     assert reader._states == {}
 
 
@@ -768,8 +796,8 @@ def test_a_verbose_health_read_the_loop_refuses_is_a_503_with_the_reason(monkeyp
 
     server = InProcess(make_llm(num_kvcache_blocks=16, check=False))
     try:
-        def refused() -> Future[dict[str, Any]]:
-            future: Future[dict[str, Any]] = Future()
+        def refused() -> Future[EngineState]:
+            future: Future[EngineState] = Future()
             refuse(future, "the engine loop stopped")
             return future
 
@@ -778,7 +806,7 @@ def test_a_verbose_health_read_the_loop_refuses_is_a_503_with_the_reason(monkeyp
         assert health.status_code == 503
         assert health.json() == {"status": "failed: the engine loop stopped"}
 
-        def refused_at_shutdown() -> Future[dict[str, Any]]:
+        def refused_at_shutdown() -> Future[EngineState]:
             server.life.draining = True  # a SIGTERM between the status check and the read
             return refused()
 

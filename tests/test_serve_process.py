@@ -27,9 +27,24 @@ import pytest
 
 from optimized import LLM, SamplingParams
 from optimized.cli import main as cli_main
-from optimized.serve.engine_process import EngineProcess
-from optimized.serve.loop import FailEvent, Stream, TokenEvent, Unavailable
-from optimized.serve.metrics import Metrics
+from optimized.engine.engine import EngineStats
+from optimized.engine.validation import EngineLimits, RequestRefused
+from optimized.entry.llm import EngineState, Gauges, RequestOutput
+from optimized.serve.engine_process import (
+    AbortAll,
+    Cancel,
+    EngineProcess,
+    Events,
+    Failed,
+    NotBuilt,
+    ReadState,
+    Ready,
+    StateAnswer,
+    Stop,
+    Submit,
+)
+from optimized.serve.loop import EngineInfo, FailEvent, FinishEvent, Stream, TokenEvent, Unavailable
+from optimized.serve.metrics import Admitted, AfterStep, Diverged, Finished, Generated, Metrics, MetricUpdate
 from tests.engine_fixtures import with_config
 from tests.test_serve import ROOT, Served, spawn, stop
 
@@ -283,12 +298,12 @@ class Recording:
 
     def __init__(self, engine: EngineProcess, unreadable: int = 0) -> None:
         self.conn = engine._conn
-        self.commands: list[tuple[Any, ...]] = []
+        self.commands: list[Any] = []
         self.unreadable = unreadable
         self.received = 0
         engine._conn = self  # type: ignore[assignment]
 
-    def send(self, command: tuple[Any, ...]) -> None:
+    def send(self, command: Any) -> None:
         self.commands.append(command)
         self.conn.send(command)
 
@@ -325,9 +340,9 @@ def last_event(engine: EngineProcess, meanwhile: Callable[[], None] = lambda: No
 def assert_aborted_drained_and_stopped(engine: EngineProcess, sent: Recording) -> None:
     """The engine was told to abort, the reader still drains the pipe, and a stop ends the engine at once."""
     deadline = time.monotonic() + 10
-    while ("abort_all",) not in sent.commands and time.monotonic() < deadline:
+    while AbortAll() not in sent.commands and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert ("abort_all",) in sent.commands  # nobody waits for what the engine runs any more
+    assert AbortAll() in sent.commands  # nobody waits for what the engine runs any more
     time.sleep(1)
     assert engine._reader.is_alive()  # still draining the pipe
     started = time.monotonic()
@@ -342,7 +357,7 @@ def test_a_message_the_server_cannot_take_ends_trust_but_not_the_shutdown(monkey
     stopping still ends the engine process at once (the reader keeps draining the pipe)."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
 
-    def broken(self: Metrics, call: tuple[str, tuple[Any, ...]]) -> None:
+    def broken(self: Metrics, update: MetricUpdate) -> None:
         raise RuntimeError("injected by the test")
 
     monkeypatch.setattr(Metrics, "apply", broken)
@@ -389,12 +404,12 @@ def test_a_command_the_server_cannot_send_ends_trust_but_not_the_shutdown() -> N
         engine.start()
 
         def unsendable_then_a_submit() -> None:  # while the request runs
-            engine._outbox.put(("state", 98, lambda: None))
-            engine._outbox.put(("submit", 99, [1], SamplingParams()))
+            engine._outbox.put(ReadState(lambda: None))  # type: ignore[arg-type]
+            engine._outbox.put(Submit(99, [1], SamplingParams()))
 
         event = last_event(engine, unsendable_then_a_submit)
-        assert isinstance(event, FailEvent) and event.status == 500 and "could not send 'state'" in event.message
-        assert not [c for c in sent.commands if c[0] == "submit" and c[1] == 99]
+        assert isinstance(event, FailEvent) and event.status == 500 and "could not send ReadState" in event.message
+        assert not [c for c in sent.commands if isinstance(c, Submit) and c.key == 99]
         assert_aborted_drained_and_stopped(engine, sent)
     finally:
         engine.stop(timeout=5)
@@ -446,3 +461,65 @@ def group_alive(group: int) -> bool:
             if int(fields[2]) == group and fields[0] != "Z":
                 return True
     return False
+
+
+def pipe_messages() -> list[Any]:
+    """One message of every type that crosses the engine pipe, down then up, with every field set."""
+    params = SamplingParams(temperature=0.5, max_tokens=3, top_k=0, seed=7, stop_token_ids=(2,), stop=("x",))
+    output = RequestOutput(4, None, [1, 2], [3], "c", "stop")
+    return [
+        Submit(1, [1, 2], params), Cancel(1), ReadState(2), AbortAll(), Stop(),
+        Ready(EngineInfo(EngineLimits(256, 4096, 128, 16, (0,)), Path("/m"), True)),
+        Events([(1, TokenEvent([3], 1.5, 1.25)), (1, FinishEvent(output, 2.0)),
+                (2, FailEvent(400, "too long", "prompt", "context_length_exceeded"))]),
+        StateAnswer(2, EngineState(128, 120, 3, 1, 2, ["a violation"], 9)), StateAnswer(3, None, "stopped"),
+        Failed("why"), Admitted(5), Generated(6), Finished("length"), Diverged(),
+        AfterStep(EngineStats(steps=3, preemptions=2), Gauges(1, 2, 96, 128)),
+    ]
+
+
+@pytest.mark.clause("ARCH-7", "SERVE-2")
+def test_every_pipe_message_is_a_frozen_dataclass_that_crosses_a_real_pipe_whole() -> None:
+    """ARCH-7: every message between the server and its engine process is a frozen dataclass, no string-tagged
+    tuple, and crosses a real pipe (pickled, as between the two processes) equal to what was sent and of its
+    type; a refusal that stops the engine's start keeps its field and code."""
+    import dataclasses
+
+    sending, receiving = multiprocessing.Pipe()
+    try:
+        for message in pipe_messages():
+            assert dataclasses.is_dataclass(message) and not isinstance(message, tuple)
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(message, "key", 0)  # noqa: B010 (any field, or a new one)
+            sending.send(message)
+            got = receiving.recv()
+            assert type(got) is type(message) and got == message
+        sending.send(NotBuilt(RequestRefused("too long", "prompt", "context_length_exceeded")))
+        refusal = receiving.recv().error
+        assert isinstance(refusal, RequestRefused)
+        assert (str(refusal), refusal.field, refusal.code) == ("too long", "prompt", "context_length_exceeded")
+    finally:
+        sending.close()
+        receiving.close()
+
+
+@pytest.mark.clause("ARCH-7", "SERVE-12")
+def test_metrics_updates_are_dispatched_by_type_and_a_tagged_tuple_is_refused() -> None:
+    """ARCH-7, SERVE-12: ``Metrics.apply`` replays each typed update into its series; the old string-tagged
+    tuple, or anything of no known type, is a TypeError (a defect the pipe's reader turns into lost trust),
+    and so is a message the server's reader does not take."""
+    metrics = Metrics()
+    for update in pipe_messages():
+        if isinstance(update, MetricUpdate):
+            metrics.apply(update)
+    value = metrics.registry.get_sample_value
+    assert value("nanoverify:prompt_tokens_total") == 5 and value("nanoverify:generation_tokens_total") == 6
+    assert value("nanoverify:request_success_total", {"finished_reason": "length"}) == 1
+    assert value("nanoverify:check_divergences_total") == 1 and value("nanoverify:num_preemptions_total") == 2
+    assert value("nanoverify:num_requests_running") == 1 and value("nanoverify:num_requests_waiting") == 2
+    assert value("nanoverify:kv_cache_usage_perc") == 0.25
+    with pytest.raises(TypeError):
+        metrics.apply(("admitted", (5,)))  # type: ignore[arg-type]
+    reader = EngineProcess.__new__(EngineProcess)  # its taking half only: no process to start
+    with pytest.raises(TypeError):
+        reader._take(("failed", "why"))  # type: ignore[arg-type]

@@ -1,16 +1,27 @@
-"""Whether the engine can take a request: ``validate_request`` against the engine's fixed ``EngineLimits``.
+"""Whether the engine can take a request: the one validator (ENG-9, ARCH-6).
 
-Invariant: it changes nothing, and it refuses with a ValueError naming the limit
-(ENG-9); a request it passes is never refused by the scheduler.
+Invariant: it changes nothing, and it refuses with a ``RequestRefused`` (a
+ValueError) carrying the field at fault and, for the context limits, OpenAI's
+code ``context_length_exceeded``; a request it passes is never refused by the
+scheduler. ``LLM`` and the server's HTTP side call the same functions with the
+engine's fixed ``EngineLimits``, so the two agree on every rule.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from invariants.block_math import admits
-from optimized.engine.sampling_params import SamplingParams, token_id
+from optimized.engine.sampling_params import RequestRefused, SamplingParams, token_id
+
+if TYPE_CHECKING:
+    from optimized.models.tokenizer import Tokenizer
+
+__all__ = ["EngineLimits", "RequestRefused", "prompt_ids", "validate_request"]
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 @dataclass(frozen=True)
@@ -26,35 +37,71 @@ class EngineLimits:
         """The scheduler's own EOS (the first of the model's), -1 when it has none."""
         return self.eos_token_ids[0] if self.eos_token_ids else -1
 
+    def room(self, prompt_len: int) -> int:
+        """The largest max_tokens a prompt of ``prompt_len`` tokens is admitted with, at least 1 (ENG-10:
+        prompt + max_tokens - 1 tokens must fit the cache)."""
+        cache = self.num_blocks * self.block_size + 1
+        return max(1, min(self.max_model_len, cache) - prompt_len)
+
+
+def prompt_ids(prompt: object, tokenizer: Tokenizer) -> list[int]:
+    """ENG-9: a text prompt's token ids (it must be valid Unicode: a lone surrogate is not), or a token-id prompt
+    as given (``validate_request`` checks its ids)."""
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestRefused(f"prompt text is not valid Unicode: {e.reason} at index {e.start} "
+                                 f"({prompt[e.start:e.end]!r})", "prompt") from None
+        try:
+            return tokenizer.encode(prompt)
+        except ValueError as e:  # a checkpoint without a tokenizer (ENG-11)
+            raise RequestRefused(str(e), "prompt") from None
+    if not isinstance(prompt, list):
+        raise RequestRefused(f"prompts must be strings or lists of token ids, got {type(prompt).__name__}", "prompt")
+    return prompt
+
+
+def _past_limit(prompt_len: int, max_tokens: int, limits: EngineLimits) -> str | None:
+    """Which limit a prompt of ``prompt_len`` tokens with ``max_tokens`` passes, in words; None when it fits."""
+    if prompt_len + max_tokens > limits.max_model_len:
+        return f"exceeds max_model_len={limits.max_model_len}"
+    if not admits(prompt_len, max_tokens, limits.block_size, limits.num_blocks):
+        return (f"can never fit the KV cache (num_kvcache_blocks={limits.num_blocks} of "
+                f"kvcache_block_size={limits.block_size})")
+    return None
+
 
 def validate_request(token_ids: Seq[int], params: SamplingParams, limits: EngineLimits) -> list[int]:
-    """The prompt as plain ints, or a ValueError naming the limit when the engine must refuse it (ENG-9).
+    """The prompt as plain ints, or a ``RequestRefused`` when the engine must refuse it (ENG-9). Changes nothing.
 
-    Changes nothing.
+    A request past a context limit names ``prompt`` when the prompt with one completion token cannot fit, else
+    ``max_tokens``.
     """
     if not isinstance(params, SamplingParams):
-        raise ValueError(f"sampling_params must be optimized.SamplingParams, got {type(params).__name__}")
-    # Re-running the dataclass validation catches a params object mutated after it was made.
-    SamplingParams(**{f: getattr(params, f) for f in params.__dataclass_fields__})
+        raise RequestRefused(f"sampling_params must be optimized.SamplingParams, got {type(params).__name__}",
+                             "sampling_params")
+    params.check()  # a params object mutated after it was made
     ids = [token_id(t) for t in token_ids]
     n = len(ids)
     if n == 0:
-        raise ValueError("prompt must hold at least one token")
+        raise RequestRefused("prompt must hold at least one token", "prompt")
     bad = [t for t in ids if not 0 <= t < limits.vocab_size]
     if bad:
-        raise ValueError(f"prompt token ids must be in [0, vocab_size={limits.vocab_size}), got {bad[0]!r}")
+        raise RequestRefused(f"prompt token ids must be in [0, vocab_size={limits.vocab_size}), got {bad[0]!r}",
+                             "prompt")
     # SamplingParams refused negative and non-integer stop ids when made; only the model knows the upper bound,
     # and an id past it can never be drawn, so the stop would silently never happen.
     unreachable = [t for t in params.stop_token_ids if t >= limits.vocab_size]
     if unreachable:
-        raise ValueError(f"stop_token_ids must be in [0, vocab_size={limits.vocab_size}), got {unreachable[0]!r}")
-    if n + params.max_tokens > limits.max_model_len:
-        raise ValueError(
-            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len={limits.max_model_len}"
-        )
-    if not admits(n, params.max_tokens, limits.block_size, limits.num_blocks):
-        raise ValueError(
-            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) can never fit the KV cache "
-            f"(num_kvcache_blocks={limits.num_blocks} of kvcache_block_size={limits.block_size})"
-        )
+        raise RequestRefused(f"stop_token_ids must be in [0, vocab_size={limits.vocab_size}), "
+                             f"got {unreachable[0]!r}", "stop_token_ids")
+    alone = _past_limit(n, 1, limits)
+    if alone is not None:
+        raise RequestRefused(f"the prompt is too long: prompt ({n} tokens) + one completion token {alone}", "prompt",
+                             CONTEXT_LENGTH_EXCEEDED)
+    past = _past_limit(n, params.max_tokens, limits)
+    if past is not None:
+        raise RequestRefused(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) {past}", "max_tokens",
+                             CONTEXT_LENGTH_EXCEEDED)
     return ids

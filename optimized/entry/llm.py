@@ -50,7 +50,7 @@ from optimized.engine.detokenizer import IncrementalDetokenizer
 from optimized.engine.engine import Engine, EngineStats, Request, SchedulerConfig, describe
 from optimized.engine.model_runner import ModelRunner
 from optimized.engine.sampling_params import SamplingParams
-from optimized.engine.validation import EngineLimits, validate_request
+from optimized.engine.validation import EngineLimits, RequestRefused, prompt_ids, validate_request
 from optimized.models.config import load_config
 from optimized.models.loader import load_model
 from optimized.models.tokenizer import load_tokenizer
@@ -78,6 +78,19 @@ class Gauges:
     waiting: int
     free_blocks: int
     num_blocks: int
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """The scheduler between steps, and every state invariant checked on it (SERVE-6's verbose health)."""
+
+    num_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    waiting: int
+    running: int
+    violations: list[str]
+    compared_steps: int  # steps check mode compared with the reference
 
 
 def _number(value: object) -> bool:
@@ -138,16 +151,6 @@ def kv_cache_blocks(
         raise ValueError(f"num_kvcache_blocks={requested} needs {requested * per_block} bytes, "
                          f"more than this machine's {_physical_memory()}")
     return requested
-
-
-def _valid_text(prompt: str) -> str:
-    """ENG-9: a text prompt must be encodable as UTF-8, which a lone surrogate ('\\ud800') is not."""
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"prompt text is not valid Unicode: {e.reason} at index {e.start} "
-                         f"({prompt[e.start:e.end]!r})") from None
-    return prompt
 
 
 def _completion_since(request: Request, start: int) -> list[int]:
@@ -344,6 +347,29 @@ class LLM:
         """A trace records the run (TRACE-1)."""
         return self.recorder is not None
 
+    @property
+    def trusted(self) -> bool:
+        """The LLM may still be used: no exception left the engine's state undefined (ENG-24) nor broke off
+        this LLM's bookkeeping (FAULT-6)."""
+        return self.engine.trusted and self.interrupted is None
+
+    def engine_state(self) -> EngineState:
+        """SERVE-6: the scheduler's block accounting and queues, and the violations of every state invariant
+        (invariants.md) on it; read under the lock, so between steps."""
+        from invariants import check_state, snapshot
+
+        with self._lock:
+            state = snapshot(self.engine.scheduler)
+            return EngineState(state.num_blocks, len(state.free_block_ids), len(state.hash_to_block_id),
+                               len(state.waiting), len(state.running), [str(v) for v in check_state(state)],
+                               self.engine.stats.compared_steps)
+
+    def started(self, request_id: int) -> bool:
+        """SERVE-12: a step has begun computing the request (it holds blocks), or it is no longer live."""
+        with self._lock:
+            request = self.engine.by_arrival.get(request_id)
+            return request is None or bool(request.seq.block_table)
+
     def gauges(self) -> Gauges:
         """Requests running and waiting, and KV blocks free, between steps (no lock: one consistent read of
         three counters is not promised while another thread steps)."""
@@ -370,18 +396,16 @@ class LLM:
     def __exit__(self, kind: object, error: object, trace: object) -> None:
         self.close()
 
-    def _tokens(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(_valid_text(prompt))
-        if not isinstance(prompt, list):
-            raise ValueError(f"prompts must be strings or lists of token ids, got {type(prompt).__name__}")
-        return prompt
-
     def _validated(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
-        """ENG-9: the prompt's token ids and its params, or a ValueError naming the limit (nothing changed)."""
-        ids = validate_request(self._tokens(prompt), params, self.engine.limits)
+        """ENG-9, ARCH-6: the prompt's token ids and its params, or a RequestRefused (nothing changed)."""
+        ids = validate_request(prompt_ids(prompt, self.tokenizer), params, self.engine.limits)
         for observer in self.engine.observers:  # TRACE-4: nor an add record the trace reader would refuse
-            observer.check_add(ids, params)
+            try:
+                observer.check_add(ids, params)
+            except RequestRefused:
+                raise
+            except ValueError as e:  # the trace's line limit: the prompt's length is at fault
+                raise RequestRefused(str(e), "prompt") from None
         return ids, params
 
     def _add(self, ids: list[int], params: SamplingParams) -> Request:
@@ -390,11 +414,6 @@ class LLM:
         if params.stop:
             self._watched[request.arrival] = IncrementalDetokenizer(self.tokenizer, params.stop)
         return request
-
-    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """ENG-9: the prompt's token ids if ``add_request`` would take it with ``params``, else a ValueError
-        naming the limit. Changes nothing (no lock: it reads only the fixed limits)."""
-        return self._validated(prompt, params)[0]
 
     def completion_tokens(self, request_id: int, start: int = 0) -> list[int] | None:
         """SERVE-3: the tokens a live request has generated so far, from ``start``; None once it has finished
@@ -406,7 +425,8 @@ class LLM:
             return _completion_since(request, start)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
-        """ABORT-7: validate and queue one request (as generate would); its request_id. Refused: ValueError."""
+        """ABORT-7: validate and queue one request (as generate would); its request_id. Refused: RequestRefused
+        (ARCH-6)."""
         self._require_trusted()
         ids, params = self._validated(prompt, SamplingParams() if sampling_params is None else sampling_params)
         with self._lock, _Bookkeeping(self, "an add_request"):
@@ -518,8 +538,8 @@ class LLM:
         for i, sp in enumerate(params):
             try:
                 validated.append(self._validated(prompts[i], sp))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+            except RequestRefused as e:
+                raise RequestRefused(f"prompt {i}: {e}", e.field, e.code) from None
         requests: list[Request] = []
         try:
             with self._lock, _Bookkeeping(self, "a generate call's adds"):

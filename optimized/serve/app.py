@@ -1,10 +1,14 @@
 """The HTTP side: OpenAI's endpoints over an ``EngineHandle`` (spec/serve.md).
 
 Invariants: the key is checked first, for every /v1 path (``KeyCheck``,
-SERVE-10); a handler checks the body and the request in full before it submits
-anything (SERVE-8), so a refused request changes nothing; every error is
-OpenAI's JSON with a status that says whose fault it is (400 bad input, 401
-key, 404 model or path, 413 body, 503 not admitting, 500 engine failure). Text
+SERVE-10); a handler checks the body's shape (protocol.py), then the request in
+full with the one validator (``SamplingParams``, ``validate_request``: the
+rules ``LLM`` applies, ARCH-6), builds its ``SamplingParams`` once and submits
+nothing before (SERVE-8), so a refused request changes nothing; a
+``RequestRefused`` becomes a 400 by its ``field`` and ``code``, never by its
+text. Every error is OpenAI's JSON with a status that says whose fault it is
+(400 bad input, 401 key, 404 model or path, 413 body, 503 not admitting, 500
+engine failure). Text
 reaches the client only through ``IncrementalDetokenizer`` (whole characters,
 never a possible stop string's beginning), and the streamed pieces add up to
 the non-streamed text. A handler that ends before its request finished (the
@@ -14,6 +18,7 @@ client went away, SERVE-6) cancels it in ``finally``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import time
 import uuid
@@ -29,8 +34,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from optimized.engine.detokenizer import IncrementalDetokenizer
-from optimized.engine.engine import validate_request
-from optimized.engine.sampling_params import SamplingParams, stop_strings
+from optimized.engine.sampling_params import SamplingParams
+from optimized.engine.validation import RequestRefused, prompt_ids, validate_request
 from optimized.models.tokenizer import load_tokenizer
 from optimized.serve.chat import ChatTemplate
 from optimized.serve.loop import (
@@ -187,10 +192,11 @@ class _Handlers:
         body: dict[str, Any] = {"status": status}
         if status == "ok" and request.query_params.get("verbose") in ("1", "true"):
             try:
-                body["engine"] = await asyncio.wrap_future(self.loop.engine_state())
+                state = await asyncio.wrap_future(self.loop.engine_state())
             except Unavailable as e:  # the loop stopped or failed since (or the server began to shut down)
                 status = self._status()
                 return JSONResponse({"status": status if status != "ok" else f"failed: {e}"}, 503)
+            body["engine"] = dataclasses.asdict(state)
         return JSONResponse(body, 200 if status == "ok" else 503)
 
     def _status(self) -> str:
@@ -212,9 +218,8 @@ class _Handlers:
     async def completions(self, request: Request) -> Response:
         body = parse_request(CompletionRequest, await self._admitted_body(request))
         self._check_model(body.model)
-        ids = self._tokens(body.prompt, "prompt")
-        call = _Call("text_completion", body.stream, body, "prompt")
-        return await self._generate(request, call, ids, body.max_tokens)
+        call = _Call("text_completion", body.stream, body, "prompt", "max_tokens")
+        return await self._generate(request, call, body.prompt, body.max_tokens)
 
     async def chat(self, request: Request) -> Response:
         body = parse_request(ChatRequest, await self._admitted_body(request))
@@ -223,9 +228,10 @@ class _Handlers:
             text = self.template.render([{"role": m.role, "content": m.text()} for m in body.messages])
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
-        ids = self._tokens(text, "messages")
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await self._generate(request, _Call("chat.completion", body.stream, body, "messages"), ids, limit)
+        given = body.max_completion_tokens is not None
+        limit_field = "max_completion_tokens" if given else "max_tokens"
+        call = _Call("chat.completion", body.stream, body, "messages", limit_field)
+        return await self._generate(request, call, text, body.max_completion_tokens if given else body.max_tokens)
 
     async def _admitted_body(self, request: Request) -> bytes:
         if self.life.draining or self.loop.failure is not None:
@@ -237,69 +243,27 @@ class _Handlers:
             raise ApiError(404, f"model: the server serves {self.options.served_model!r}, not {model!r}",
                            param="model", code="model_not_found", kind="not_found_error")
 
-    def _tokens(self, prompt: str | list[int], param: str) -> list[int]:
-        """The prompt's ids; text that is not valid Unicode (a lone surrogate) is a 400 naming ``param``."""
-        if isinstance(prompt, list):
-            return prompt
+    def _validated(self, call: _Call, prompt: str | list[int],
+                   max_tokens: int | None) -> tuple[list[int], SamplingParams]:
+        """SERVE-8, ARCH-6: the prompt's ids and the request's ``SamplingParams``, or the one validator's refusal
+        as a 400. A max_tokens left to the server is all the room the limits leave."""
         try:
-            prompt.encode("utf-8")
-            return self.tokenizer.encode(prompt)
-        except UnicodeEncodeError as e:
-            raise ApiError(400, f"{param}: the text is not valid Unicode: {e.reason} ({prompt[e.start:e.end]!r})",
-                           param=param) from None
-        except (ValueError, TypeError) as e:
-            raise ApiError(400, f"{param}: {e}", param=param) from None
+            ids = prompt_ids(prompt, self.tokenizer)
+            params = SamplingParams(**_sampling(call.body),
+                                    max_tokens=self.limits.room(len(ids)) if max_tokens is None else max_tokens)
+            ids = validate_request(ids, params, self.limits)
+            if self.traced:  # TRACE-4: the trace must be able to record the request's arrival
+                try:
+                    check_add_record(ids, params.max_tokens, params.ignore_eos)
+                except ValueError as e:  # the prompt is too long for the trace's line
+                    raise RequestRefused(str(e), "prompt") from None
+        except RequestRefused as refusal:
+            raise call.refused(refusal.field, str(refusal), refusal.code) from None
+        return ids, params
 
-    def _params(self, call: _Call, ids: list[int], max_tokens: int | None) -> SamplingParams:
-        """SERVE-8: the request's sampling, refused (400 naming the field or limit) unless the engine takes it."""
-        body = call.body
-        defaulted = max_tokens is None
-        if max_tokens is None:
-            max_tokens = self._room(len(ids))
-        try:
-            params = SamplingParams(
-                temperature=1.0 if body.temperature is None else body.temperature,
-                max_tokens=max_tokens,
-                ignore_eos=body.ignore_eos,
-                top_k=body.top_k if body.top_k != 0 else -1,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                seed=body.seed,
-                stop_token_ids=tuple(body.stop_token_ids),
-                stop=stop_strings(() if body.stop is None else body.stop),
-            )
-            validate_request(ids, params, self.limits)
-        except ValueError as e:
-            message = str(e)
-            if "max_model_len" in message or "never fit" in message:
-                raise self._too_long(message, call.prompt_field, ids, defaulted) from None
-            raise ApiError(400, message, param=_field_of(message)) from None
-        if self.traced:  # TRACE-4: the trace must be able to record the request's arrival
-            try:
-                check_add_record(ids, params.max_tokens, params.ignore_eos)
-            except ValueError as e:
-                raise ApiError(400, f"{call.prompt_field}: {e}", param=call.prompt_field) from None
-        return params
-
-    def _too_long(self, message: str, prompt_field: str, ids: list[int], defaulted: bool) -> ApiError:
-        """SERVE-8: a context-length 400 naming the prompt's field when the prompt alone cannot fit (or the
-        request left max_tokens to the server), else max_tokens."""
-        try:
-            validate_request(ids, SamplingParams(max_tokens=1), self.limits)
-        except ValueError as alone:  # the prompt and one token: its own fault, whatever max_tokens says
-            why = str(alone).replace(" + max_tokens (1)", " + one completion token")
-            return ApiError(400, f"{prompt_field}: the prompt is too long: {why}", param=prompt_field,
-                            code="context_length_exceeded")
-        param = prompt_field if defaulted else "max_tokens"
-        return ApiError(400, f"{param}: {message}", param=param, code="context_length_exceeded")
-
-    def _room(self, prompt_len: int) -> int:
-        """The default max_tokens: all the room max_model_len and the KV cache leave (at least 1)."""
-        limits = self.limits
-        cache = limits.num_blocks * limits.block_size + 1  # ENG-10: prompt + max_tokens - 1 tokens must fit
-        return max(1, min(limits.max_model_len, cache) - prompt_len)
-
-    async def _generate(self, request: Request, call: _Call, ids: list[int], max_tokens: int | None) -> Response:
-        params = self._params(call, ids, max_tokens)
+    async def _generate(self, request: Request, call: _Call, prompt: str | list[int],
+                        max_tokens: int | None) -> Response:
+        ids, params = self._validated(call, prompt, max_tokens)
         stream = Stream(ids, params, asyncio.get_running_loop())
         try:
             self.loop.submit(stream)
@@ -333,7 +297,7 @@ class _Handlers:
                 waiter.cancel()
                 self.loop.cancel(stream)
         if isinstance(event, FailEvent):
-            raise _failure(event)
+            raise _failure(event, call)
         output = event.output
         if output.finish_reason == "error":
             raise ApiError(500, "the model failed during this request's step", kind="server_error")
@@ -382,7 +346,7 @@ class _Handlers:
                     continue
                 ended = True
                 if isinstance(event, FailEvent):
-                    yield _sse_data(_failure(event).body())
+                    yield _sse_data(_failure(event, call).body())
                 elif event.output.finish_reason == "error":
                     yield _sse_data(ApiError(500, "the model failed during this request's step",
                                              kind="server_error").body())
@@ -404,16 +368,21 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _failure(event: FailEvent) -> ApiError:
-    """The loop's failure as an error whose type follows its status (a 400 is the request's fault)."""
+def _failure(event: FailEvent, call: _Call) -> ApiError:
+    """The loop's failure as an error whose type follows its status: a refusal at admission (its field set) is
+    the request's fault, answered as the HTTP side's own refusals are."""
+    if event.field is not None:
+        return call.refused(event.field, event.message, event.code)
     return ApiError(event.status, event.message,
                     kind="server_error" if event.status >= 500 else "invalid_request_error")
 
 
-def _field_of(message: str) -> str | None:
-    word = message.split(" ", 1)[0].rstrip(":")
-    fields = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids"}
-    return word if word in fields else None
+def _sampling(body: CompletionRequest | ChatRequest) -> dict[str, Any]:
+    """The body's sampling fields as ``SamplingParams`` arguments; those it left out take its defaults."""
+    given = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
+             "stop": body.stop}
+    return {**{name: value for name, value in given.items() if value is not None}, "ignore_eos": body.ignore_eos,
+            "stop_token_ids": tuple(body.stop_token_ids)}
 
 
 def _sse_data(payload: dict[str, Any]) -> str:
@@ -448,16 +417,24 @@ class _Timing:
 class _Call:
     """One request's response shapes (completion or chat, streamed or whole)."""
 
-    def __init__(self, kind: str, streaming: bool, body: CompletionRequest | ChatRequest, prompt_field: str) -> None:
+    def __init__(self, kind: str, streaming: bool, body: CompletionRequest | ChatRequest, prompt_field: str,
+                 limit_field: str) -> None:
         self.kind = kind
         self.streaming = streaming
         self.body = body
-        self.prompt_field = prompt_field  # "prompt" or "messages": what a too-long prompt's 400 names
+        # The body's names for SamplingParams' fields: "prompt" or "messages"; "max_tokens" or
+        # "max_completion_tokens".
+        self.wire_names = {"prompt": prompt_field, "max_tokens": limit_field}
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_tokens = 0
         self.prompt_ids: list[int] = []
+
+    def refused(self, field: str, message: str, code: str | None) -> ApiError:
+        """ARCH-6: a refusal of ``field`` as a 400 whose ``param`` is the body's name for it."""
+        param = self.wire_names.get(field, field)
+        return ApiError(400, f"{param}: {message}", param=param, code=code)
 
     def _usage(self, completion_tokens: int) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,

@@ -4,11 +4,13 @@ Invariants: the engine process owns the ``LLM`` and runs an ``EngineLoop`` in
 it; the HTTP process holds an ``EngineProcess``, which keeps every stream it
 submitted until that stream's last event has arrived or its client has hung up
 (then the engine aborts it, and what is still on its way is dropped). One pipe
-joins them.
+joins them, and every message on it is a small frozen dataclass dispatched by
+its type (ARCH-7); one of no known type is a defect of ours.
 Down go commands, in the order they were given (so a cancel never overtakes its
-submit): submit, cancel, state (SERVE-6's probe), abort_all, stop. Up come, in
-the order the loop made them: metrics calls, each send's events (keyed by
-stream), state answers, and at most one "failed". The HTTP process writes only
+submit): ``Submit``, ``Cancel``, ``ReadState`` (SERVE-6's probe), ``AbortAll``,
+``Stop``. Up come ``Ready`` (or ``NotBuilt``) first, then, in the order the loop
+made them: metrics updates (``MetricUpdate``), each send's ``Events`` (keyed by
+stream), ``StateAnswer``s, and at most one ``Failed``. The HTTP process writes only
 from its sender thread and reads only in its reader thread, so it never stops
 reading because a write is blocked: neither side can wait on the other in a
 circle. The engine process ignores SIGINT and SIGTERM (the HTTP side drains,
@@ -30,10 +32,14 @@ import queue
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from optimized.engine.sampling_params import SamplingParams
+from optimized.entry.llm import EngineState
 from optimized.serve.loop import (
     EngineInfo,
     EngineLoop,
@@ -45,10 +51,72 @@ from optimized.serve.loop import (
     deliver,
     refuse,
 )
-from optimized.serve.metrics import Metrics, MetricsRecorder
+from optimized.serve.metrics import Metrics, MetricsRecorder, MetricUpdate
 
 log = logging.getLogger("nanoverify.serve")
 _STOP_SECONDS = 60  # for the engine process to abort what is left, close its LLM (a trace's flush) and exit
+
+
+# --- down the pipe: the server's commands -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Submit:
+    key: int  # the stream's name between the two processes
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Cancel:
+    key: int
+
+
+@dataclass(frozen=True)
+class ReadState:
+    key: int  # the answer's
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    pass
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Command = Submit | Cancel | ReadState | AbortAll | Stop
+
+
+# --- up the pipe: the engine process's reports (and MetricUpdate) ----------------------------------------------
+@dataclass(frozen=True)
+class Ready:
+    info: EngineInfo
+
+
+@dataclass(frozen=True)
+class NotBuilt:
+    error: Exception  # what the LLM raised, pickled whole when it can be (``_portable``)
+
+
+@dataclass(frozen=True)
+class Events:
+    batch: list[tuple[int, Event]]  # (stream key, event), in the loop's order
+
+
+@dataclass(frozen=True)
+class StateAnswer:
+    key: int
+    state: EngineState | None
+    refused: str | None = None  # why there is no state (the loop stopped or failed)
+
+
+@dataclass(frozen=True)
+class Failed:
+    why: str
+
+
+Report = Ready | NotBuilt | Events | MetricUpdate | StateAnswer | Failed
 
 
 class EngineProcess:
@@ -64,9 +132,9 @@ class EngineProcess:
         self.failure: str | None = None
         self._lock = threading.RLock()  # reentrant: a finalizer's cancel may run while this thread holds it
         self._streams: dict[int, Stream] = {}
-        self._states: dict[int, Future[dict[str, Any]]] = {}
+        self._states: dict[int, Future[EngineState]] = {}
         self._keys = itertools.count(1)
-        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._closing = False  # admit nothing more
         self._stopping = False  # told to stop: the pipe's end is expected
         self._gone = False  # the pipe has closed
@@ -87,12 +155,13 @@ class EngineProcess:
             self.process.join(10)
             raise RuntimeError(f"the engine process exited with status {self.process.exitcode} before its "
                                "model was loaded") from None
-        if message[0] == "error":  # the LLM refused its options: the same exception here (one line for the CLI)
-            self.process.join(10)
-            error: Exception = message[1]
-            raise error
-        info: EngineInfo = message[1]
-        return info
+        match message:
+            case Ready(info):
+                return info
+            case NotBuilt(error):  # the LLM refused its options: the same exception here (one line for the CLI)
+                self.process.join(10)
+                raise error
+        raise RuntimeError(f"the engine process sent {type(message).__name__} before saying it was ready")
 
     # --- the HTTP side's calls ------------------------------------------------------------------------
     def start(self) -> None:
@@ -108,7 +177,7 @@ class EngineProcess:
                 raise Unavailable(self.failure or "the server is shutting down")
             stream.key = next(self._keys)
             self._streams[stream.key] = stream
-        self._outbox.put(("submit", stream.key, stream.prompt_ids, stream.params))
+        self._outbox.put(Submit(stream.key, stream.prompt_ids, stream.params))
 
     def cancel(self, stream: Stream) -> None:
         """The client went away: the engine aborts the request at its next gap between steps (SERVE-6). Nobody
@@ -117,18 +186,18 @@ class EngineProcess:
             if stream.cancelled or stream.done or self._streams.pop(stream.key, None) is None:
                 return
             stream.cancelled = stream.done = True
-        self._outbox.put(("cancel", stream.key))
+        self._outbox.put(Cancel(stream.key))
 
-    def engine_state(self) -> Future[dict[str, Any]]:
+    def engine_state(self) -> Future[EngineState]:
         """SERVE-6: the engine's state between two steps, read in the engine process."""
-        future: Future[dict[str, Any]] = Future()
+        future: Future[EngineState] = Future()
         with self._lock:
             if self._stopping or self.failure is not None or self._gone:
                 future.set_exception(Unavailable(self.failure or "the engine loop is not running"))
                 return future
             key = next(self._keys)
             self._states[key] = future
-        self._outbox.put(("state", key))
+        self._outbox.put(ReadState(key))
         return future
 
     def alive(self) -> bool:
@@ -147,7 +216,7 @@ class EngineProcess:
         """Abort every live request at the engine's next gap between steps."""
         with self._lock:
             self._closing = True
-        self._outbox.put(("abort_all",))
+        self._outbox.put(AbortAll())
 
     def stop(self, timeout: float = _STOP_SECONDS) -> None:
         """Abort what is left, let the engine process close its ``LLM`` and exit (killed after ``timeout``).
@@ -156,7 +225,7 @@ class EngineProcess:
             if self._stopping:
                 return
             self._closing = self._stopping = True
-        self._outbox.put(("stop",))
+        self._outbox.put(Stop())
         self._outbox.put(None)
         if self._sender.ident is None:  # never started: say stop directly
             self._write()
@@ -178,14 +247,14 @@ class EngineProcess:
         """Send every command until told to stop. One that cannot be sent (a defect of ours: it does not pickle)
         ends trust like ``_untrusted``; submits still queued then are dropped, and stop still goes."""
         while (command := self._outbox.get()) is not None:
-            if command[0] == "submit" and self.failure is not None:
+            if isinstance(command, Submit) and self.failure is not None:
                 continue  # its stream has failed already
             try:
                 self._conn.send(command)
             except OSError:  # the engine process is gone: the reader says so
                 return
             except Exception as e:
-                self._untrusted(f"the server could not send {command[0]!r} to the engine process "
+                self._untrusted(f"the server could not send {type(command).__name__} to the engine process "
                                 f"({type(e).__name__}: {e})")
 
     def _read(self) -> None:
@@ -217,18 +286,20 @@ class EngineProcess:
         admitted, and the engine is told to abort what it runs (nobody waits for it any more)."""
         self._fail(f"{why}; the engine is no longer trusted")
         log.error("%s", self.failure)
-        self._outbox.put(("abort_all",))
+        self._outbox.put(AbortAll())
 
-    def _take(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "events":
-            self._dispatch(message[1])
-        elif kind == "metric":
-            self.metrics.apply(message[1])
-        elif kind == "state":
-            self._answer(*message[1:])
-        elif kind == "failed":
-            self._fail(message[1])
+    def _take(self, message: Report) -> None:
+        match message:
+            case Events(batch):
+                self._dispatch(batch)
+            case MetricUpdate():
+                self.metrics.apply(message)
+            case StateAnswer(key, state, refused):
+                self._answer(key, state, refused)
+            case Failed(why):
+                self._fail(why)
+            case _:  # Ready again, or no message of ours
+                raise TypeError(f"not a message the server takes now: {type(message).__name__}")
 
     def _dispatch(self, batch: list[tuple[int, Event]]) -> None:
         events: list[tuple[Stream, Event]] = []
@@ -243,15 +314,15 @@ class EngineProcess:
                 events.append((stream, event))
         deliver(events)
 
-    def _answer(self, key: int, ok: bool, value: Any) -> None:
+    def _answer(self, key: int, state: EngineState | None, refused: str | None) -> None:
         with self._lock:
             future = self._states.pop(key, None)
         if future is None:
             return
-        if not ok:
-            refuse(future, value)
+        if state is None:
+            refuse(future, refused or "no state")
         elif future.set_running_or_notify_cancel():  # not cancelled by its caller
-            future.set_result(value)
+            future.set_result(state)
 
     def _fail(self, why: str) -> None:
         """SERVE-11: the engine is no longer trusted: every open stream fails with a 500."""
@@ -277,7 +348,7 @@ class EngineProcess:
 class PipeOutlet:
     """The loop's events, keyed by stream, up the pipe; a stream's last event forgets it."""
 
-    def __init__(self, send: Any, streams: dict[int, Stream], lock: threading.Lock) -> None:
+    def __init__(self, send: Callable[[Report], None], streams: dict[int, Stream], lock: threading.Lock) -> None:
         self._send = send
         self._streams = streams
         self._lock = lock
@@ -289,10 +360,10 @@ class PipeOutlet:
             for stream, event in events:
                 if not isinstance(event, TokenEvent):
                     self._streams.pop(stream.key, None)
-        self._send(("events", [(stream.key, event) for stream, event in events]))
+        self._send(Events([(stream.key, event) for stream, event in events]))
 
     def failed(self, why: str) -> None:
-        self._send(("failed", why))
+        self._send(Failed(why))
 
 
 def engine_main(conn: Connection, llm_kwargs: dict[str, Any]) -> None:
@@ -303,7 +374,7 @@ def engine_main(conn: Connection, llm_kwargs: dict[str, Any]) -> None:
     sending = threading.Lock()
     server_gone = threading.Event()
 
-    def send(message: tuple[Any, ...]) -> None:
+    def send(message: Report) -> None:
         """Up the pipe; once the server is gone, nothing (the main thread sees the pipe's end and stops)."""
         with sending:
             if server_gone.is_set():
@@ -318,13 +389,13 @@ def engine_main(conn: Connection, llm_kwargs: dict[str, Any]) -> None:
     try:
         llm = LLM(**llm_kwargs)
     except Exception as e:
-        send(("error", _portable(e)))
+        send(NotBuilt(_portable(e)))
         return
     streams: dict[int, Stream] = {}
     lock = threading.Lock()
-    loop = EngineLoop(llm, MetricsRecorder(lambda call: send(("metric", call))), PipeOutlet(send, streams, lock))
+    loop = EngineLoop(llm, MetricsRecorder(send), PipeOutlet(send, streams, lock))
     try:
-        send(("ready", EngineInfo.of(llm)))
+        send(Ready(EngineInfo.of(llm)))
         loop.start()
         _obey(conn, loop, send, streams, lock)
     finally:
@@ -342,37 +413,40 @@ def _portable(error: Exception) -> Exception:
         f"{type(error).__name__}: {error}")
 
 
-def _obey(conn: Connection, loop: EngineLoop, send: Any, streams: dict[int, Stream], lock: threading.Lock) -> None:
+def _obey(conn: Connection, loop: EngineLoop, send: Callable[[Report], None], streams: dict[int, Stream],
+          lock: threading.Lock) -> None:
+    """Carry out the server's commands until ``Stop`` or the pipe's end; a message of no known type is a
+    TypeError (a defect of ours), which ends the engine process: the server then fails what is in flight."""
     while True:
         try:
             command = conn.recv()
         except (EOFError, OSError):
             return
-        kind = command[0]
-        if kind == "submit":
-            _, key, prompt_ids, params = command
-            stream = Stream(prompt_ids, params, key=key)
-            with lock:
-                streams[key] = stream
-            try:
-                loop.submit(stream)
-            except Unavailable:  # the loop failed: the server fails the stream when "failed" arrives
+        match command:
+            case Submit(key, prompt_ids, params):
+                stream = Stream(prompt_ids, params, key=key)
                 with lock:
-                    streams.pop(key, None)
-        elif kind == "cancel":
-            with lock:
-                found = streams.pop(command[1], None)
-            if found is not None:
-                loop.cancel(found)
-        elif kind == "state":
-            key = command[1]
-            loop.engine_state().add_done_callback(functools.partial(_answer_state, send, key))
-        elif kind == "abort_all":
-            loop.abort_all()
-        elif kind == "stop":
-            return
+                    streams[key] = stream
+                try:
+                    loop.submit(stream)
+                except Unavailable:  # the loop failed: the server fails the stream when Failed arrives
+                    with lock:
+                        streams.pop(key, None)
+            case Cancel(key):
+                with lock:
+                    found = streams.pop(key, None)
+                if found is not None:
+                    loop.cancel(found)
+            case ReadState(key):
+                loop.engine_state().add_done_callback(functools.partial(_answer_state, send, key))
+            case AbortAll():
+                loop.abort_all()
+            case Stop():
+                return
+            case _:
+                raise TypeError(f"not a command of the server's: {type(command).__name__}")
 
 
-def _answer_state(send: Any, key: int, future: Future[dict[str, Any]]) -> None:
+def _answer_state(send: Callable[[Report], None], key: int, future: Future[EngineState]) -> None:
     error = future.exception()
-    send(("state", key, True, future.result()) if error is None else ("state", key, False, str(error)))
+    send(StateAnswer(key, future.result()) if error is None else StateAnswer(key, None, str(error)))

@@ -15,7 +15,10 @@ the loop records why in ``failure``, logs it (both schedulers' states, for a
 divergence), fails every stream with a 500 that says so and stops: nothing is
 admitted after (SERVE-11), no probe is taken, and every probe not answered
 fails when the loop ends. The metrics' gauges are published after every step
-and every turn that admitted or aborted (SERVE-12).
+and every turn that admitted or aborted (SERVE-12). The loop knows the engine
+only through ``LLM``'s request and read API (ARCH-5); it admits with
+``LLM.add_request``, whose checks are the HTTP side's (ARCH-6), so a refusal
+there goes back typed (its field and code) as the handler's own would.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from optimized.engine.engine import EngineLimits
 from optimized.engine.sampling_params import SamplingParams
-from optimized.entry.llm import LLM, RequestOutput
+from optimized.engine.validation import EngineLimits, RequestRefused
+from optimized.entry.llm import LLM, EngineState, RequestOutput
 from optimized.serve.metrics import EngineMetrics
 from optimized.verify.shadow import ShadowDivergence
 
@@ -59,6 +62,8 @@ class FinishEvent:
 class FailEvent:
     status: int
     message: str
+    field: str | None = None  # a refusal at admission (ARCH-6): the request field at fault, and its code
+    code: str | None = None
 
 
 Event = TokenEvent | FinishEvent | FailEvent
@@ -132,23 +137,7 @@ class EngineInfo:
 
     @staticmethod
     def of(llm: LLM) -> EngineInfo:
-        return EngineInfo(llm.engine.limits, llm.model_dir, llm.recorder is not None)
-
-
-def engine_state(llm: LLM) -> dict[str, Any]:
-    """SERVE-6: the scheduler between steps: its block accounting, and every invariant checked on it."""
-    from invariants import check_state, snapshot
-
-    state = snapshot(llm.engine.scheduler)
-    return {
-        "num_blocks": state.num_blocks,
-        "free_blocks": len(state.free_block_ids),
-        "cached_blocks": len(state.hash_to_block_id),
-        "waiting": len(state.waiting),
-        "running": len(state.running),
-        "violations": [str(v) for v in check_state(state)],
-        "compared_steps": llm.engine.stats.compared_steps,
-    }
+        return EngineInfo(llm.limits, llm.model_dir, llm.traced)
 
 
 class EngineHandle(Protocol):
@@ -162,7 +151,7 @@ class EngineHandle(Protocol):
 
     def cancel(self, stream: Stream) -> None: ...
 
-    def engine_state(self) -> Future[dict[str, Any]]: ...
+    def engine_state(self) -> Future[EngineState]: ...
 
     def alive(self) -> bool: ...
 
@@ -238,9 +227,9 @@ class EngineLoop:
             self._cv.notify()
         return future
 
-    def engine_state(self) -> Future[dict[str, Any]]:
-        """SERVE-6: ``engine_state`` read between two steps."""
-        return self.call_between_steps(lambda: engine_state(self.llm))
+    def engine_state(self) -> Future[EngineState]:
+        """SERVE-6: ``LLM.engine_state`` read between two steps."""
+        return self.call_between_steps(self.llm.engine_state)
 
     def in_flight(self) -> int:
         with self._cv:
@@ -317,9 +306,9 @@ class EngineLoop:
             return
         try:
             stream.request_id = self.llm.add_request(stream.prompt_ids, stream.params)
-        except ValueError as e:  # validated by the handler already; the engine's word is final
+        except RequestRefused as e:  # the handler's checks are the same: the engine's word is final all the same
             stream.done = True
-            self.outlet.send([(stream, FailEvent(400, str(e)))])
+            self.outlet.send([(stream, FailEvent(400, str(e), e.field, e.code))])
             return
         self._live[stream.request_id] = stream
         self._unscheduled.append(stream)
@@ -354,7 +343,7 @@ class EngineLoop:
         try:
             outputs = self.llm.step()
         except Exception as e:
-            if isinstance(e, ShadowDivergence) or not self.llm.engine.trusted or self.llm.interrupted is not None:
+            if isinstance(e, ShadowDivergence) or not self.llm.trusted:
                 raise
             log.error("a step failed and its batch ended with an error (FAULT-1): %s", e)
             self._publish()
@@ -385,11 +374,9 @@ class EngineLoop:
 
     def _note_scheduled(self, started: float) -> None:
         """SERVE-12: the streams this step (begun at ``started``) computed first: those given blocks, or gone."""
-        by_arrival = self.llm.engine.by_arrival
         waiting = []
         for stream in self._unscheduled:
-            request = by_arrival.get(stream.request_id) if stream.request_id is not None else None
-            if request is None or request.seq.block_table:
+            if stream.request_id is None or self.llm.started(stream.request_id):
                 stream.scheduled_at = started
             else:
                 waiting.append(stream)
@@ -416,11 +403,7 @@ class EngineLoop:
 
     def _publish(self) -> None:
         """The engine's gauges and counters, as they are now (after a step, or a turn that changed them)."""
-        engine = self.llm.engine
-        scheduler = engine.scheduler
-        free = scheduler.block_manager.pool.free.count  # O(1); free_block_ids would copy the queue
-        self.metrics.after_step(engine.stats, len(scheduler.running), len(scheduler.waiting), free,
-                                engine.limits.num_blocks)
+        self.metrics.after_step(self.llm.stats, self.llm.gauges())
 
     def _die(self, error: BaseException) -> None:
         """SERVE-11: the engine is untrusted: say why, fail every stream with a 500, admit nothing more."""

@@ -6,17 +6,24 @@ engine loop (through ``EngineMetrics``) after each step from the difference of
 ``EngineStats`` (so they agree with the engine exactly); request histograms are
 observed by the HTTP handlers as tokens arrive. In the server the engine loop
 runs in a process of its own: ``MetricsRecorder`` carries its calls over to
-this process's ``Metrics``, in order. A separate ``CollectorRegistry`` keeps two servers
-in one process (tests) from sharing series.
+this process's ``Metrics``, in order, as typed messages (``MetricUpdate``: one
+small frozen dataclass per call, ARCH-7) that ``Metrics.apply`` dispatches by
+type. A separate ``CollectorRegistry`` keeps two servers in one process (tests)
+from sharing series.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from optimized.engine.engine import EngineStats
+    from optimized.entry.llm import Gauges
 
 PREFIX = "nanoverify:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -35,29 +42,60 @@ class EngineMetrics(Protocol):
 
     def diverged(self) -> None: ...
 
-    def after_step(self, stats: Any, running: int, waiting: int, free_blocks: int, num_blocks: int) -> None: ...
+    def after_step(self, stats: EngineStats, gauges: Gauges) -> None: ...
+
+
+@dataclass(frozen=True)
+class MetricUpdate:
+    """One ``EngineMetrics`` call, as it crosses the pipe (ARCH-7)."""
+
+
+@dataclass(frozen=True)
+class Admitted(MetricUpdate):
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Generated(MetricUpdate):
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Finished(MetricUpdate):
+    reason: str
+
+
+@dataclass(frozen=True)
+class Diverged(MetricUpdate):
+    pass
+
+
+@dataclass(frozen=True)
+class AfterStep(MetricUpdate):
+    stats: EngineStats  # a copy: the engine's own goes on counting
+    gauges: Gauges
 
 
 class MetricsRecorder:
-    """An ``EngineMetrics`` that hands each call, as (name, arguments), to ``send`` (``Metrics.apply`` replays it)."""
+    """An ``EngineMetrics`` that hands each call to ``send`` as a ``MetricUpdate`` (``Metrics.apply`` replays it)."""
 
-    def __init__(self, send: Callable[[tuple[str, tuple[Any, ...]]], None]) -> None:
+    def __init__(self, send: Callable[[MetricUpdate], None]) -> None:
         self._send = send
 
     def admitted(self, prompt_tokens: int) -> None:
-        self._send(("admitted", (prompt_tokens,)))
+        self._send(Admitted(prompt_tokens))
 
     def generated(self, tokens: int) -> None:
-        self._send(("generated", (tokens,)))
+        self._send(Generated(tokens))
 
     def finished(self, reason: str) -> None:
-        self._send(("finished", (reason,)))
+        self._send(Finished(reason))
 
     def diverged(self) -> None:
-        self._send(("diverged", ()))
+        self._send(Diverged())
 
-    def after_step(self, stats: Any, running: int, waiting: int, free_blocks: int, num_blocks: int) -> None:
-        self._send(("after_step", (copy.copy(stats), running, waiting, free_blocks, num_blocks)))
+    def after_step(self, stats: EngineStats, gauges: Gauges) -> None:
+        self._send(AfterStep(copy.copy(stats), gauges))
 
 
 class Metrics:
@@ -109,16 +147,27 @@ class Metrics:
     def diverged(self) -> None:
         self.divergences.inc()
 
-    def apply(self, call: tuple[str, tuple[Any, ...]]) -> None:
-        """Replay one ``MetricsRecorder`` call."""
-        name, args = call
-        getattr(self, name)(*args)
+    def apply(self, update: MetricUpdate) -> None:
+        """Replay one ``MetricsRecorder`` call; an update of no known type is a TypeError (a defect of ours)."""
+        match update:
+            case Admitted(prompt_tokens):
+                self.admitted(prompt_tokens)
+            case Generated(tokens):
+                self.generated(tokens)
+            case Finished(reason):
+                self.finished(reason)
+            case Diverged():
+                self.diverged()
+            case AfterStep(stats, gauges):
+                self.after_step(stats, gauges)
+            case _:
+                raise TypeError(f"not a metrics update: {update!r}")
 
-    def after_step(self, stats: Any, running: int, waiting: int, free_blocks: int, num_blocks: int) -> None:
+    def after_step(self, stats: EngineStats, gauges: Gauges) -> None:
         """The engine's gauges and counters after a step (called by the engine loop only)."""
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_usage.set(1 - free_blocks / num_blocks)
+        self.running.set(gauges.running)
+        self.waiting.set(gauges.waiting)
+        self.kv_usage.set(1 - gauges.free_blocks / gauges.num_blocks)
         self.advance(self.preemptions, "preemptions", stats.preemptions)
         self.advance(self.prefix_queries, "prefix_queries", stats.prefix_cache_query_tokens)
         self.advance(self.prefix_hits, "prefix_hits", stats.prefix_cache_hit_tokens)

@@ -1,13 +1,14 @@
 """The OpenAI request bodies the server accepts, and its error shape (SERVE-8).
 
-Invariant: a body either becomes a typed request here, or an ``ApiError`` whose
-message and ``param`` name the field at fault; nothing reaches the engine
-unchecked. Models are strict (a string is never taken for a number, nor a
-number for a bool) and ignore unknown fields, as OpenAI does; OpenAI fields that would change the answer
-and are not implemented (``echo``, ``logprobs``...) are refused unless they hold the value that changes
-nothing. The sampling
-fields are checked once more by ``SamplingParams`` and the prompt by
-``LLM.validate`` (ENG-9), whose ValueErrors also become 400s.
+Invariant: this module checks the wire shape only, and a body either becomes a
+typed request here or an ``ApiError`` whose message and ``param`` name the field
+at fault. Models are strict (a string is never taken for a number, nor a number
+for a bool), require what OpenAI requires and ignore unknown fields, as OpenAI
+does; OpenAI fields that would change the answer and are not implemented
+(``echo``, ``logprobs``, ``n`` but 1...) are refused unless they hold the value
+that changes nothing. Values (ranges, limits) are not checked here: the one
+validator does that for HTTP and Python alike (``SamplingParams`` and
+``validate_request``, ARCH-6), and app.py answers its ``RequestRefused``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-MAX_STOP_STRINGS = 4  # OpenAI's limit
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -46,30 +46,27 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-TokenId = Annotated[int, Field(ge=0)]
-
-
 class _Sampling(_Strict):
-    """Fields common to both endpoints (OpenAI's, then vLLM's extras)."""
+    """Fields common to both endpoints (OpenAI's, then vLLM's extras); None: ``SamplingParams``' default."""
 
     model: str
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     seed: int | None = None
-    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: int = 1
     user: str | None = None
-    top_k: Annotated[int, Field(ge=-1)] = -1
-    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    top_k: int | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     return_token_ids: bool = False  # vLLM's extra: choices carry ``token_ids``, the response ``prompt_token_ids``
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | Annotated[list[TokenId], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
+    prompt: str | list[int]
+    max_tokens: int | None = 16  # OpenAI's default for completions
 
 
 class TextPart(_Strict):
@@ -87,8 +84,8 @@ class ChatMessage(_Strict):
 
 class ChatRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None  # deprecated by OpenAI, still sent by many clients
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: int | None = None  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int | None = None
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
