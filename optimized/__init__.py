@@ -15,7 +15,7 @@ import importlib  # noqa: E402  (after the wait policy, on purpose)
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
 from optimized.core.errors import EmptyDecodeError  # noqa: E402
-from optimized.engine.sampling_params import SamplingParams  # noqa: E402
+from optimized.engine.sampling_params import RequestRefused, SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:  # the lazy names, as mypy should see them
     from optimized.core.scheduler import Scheduler as Scheduler
@@ -42,4 +42,4 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module_name), name)
 
 
-__all__ = ["EmptyDecodeError", "SamplingParams", *_LAZY]
+__all__ = ["EmptyDecodeError", "RequestRefused", "SamplingParams", *_LAZY]
