@@ -29,8 +29,7 @@ itself (the C way to write a function template); they are GNU C (vector extensio
 /* Elements of type float per 64-byte cache line; prefetching every this many elements of a double row touches
    each line at least once too (twice, harmlessly). */
 #define NV_LINE 16
-/* Prefill scores this many query vectors together against each run of NV_LANES keys: independent sums, so the
-   multiply-adds overlap instead of waiting on each other. */
+/* Prefill takes this many query vectors together: each key and value row read serves them all. */
 #define NV_TILE 8
 
 #if !defined(__GNUC__)
@@ -290,69 +289,42 @@ int64_t NV_NAME(nv_paged_decode)(const NV_T *q, int64_t q_row_stride, int64_t q_
     return failed ? -1 : 0;
 }
 
-/* NV_LANES values as one vector (GNU C vector extension): the compiler keeps it in vector registers and spells its
-   arithmetic lane by lane, each lane rounding as its scalar would. */
-typedef NV_T NV_NAME(lanes) __attribute__((vector_size(NV_LANES * sizeof(NV_T))));
-
-/* The keys of KV head j of a context of n tokens, transposed: kt[e * stride + t] is element e of key t (zeros for
-   n <= t < stride), so that scores can run along the keys, NV_LANES at a time, without a horizontal sum. */
-static NV_INLINE void NV_NAME(transpose_keys)(const NV_T *restrict k_cache, const int32_t *table, int64_t n,
-                                             int64_t j, const NV_NAME(dims) *s, int64_t stride, NV_T *restrict kt,
-                                             const int64_t d) {
-    const int64_t bs = s->block_size, token = s->kv_heads * d;
-    for (int64_t t0 = 0, c = 0; t0 < n; t0 += bs, c++) {
-        const NV_T *block = k_cache + (int64_t)table[c] * bs * token + j * d;
-        const int64_t m = n - t0 < bs ? n - t0 : bs;
-        for (int64_t o = 0; o < m; o++)
-            for (int64_t e = 0; e < d; e++) kt[e * stride + t0 + o] = block[o * token + e];
-    }
-    for (int64_t e = 0; e < d; e++)
-        for (int64_t t = n; t < stride; t++) kt[e * stride + t] = 0;
-}
-
 /* Causal attention of the queries of KV head j of one sequence (context n, the last qlen positions; vector
-   v = i * rep + r is query i's head j * rep + r and sees keys 0 .. n - qlen + i), NV_TILE vectors at a time: their
-   scores against the transposed keys, a softmax over each one's own visible keys (the weights of keys only a later
-   vector of the tile sees are 0), then the weighted sum of V read in place. q points at the sequence's first query
-   row, out at its first output row ([qlen, h, d] contiguous); kt holds d * stride values and scores NV_TILE *
-   stride. */
+   v = i * rep + r is query i's head j * rep + r and sees keys 0 .. n - qlen + i), NV_TILE vectors at a time: each
+   one's scores against its own visible keys, read in place, each the decode's dot product (so a query's output is
+   decode's for the same query and keys, bit for bit: spec/batch-invariance.md BI-4), a softmax over them, then the
+   weighted sum of V read in place, all the tile's vectors together (the weights of keys only a later vector of the
+   tile sees are 0, and adding 0 * v to a sum that started at +0 changes no bit). q points at the sequence's first
+   query row, out at its first output row ([qlen, h, d] contiguous); scores holds NV_TILE * n values. */
 static NV_INLINE void NV_NAME(prefill_head_d)(const NV_T *restrict q, const NV_T *restrict k_cache,
                                              const NV_T *restrict v_cache, const int32_t *table, int64_t n,
                                              int64_t qlen, int64_t j, const NV_NAME(dims) *s, int64_t q_row_stride,
-                                             NV_T scale, NV_T *restrict kt, NV_T *restrict scores,
-                                             NV_T *restrict out, const int64_t d) {
+                                             NV_T scale, NV_T *restrict scores, NV_T *restrict out, const int64_t d) {
     const int64_t bs = s->block_size, rep = s->heads / s->kv_heads, token = s->kv_heads * d;
-    const int64_t stride = (n + NV_LANES - 1) / NV_LANES * NV_LANES, count = qlen * rep;
-    NV_NAME(transpose_keys)(k_cache, table, n, j, s, stride, kt, d);
+    const int64_t count = qlen * rep;
     for (int64_t v0 = 0; v0 < count; v0 += NV_TILE) {
         const int64_t tile = count - v0 < NV_TILE ? count - v0 : NV_TILE;
         const NV_T *qs[NV_TILE];
         NV_T *os[NV_TILE];
         int64_t seen[NV_TILE];
-        for (int64_t v = 0; v < NV_TILE; v++) {
-            /* Past the tile's end the last vector is repeated: its extra scores are computed and never read. */
-            const int64_t vec = v0 + (v < tile ? v : tile - 1), i = vec / rep, r = vec % rep;
+        for (int64_t v = 0; v < tile; v++) {
+            const int64_t vec = v0 + v, i = vec / rep, r = vec % rep;
             qs[v] = q + i * q_row_stride + (j * rep + r) * s->q_head_stride;
             os[v] = out + (i * s->heads + j * rep + r) * d;
             seen[v] = n - qlen + i + 1;
         }
         const int64_t reach = seen[tile - 1];
-        for (int64_t t0 = 0; t0 < reach; t0 += NV_LANES) {
-            NV_NAME(lanes) acc[NV_TILE];
-            for (int v = 0; v < NV_TILE; v++) acc[v] = (NV_NAME(lanes)){0};
-            for (int64_t e = 0; e < d; e++) {
-                NV_NAME(lanes) keys;
-                memcpy(&keys, kt + e * stride + t0, sizeof keys);
-                for (int v = 0; v < NV_TILE; v++) acc[v] += qs[v][e] * keys;
-            }
-            for (int v = 0; v < NV_TILE; v++) {
-                const NV_NAME(lanes) scaled = acc[v] * scale;
-                memcpy(scores + v * stride + t0, &scaled, sizeof scaled);
-            }
+        for (int64_t t0 = 0, c = 0; t0 < reach; t0 += bs, c++) {
+            const NV_T *block = k_cache + (int64_t)table[c] * bs * token + j * d;
+            const int64_t m = reach - t0 < bs ? reach - t0 : bs;
+            for (int64_t o = 0; o < m; o++)
+                for (int64_t v = 0; v < tile; v++)
+                    if (t0 + o < seen[v])
+                        scores[v * n + t0 + o] = NV_NAME(dot)(qs[v], block + o * token, d) * scale;
         }
         for (int64_t v = 0; v < tile; v++) {
-            NV_NAME(softmax)(scores + v * stride, seen[v]);
-            for (int64_t t = seen[v]; t < reach; t++) scores[v * stride + t] = 0;
+            NV_NAME(softmax)(scores + v * n, seen[v]);
+            for (int64_t t = seen[v]; t < reach; t++) scores[v * n + t] = 0;
             for (int64_t e = 0; e < d; e++) os[v][e] = 0;
         }
         for (int64_t t0 = 0, c = 0; t0 < reach; t0 += bs, c++) {
@@ -360,7 +332,7 @@ static NV_INLINE void NV_NAME(prefill_head_d)(const NV_T *restrict q, const NV_T
             const int64_t m = reach - t0 < bs ? reach - t0 : bs;
             for (int64_t o = 0; o < m; o++)
                 for (int64_t v = 0; v < tile; v++) {
-                    const NV_T w = scores[v * stride + t0 + o];
+                    const NV_T w = scores[v * n + t0 + o];
                     for (int64_t e = 0; e < d; e++) os[v][e] += w * block[o * token + e];
                 }
         }
@@ -369,16 +341,16 @@ static NV_INLINE void NV_NAME(prefill_head_d)(const NV_T *restrict q, const NV_T
 
 static void NV_NAME(prefill_head)(const NV_T *q, const NV_T *k_cache, const NV_T *v_cache, const int32_t *table,
                                   int64_t n, int64_t qlen, int64_t j, const NV_NAME(dims) *s, int64_t q_row_stride,
-                                  NV_T scale, NV_T *kt, NV_T *scores, NV_T *out) {
+                                  NV_T scale, NV_T *scores, NV_T *out) {
     switch (s->head_dim) {
     case 64:
-        NV_NAME(prefill_head_d)(q, k_cache, v_cache, table, n, qlen, j, s, q_row_stride, scale, kt, scores, out, 64);
+        NV_NAME(prefill_head_d)(q, k_cache, v_cache, table, n, qlen, j, s, q_row_stride, scale, scores, out, 64);
         break;
     case 128:
-        NV_NAME(prefill_head_d)(q, k_cache, v_cache, table, n, qlen, j, s, q_row_stride, scale, kt, scores, out, 128);
+        NV_NAME(prefill_head_d)(q, k_cache, v_cache, table, n, qlen, j, s, q_row_stride, scale, scores, out, 128);
         break;
     default:
-        NV_NAME(prefill_head_d)(q, k_cache, v_cache, table, n, qlen, j, s, q_row_stride, scale, kt, scores, out,
+        NV_NAME(prefill_head_d)(q, k_cache, v_cache, table, n, qlen, j, s, q_row_stride, scale, scores, out,
                                 s->head_dim);
     }
 }
@@ -397,28 +369,25 @@ int64_t NV_NAME(nv_paged_prefill)(const NV_T *q, int64_t q_row_stride, int64_t q
     if (bad != 0 || batch == 0) return bad;
     const NV_NAME(dims) dims = {heads, kv_heads, head_dim, block_size, q_head_stride};
     const int64_t units = batch * kv_heads;
-    const int64_t stride = (max_len + NV_LANES - 1) / NV_LANES * NV_LANES;
     const int team = (int)(threads < 1 ? 1 : threads < units ? threads : units);
     int failed = 0;
 #pragma omp parallel num_threads(team)
     {
-        NV_T *kt = malloc(sizeof(NV_T) * (size_t)(head_dim * stride + 1));
-        NV_T *scores = malloc(sizeof(NV_T) * (size_t)(NV_TILE * stride + 1));
+        NV_T *scores = malloc(sizeof(NV_T) * (size_t)(NV_TILE * max_len + 1));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < units; u++) {
             const int64_t b = u / kv_heads, j = u % kv_heads;
             const int64_t first = cu_seqlens[b], qlen = (int64_t)cu_seqlens[b + 1] - first;
-            if (kt == NULL || scores == NULL) {
+            if (scores == NULL) {
 #pragma omp atomic write
                 failed = 1;
             } else if (qlen > 0) {
                 NV_NAME(prefill_head)(q + first * q_row_stride, k_cache, v_cache, block_tables + b * width,
-                                      context_lens[b], qlen, j, &dims, q_row_stride, (NV_T)scale, kt, scores,
+                                      context_lens[b], qlen, j, &dims, q_row_stride, (NV_T)scale, scores,
                                       out + first * heads * head_dim);
             }
         }
         free(scores);
-        free(kt);
     }
     return failed ? -1 : 0;
 }

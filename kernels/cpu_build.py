@@ -1,7 +1,8 @@
-"""Compile ``cpu_attention.c`` once per machine into a cache folder and load it with ctypes, checked first.
+"""Compile ``cpu_attention.c`` and ``cpu_linear.c`` once per machine into one library in a cache folder and load it
+with ctypes, checked first.
 
 Invariants: the library lives in ``$NANOVERIFY_CACHE`` (or ``~/.cache/nanoverify``, the default model's root)
-``/kernels/cpu_attention-<key>.so``, where the key hashes the C source, the compiler's path, the flags and the
+``/kernels/cpu_kernels-<key>.so``, where the key hashes the C sources, the compiler's path, the flags and the
 machine (its architecture and the CPU model and feature flags of ``/proc/cpuinfo``, because ``-march=native`` makes
 code for this CPU only). Beside it, ``<name>.sha256`` records its size and SHA-256. A library is handed to the
 dynamic loader only when its bytes match that record, and through the descriptor they were read from, so the
@@ -39,9 +40,12 @@ import torch  # noqa: F401  (first, so that libgomp.so.1 is torch's where it shi
 from kernels import disk_cache
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
+LINEAR_SOURCE = Path(__file__).with_name("cpu_linear.c")
+LIBRARY_STEM = "cpu_kernels"
 # IEEE semantics on purpose (no -ffast-math), and no contraction of a * b + c into one fused multiply-add: the
 # kernel rounds where its source says.
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11")
+LIBS = ("-lm",)  # fmaf, for cpu_linear.c's portable path
 COMPILERS = ("cc", "gcc")
 BUILD_TIMEOUT_S = 120
 
@@ -78,13 +82,19 @@ def machine_id() -> str:
     return "\n".join(lines)
 
 
-def library_path(compiler: str, source: Path = SOURCE) -> Path:
+def sources() -> tuple[Path, ...]:
+    """The C files compiled into the one library (read at call time, so a test may point ``SOURCE`` elsewhere)."""
+    return (SOURCE, LINEAR_SOURCE)
+
+
+def library_path(compiler: str) -> Path:
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), os.path.realpath(compiler).encode(), " ".join(FLAGS).encode()):
+    parts = [*(source.read_bytes() for source in sources()), os.path.realpath(compiler).encode()]
+    for part in (*parts, " ".join((*FLAGS, *LIBS)).encode()):
         digest.update(part)
         digest.update(b"\0")
     digest.update(machine_id().encode())
-    return cache_dir() / f"{source.stem}-{digest.hexdigest()[:20]}.so"
+    return cache_dir() / f"{LIBRARY_STEM}-{digest.hexdigest()[:20]}.so"
 
 
 def sidecar_path(target: Path) -> Path:
@@ -96,21 +106,22 @@ def _lock_path(target: Path) -> Path:
     return target.with_name(f".{target.name}.lock")
 
 
-def _compile(compiler: str, source: Path, output: str) -> None:
-    cmd = [compiler, *FLAGS, "-o", output, str(source.resolve())]
+def _compile(compiler: str, files: tuple[Path, ...], output: str) -> None:
+    cmd = [compiler, *FLAGS, "-o", output, *(str(source.resolve()) for source in files), *LIBS]
+    names = " and ".join(source.name for source in files)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise CpuKernelUnavailable(f"compiling {source.name} with {compiler} failed: {e}") from None
+        raise CpuKernelUnavailable(f"compiling {names} with {compiler} failed: {e}") from None
     if done.returncode != 0:
         error = (done.stderr or done.stdout).strip().splitlines()[-5:]
         raise CpuKernelUnavailable(
-            f"compiling {source.name} with {compiler} failed (exit {done.returncode}): " + " | ".join(error)
+            f"compiling {names} with {compiler} failed (exit {done.returncode}): " + " | ".join(error)
         )
 
 
-def build(compiler: str, source: Path, target: Path) -> None:
-    """Compile ``source`` into ``target``, atomically, then record its checksum beside it (also atomically)."""
+def build(compiler: str, files: tuple[Path, ...], target: Path) -> None:
+    """Compile ``files`` into ``target``, atomically, then record its checksum beside it (also atomically)."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=disk_cache.scratch_prefix(), suffix=f"-{target.name}", dir=target.parent)
@@ -118,7 +129,7 @@ def build(compiler: str, source: Path, target: Path) -> None:
         raise CpuKernelUnavailable(f"cannot write the kernel cache folder {target.parent}: {e}") from None
     os.close(fd)
     try:
-        _compile(compiler, source, tmp)
+        _compile(compiler, files, tmp)
         built = disk_cache.checksum(Path(tmp).read_bytes())
         os.replace(tmp, target)
         disk_cache.write_json_atomically(sidecar_path(target), built.to_json())
@@ -182,7 +193,7 @@ def _build_checked(compiler: str, target: Path, refused: disk_cache.Checksum | N
         if checked is not None:
             os.close(checked.fd)
         disk_cache.remove_stale_scratch(target.parent)
-        build(compiler, SOURCE, target)
+        build(compiler, sources(), target)
         checked = _open_checked(target)
         if checked is None:
             raise CpuKernelUnavailable(f"the library built at {target} does not match its recorded checksum")

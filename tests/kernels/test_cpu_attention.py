@@ -607,7 +607,7 @@ def test_chooser_falls_back_to_torch_and_says_why(fresh_cache: Path, monkeypatch
     compiler = cpu_build.find_compiler()
     assert compiler is not None
     cpu_build.forget()
-    with pytest.warns(RuntimeWarning, match=r"compiling cpu_attention.c with .* failed \(exit"):
+    with pytest.warns(RuntimeWarning, match=r"compiling cpu_attention.c and cpu_linear.c with .* failed \(exit"):
         assert get_backend(None, CPU).name == "torch"
     assert [p.name for p in fresh_cache.iterdir()] == [f".{cpu_build.library_path(compiler).name}.lock"]  # nothing else
     with pytest.raises(ValueError, match="backend 'cpu' runs on the CPU only"):

@@ -1,0 +1,218 @@
+/* A batch-invariant linear layer on the CPU: y = x @ w^T (+ bias), float32 (spec/batch-invariance.md BI-1, BI-2).
+
+Invariant: every output y[m][n] is computed by one fixed sequence of roundings that depends on K alone, never on M,
+N, the row's position, the tile that holds it, the thread count or the instruction set: 16 lanes, lane l taking
+k = l, l + 16, l + 32, ... in increasing k, each step one fused multiply-add (one rounding) starting from +0; then
+the lanes added in a fixed halving tree (lane l + lane l + 8, then + 4, + 2, + 1); then + bias[n]. Lanes past K in
+the last chunk take nothing. An accumulator that starts at +0 never becomes -0, so a masked lane adding 0 * 0 (the
+vector paths' tail) leaves it as the scalar path's skip does. The three paths below (AVX-512, AVX2 with FMA,
+portable C with fmaf) compute exactly these roundings: the build picks one with -march=native. Compiled with
+-ffp-contract=off like cpu_attention.c: every fused multiply-add is written out, none is left to the compiler.
+
+x is [M, K] with row stride ldx, w is [N, K] with row stride ldw (torch's Linear weight), both with unit stride
+along K; y is [M, N] with row stride ldy. Work is split into blocks of rows and columns, each block computed by one
+thread, never along K.
+*/
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+#if !defined(__GNUC__)
+#error "cpu_linear.c is written in GNU C (always_inline): build it with GCC or Clang"
+#endif
+#define NVL_INLINE static inline __attribute__((always_inline))
+
+#define NVL_LANES 16
+/* A unit of work: this many rows by this many columns, computed by one thread (multiples of 4 and 16). */
+#define NVL_ROW_BLOCK 64
+#define NVL_COL_BLOCK 64
+/* Below this many multiply-adds the call runs on one thread: waking a team costs more than it saves. */
+#define NVL_SERIAL_WORK (1 << 16)
+
+#if defined(__AVX512F__)
+
+const char *nv_linear_path(void) { return "avx512"; }
+typedef __m512 nvl_vec;
+NVL_INLINE nvl_vec nvl_zero(void) { return _mm512_setzero_ps(); }
+NVL_INLINE nvl_vec nvl_load(const float *p) { return _mm512_loadu_ps(p); }
+NVL_INLINE nvl_vec nvl_load_first(const float *p, int64_t r) { /* lanes r.. are 0 */
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << r) - 1u), p);
+}
+NVL_INLINE nvl_vec nvl_fma(nvl_vec a, nvl_vec b, nvl_vec acc) { return _mm512_fmadd_ps(a, b, acc); }
+NVL_INLINE float nvl_sum(nvl_vec v) {
+    const __m256 lo = _mm512_castps512_ps256(v);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    const __m256 s8 = _mm256_add_ps(lo, hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+const char *nv_linear_path(void) { return "avx2"; }
+typedef struct {
+    __m256 lo, hi; /* lanes 0..7, 8..15 */
+} nvl_vec;
+NVL_INLINE nvl_vec nvl_zero(void) { return (nvl_vec){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+NVL_INLINE nvl_vec nvl_load(const float *p) { return (nvl_vec){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+NVL_INLINE __m256i nvl_mask8(int64_t r) { /* all ones in lanes < r */
+    const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)r), index);
+}
+NVL_INLINE nvl_vec nvl_load_first(const float *p, int64_t r) { /* lanes r.. are 0, never read */
+    const __m256 lo = _mm256_maskload_ps(p, nvl_mask8(r));
+    const __m256 hi = r > 8 ? _mm256_maskload_ps(p + 8, nvl_mask8(r - 8)) : _mm256_setzero_ps();
+    return (nvl_vec){lo, hi};
+}
+NVL_INLINE nvl_vec nvl_fma(nvl_vec a, nvl_vec b, nvl_vec acc) {
+    return (nvl_vec){_mm256_fmadd_ps(a.lo, b.lo, acc.lo), _mm256_fmadd_ps(a.hi, b.hi, acc.hi)};
+}
+NVL_INLINE float nvl_sum(nvl_vec v) {
+    const __m256 s8 = _mm256_add_ps(v.lo, v.hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+#else
+
+const char *nv_linear_path(void) { return "portable"; }
+typedef struct {
+    float l[NVL_LANES];
+} nvl_vec;
+NVL_INLINE nvl_vec nvl_zero(void) { return (nvl_vec){{0}}; }
+NVL_INLINE nvl_vec nvl_load(const float *p) {
+    nvl_vec v;
+    for (int l = 0; l < NVL_LANES; l++) v.l[l] = p[l];
+    return v;
+}
+NVL_INLINE nvl_vec nvl_load_first(const float *p, int64_t r) {
+    nvl_vec v = {{0}};
+    for (int l = 0; l < r; l++) v.l[l] = p[l];
+    return v;
+}
+NVL_INLINE nvl_vec nvl_fma(nvl_vec a, nvl_vec b, nvl_vec acc) {
+    for (int l = 0; l < NVL_LANES; l++) acc.l[l] = fmaf(a.l[l], b.l[l], acc.l[l]);
+    return acc;
+}
+NVL_INLINE float nvl_sum(nvl_vec v) {
+    for (int w = NVL_LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) v.l[l] = v.l[l] + v.l[l + w];
+    return v.l[0];
+}
+
+#endif
+
+#if defined(__AVX512F__)
+/* Sixteen accumulators reduced together, each by the halving tree of nvl_sum (the same additions of the same
+   lanes, so the same bits), with a quarter of the shuffles: lane L of the result is the sum of v[4 * (L % 4) + L / 4].
+   Pairs first add their 8-lane halves (quarters 0-1 and 2-3 of both), then 4-lane quarters, then the lanes 2
+   apart and 1 apart inside each quarter. */
+NVL_INLINE __m512 nvl_sum16(const nvl_vec v[16]) {
+    __m512 u[8], w[4], x[2];
+    for (int p = 0; p < 8; p++)
+        u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+    for (int r = 0; r < 4; r++)
+        w[r] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * r], u[2 * r + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * r], u[2 * r + 1], 0xDD));
+    for (int r = 0; r < 2; r++)
+        x[r] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * r], w[2 * r + 1], 0x44),
+                             _mm512_shuffle_ps(w[2 * r], w[2 * r + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
+}
+#endif
+
+/* The outputs of rows x[0 .. R) by weight rows w[0 .. C), R * C <= 16, both known at compile time where it is
+   inlined, so the accumulators stay in registers: acc[i * C + j] is y[i][j]. */
+NVL_INLINE void nvl_tile(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, float *y,
+                         int64_t ldy, int64_t K, const int R, const int C) {
+    nvl_vec acc[16];
+    for (int a = 0; a < R * C; a++) acc[a] = nvl_zero();
+    int64_t k = 0;
+    for (; k + NVL_LANES <= K; k += NVL_LANES) {
+        nvl_vec xv[16], wv[16];
+        for (int i = 0; i < R; i++) xv[i] = nvl_load(x + i * ldx + k);
+        for (int j = 0; j < C; j++) wv[j] = nvl_load(w + j * ldw + k);
+        for (int i = 0; i < R; i++)
+            for (int j = 0; j < C; j++) acc[i * C + j] = nvl_fma(xv[i], wv[j], acc[i * C + j]);
+    }
+    if (k < K) {
+        nvl_vec xv[16], wv[16];
+        for (int i = 0; i < R; i++) xv[i] = nvl_load_first(x + i * ldx + k, K - k);
+        for (int j = 0; j < C; j++) wv[j] = nvl_load_first(w + j * ldw + k, K - k);
+        for (int i = 0; i < R; i++)
+            for (int j = 0; j < C; j++) acc[i * C + j] = nvl_fma(xv[i], wv[j], acc[i * C + j]);
+    }
+    float s[16];
+#if defined(__AVX512F__)
+    if (R * C > 4) {
+        nvl_vec v[16];
+        for (int a = 0; a < 16; a++) v[a] = 4 * (a % 4) + a / 4 < R * C ? acc[4 * (a % 4) + a / 4] : nvl_zero();
+        _mm512_storeu_ps(s, nvl_sum16(v));
+    } else
+#endif
+        for (int a = 0; a < R * C; a++) s[a] = nvl_sum(acc[a]);
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < C; j++) y[i * ldy + j] = bias != NULL ? s[i * C + j] + bias[j] : s[i * C + j];
+}
+
+/* A tile of r <= 4 rows by c <= 4 columns, each size its own inlined copy (the edges of a block). */
+static void nvl_tile_any(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, float *y,
+                         int64_t ldy, int64_t K, int r, int c) {
+#define NVL_CASE(a, b)                                                                                                \
+    case (a) * 8 + (b):                                                                                               \
+        nvl_tile(x, ldx, w, ldw, bias, y, ldy, K, a, b);                                                             \
+        break;
+    switch (r * 8 + c) {
+        NVL_CASE(1, 1) NVL_CASE(1, 2) NVL_CASE(1, 3) NVL_CASE(1, 4)
+        NVL_CASE(2, 1) NVL_CASE(2, 2) NVL_CASE(2, 3) NVL_CASE(2, 4)
+        NVL_CASE(3, 1) NVL_CASE(3, 2) NVL_CASE(3, 3) NVL_CASE(3, 4)
+        NVL_CASE(4, 1) NVL_CASE(4, 2) NVL_CASE(4, 3) NVL_CASE(4, 4)
+    default:
+        break;
+    }
+#undef NVL_CASE
+}
+
+/* Rows m0 .. m0 + R by columns n0 .. n1: whole R x C tiles, then the last columns in tiles of 4 or fewer. */
+NVL_INLINE void nvl_row_group(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, float *y,
+                              int64_t ldy, int64_t K, int64_t n0, int64_t n1, const int R, const int C) {
+    int64_t n = n0;
+    for (; n + C <= n1; n += C)
+        nvl_tile(x, ldx, w + n * ldw, ldw, bias != NULL ? bias + n : NULL, y + n, ldy, K, R, C);
+    for (; n < n1; n += 4) {
+        const int c = (int)(n1 - n < 4 ? n1 - n : 4);
+        nvl_tile_any(x, ldx, w + n * ldw, ldw, bias != NULL ? bias + n : NULL, y + n, ldy, K, R, c);
+    }
+}
+
+/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N] when bias is not NULL) on up to `threads` threads. */
+void nv_linear_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, float *y,
+                   int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t threads) {
+    if (M <= 0 || N <= 0) return;
+    const int64_t row_blocks = (M + NVL_ROW_BLOCK - 1) / NVL_ROW_BLOCK;
+    const int64_t col_blocks = (N + NVL_COL_BLOCK - 1) / NVL_COL_BLOCK;
+    const int64_t units = row_blocks * col_blocks;
+    int64_t team = threads < 1 ? 1 : threads < units ? threads : units;
+    if (M * N * K < NVL_SERIAL_WORK) team = 1;
+#pragma omp parallel for schedule(static) num_threads((int)team)
+    for (int64_t u = 0; u < units; u++) {
+        /* Column blocks outer: a block of weight rows is reused by every row block a thread takes. */
+        const int64_t n0 = u / row_blocks * NVL_COL_BLOCK, m0 = u % row_blocks * NVL_ROW_BLOCK;
+        const int64_t n1 = n0 + NVL_COL_BLOCK < N ? n0 + NVL_COL_BLOCK : N;
+        const int64_t m1 = m0 + NVL_ROW_BLOCK < M ? m0 + NVL_ROW_BLOCK : M;
+        int64_t m = m0;
+        for (; m + 4 <= m1; m += 4) nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 4, 4);
+        /* The last rows: wider tiles, so each still keeps up to 16 accumulators busy. */
+        if (m1 - m == 3) nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 3, 4);
+        if (m1 - m == 2) nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 2, 8);
+        if (m1 - m == 1) nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 1, 16);
+    }
+}

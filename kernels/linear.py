@@ -1,0 +1,253 @@
+"""A batch-invariant linear layer: ``invariant_linear(x, weight, bias)`` is ``F.linear`` whose every output row is
+the same bits whatever else is in the batch, whatever the thread count (spec/batch-invariance.md, BI-1 to BI-3).
+
+Invariant: output ``y[m, n]`` is one fixed sequence of float32 roundings that depends on K alone (``cpu_linear.c``
+states it): 16 lanes, lane ``l`` a chain of fused multiply-adds over ``k = l, l + 16, ...`` from +0, the lanes added
+in a fixed halving tree, then the bias. The compiled kernel computes it; ``fixed_order_linear`` computes the very same
+roundings with torch alone (each fused multiply-add emulated exactly in float64), the oracle that pins the kernel to
+that order and the stand-in where no C compiler is found. Neither ever falls back to MKL: with neither at hand a call
+raises ``CpuKernelUnavailable``. ``float64_linear`` is the error reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_build import CpuKernelUnavailable, load_library, unavailable_reason
+
+__all__ = [
+    "CpuKernelUnavailable",
+    "bind",
+    "compiled_linear",
+    "compiled_path",
+    "fixed_order_linear",
+    "float64_linear",
+    "invariant_linear",
+    "linear_refusal",
+]
+
+LANES = 16
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# x, x row stride, w, w row stride, bias (NULL for none), y, y row stride, M, N, K, threads.
+_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
+# Elements of one [rows, columns, LANES] float64 temporary of the torch emulation, kept under ~64 MB.
+_EMULATION_ELEMENTS = 1 << 23
+
+
+def linear_refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """Why these tensors cannot go through the invariant linear, naming the first one at fault; None when they can."""
+    named = [("x", x), ("weight", weight)] + ([("bias", bias)] if bias is not None else [])
+    for name, t in named:
+        if not t.is_cpu:
+            return f"{name} is on {t.device}: the invariant linear runs on the CPU only"
+        if t.dtype != torch.float32:
+            return f"{name} is {t.dtype}: the invariant linear takes float32"
+    if x.dim() < 1:
+        return "x is a scalar: it needs a last dimension of in_features"
+    if weight.dim() != 2:
+        return f"weight {tuple(weight.shape)} is not [out_features, in_features]"
+    if x.shape[-1] != weight.shape[1]:
+        return f"x's last dimension {x.shape[-1]} is not weight's in_features {weight.shape[1]}"
+    if bias is not None and bias.shape != (weight.shape[0],):
+        return f"bias {tuple(bias.shape)} is not [out_features] = ({weight.shape[0]},)"
+    return None
+
+
+def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    reason = linear_refusal(x, weight, bias)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+@functools.cache
+def _kernel() -> Callable[..., None]:
+    return bind(load_library())
+
+
+def compiled_path() -> str:
+    """Which of the kernel's paths this machine's library runs ("avx512", "avx2" or "portable"); raises
+    ``CpuKernelUnavailable`` when it does not build."""
+    fn = load_library().nv_linear_path
+    fn.restype = ctypes.c_char_p
+    path: bytes = fn()
+    return path.decode()
+
+
+def _unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as 2-D rows with unit stride along the last dimension (a copy only when it is not)."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 or rows.shape[-1] <= 1 else rows.contiguous()
+
+
+def bind(library: ctypes.CDLL) -> Callable[..., None]:
+    """``nv_linear_f32`` of a loaded library, typed (a test binds builds for other instruction sets too)."""
+    fn = library.nv_linear_f32
+    fn.argtypes = [*_ARGTYPES]
+    fn.restype = None
+    call: Callable[..., None] = fn
+    return call
+
+
+def compiled_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Callable[..., None] | None = None
+) -> torch.Tensor:
+    """The compiled kernel on checked tensors (``kernel``: another build's ``bind``, for tests)."""
+    kernel = kernel or _kernel()
+    rows, w = _unit_stride_rows(x), _unit_stride_rows(weight)
+    b = bias.contiguous() if bias is not None else None
+    m, k = rows.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    kernel(
+        rows.data_ptr(), rows.stride(0), w.data_ptr(), w.stride(0), None if b is None else b.data_ptr(),
+        y.data_ptr(), n, m, n, k, torch.get_num_threads(),
+    )  # fmt: skip
+    return y.reshape(*x.shape[:-1], n)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for float32 CPU tensors, each output row a function of its own input row alone
+    (BI-1): the compiled kernel, or its torch emulation (the same bits, far slower) where the library does not
+    build. Bad tensors are a ValueError naming the one at fault."""
+    _checked(x, weight, bias)
+    if unavailable_reason() is None:
+        return compiled_linear(x, weight, bias)
+    return fixed_order_linear(x, weight, bias)
+
+
+def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fmaf(a, b, c) elementwise, exactly: a * b is exact in float64, the sum s + e = a * b + c is exact (TwoSum),
+    and s rounded to float32 is the correctly rounded result unless s is exactly halfway between two floats, where
+    the sign of e decides. Finite results only (an overflow to inf is not emulated)."""
+    p = a.double() * b.double()
+    cd = c.double()
+    s = p + cd
+    back = s - p
+    e = (p - (s - back)) + (cd - back)
+    f = s.float()
+    fd = f.double()
+    # The float on s's other side; s is a tie exactly when it lies halfway between f and it.
+    other = torch.nextafter(f, torch.where(s > fd, torch.full_like(f, torch.inf), torch.full_like(f, -torch.inf)))
+    tie = (s != fd) & (s == (fd + other.double()) * 0.5)
+    toward = torch.nextafter(f, torch.where(e > 0, torch.full_like(f, torch.inf), torch.full_like(f, -torch.inf)))
+    # At a tie s rounded to even; e != 0 moves the exact value off the midpoint, toward e's side.
+    moved = tie & (e != 0) & (((e > 0) & (fd < s)) | ((e < 0) & (fd > s)))
+    return torch.where(moved, toward, f)
+
+
+def fixed_order_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's roundings (BI-2) with torch alone: the oracle of ``cpu_linear.c`` and its stand-in."""
+    _checked(x, weight, bias)
+    rows, n, k = x.reshape(-1, x.shape[-1]), weight.shape[0], weight.shape[1]
+    chunks = -(-k // LANES)
+    pad = chunks * LANES - k
+    xl = F.pad(rows, (0, pad)).view(-1, chunks, LANES)
+    wl = F.pad(weight, (0, pad)).view(n, chunks, LANES)
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    step = max(1, _EMULATION_ELEMENTS // max(1, rows.shape[0] * LANES))
+    for n0 in range(0, n, step):
+        w = wl[n0 : n0 + step]
+        acc = torch.zeros(rows.shape[0], w.shape[0], LANES, dtype=torch.float32)
+        for c in range(chunks):
+            acc = _fma_f32(xl[:, None, c, :], w[None, :, c, :], acc)
+        width = LANES // 2
+        while width > 0:
+            acc = acc[..., :width] + acc[..., width : 2 * width]
+            width //= 2
+        total = acc[..., 0]
+        out[:, n0 : n0 + step] = total + bias[n0 : n0 + step] if bias is not None else total
+    return out.reshape(*x.shape[:-1], n)
+
+
+def float64_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The error reference: the layer in float64 (from the float32 inputs), a slice of weight rows at a time so a
+    large vocabulary's head is never copied whole."""
+    xd, step = x.double(), 16384
+    parts = [
+        F.linear(xd, weight[n0 : n0 + step].double(), None if bias is None else bias[n0 : n0 + step].double())
+        for n0 in range(0, weight.shape[0], step)
+    ]
+    return torch.cat(parts, dim=-1)
+
+
+# The linear layers (in_features, out_features) of the default model (optimized/models/default_model.py: hidden
+# 256, 4 heads and 2 KV heads of 64, intermediate 768, vocabulary 257) and of Qwen3-0.6B (hidden 1024, 16 heads and
+# 8 KV heads of 128, intermediate 3072, vocabulary 151936), q/k/v and gate/up packed as the model packs them.
+MODEL_SHAPES: dict[str, dict[str, tuple[int, int]]] = {
+    "default": {"qkv": (256, 512), "o": (256, 256), "gate_up": (256, 1536), "down": (768, 256), "lm_head": (256, 257)},
+    "qwen3-0.6b": {
+        "qkv": (1024, 4096),
+        "o": (2048, 1024),
+        "gate_up": (1024, 6144),
+        "down": (3072, 1024),
+        "lm_head": (1024, 151936),
+    },
+}
+
+
+def _median_seconds(fn: Callable[[], torch.Tensor], budget_s: float) -> float:
+    fn()  # warm: caches, thread pool
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 200):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def relative_error(y: torch.Tensor, exact: torch.Tensor) -> float:
+    """Largest |y - exact| over the largest |exact| (a scale-free error of a layer's output)."""
+    return float((y.double() - exact).abs().max() / exact.abs().max().clamp_min(1e-300))
+
+
+def benchmark(
+    rows: tuple[int, ...] = (1, 8, 64, 256), threads: tuple[int, ...] = (1, 2), budget_s: float = 0.3
+) -> list[dict[str, object]]:
+    """Time MKL (``F.linear``) and the invariant kernel side by side on the models' shapes and print one line each:
+    both medians, their ratio, and both errors against float64. Qwen3-0.6B's lm_head runs at 8 rows at most (the
+    engine computes it for a sequence's last token only)."""
+    saved = torch.get_num_threads()
+    results: list[dict[str, object]] = []
+    g = torch.Generator().manual_seed(0)
+    print(f"invariant linear ({compiled_path()}) vs F.linear (MKL), float32, median seconds")
+    print(f"{'model':<11} {'layer':<8} {'M':>4} {'K':>5} {'N':>6} {'th':>2} {'mkl_s':>10} {'kernel_s':>10} "
+          f"{'ratio':>6} {'mkl_err':>9} {'kernel_err':>10}")  # fmt: skip
+    try:
+        for model, layers in MODEL_SHAPES.items():
+            for layer, (k, n) in layers.items():
+                w = torch.randn(n, k, generator=g) / k**0.5
+                for m in rows:
+                    if n * k > 1 << 26 and m > 8:
+                        continue
+                    x = torch.randn(m, k, generator=g)
+                    exact = float64_linear(x, w)
+                    for t in threads:
+                        torch.set_num_threads(t)
+                        mkl_s = _median_seconds(functools.partial(F.linear, x, w), budget_s)
+                        kernel_s = _median_seconds(functools.partial(invariant_linear, x, w), budget_s)
+                        mkl_err = relative_error(F.linear(x, w), exact)
+                        kernel_err = relative_error(invariant_linear(x, w), exact)
+                        results.append({
+                            "model": model, "layer": layer, "M": m, "K": k, "N": n, "threads": t,
+                            "mkl_s": mkl_s, "kernel_s": kernel_s, "ratio": kernel_s / mkl_s,
+                            "mkl_err": mkl_err, "kernel_err": kernel_err,
+                        })  # fmt: skip
+                        print(
+                            f"{model:<11} {layer:<8} {m:>4} {k:>5} {n:>6} {t:>2} {mkl_s:>10.3e} {kernel_s:>10.3e} "
+                            f"{kernel_s / mkl_s:>6.2f} {mkl_err:>9.2e} {kernel_err:>10.2e}"
+                        )
+    finally:
+        torch.set_num_threads(saved)
+    return results
+
+
+if __name__ == "__main__":
+    benchmark()

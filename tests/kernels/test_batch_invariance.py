@@ -1,0 +1,238 @@
+"""The batch-invariant kernels (spec/batch-invariance.md): a row of the invariant linear is the same bits alone or in
+any batch, at 1 or 2 threads, on every instruction-set path, and is exactly the order the spec states; MKL's is not
+(the negative control); its error against float64 is within 2x MKL's on the models' shapes; and the C decode
+attention of a query equals the C prefill's row for the same query and keys."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import cpu_attention, cpu_build, linear
+
+ODD = st.integers(0, 40).map(lambda i: 2 * i + 1)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_available() -> None:
+    # Only a machine without a C compiler may skip: with one, a kernel that fails to build is a failure here.
+    if cpu_build.find_compiler() is None:
+        pytest.skip("no C compiler on the PATH")
+    reason = cpu_build.unavailable_reason()
+    assert reason is None, f"the C kernels did not build: {reason}"
+
+
+@contextlib.contextmanager
+def at_threads(count: int) -> Iterator[None]:
+    """torch (and so the C kernels) on ``count`` threads, restored after."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def layer(
+    m: int, n: int, k: int, seed: int, bias: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    return x, w, torch.randn(n, generator=g) if bias else None
+
+
+def rows_alone_differ(
+    fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> list[int]:
+    """The rows of fn(x) that are not bit for bit fn of that row alone."""
+    y = fn(x, w, b)
+    return [i for i in range(x.shape[0]) if not torch.equal(y[i : i + 1], fn(x[i : i + 1], w, b))]
+
+
+@pytest.mark.clause("BI-1")
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 300), n=ODD, k=ODD, seed=st.integers(0, 2**16), two_threads=st.booleans(), data=st.data())
+def test_a_row_is_the_same_alone_in_any_batch_at_any_thread_count(
+    m: int, n: int, k: int, seed: int, two_threads: bool, data: st.DataObject
+) -> None:
+    """BI-1: each row of invariant_linear(X) equals invariant_linear(X[i:i+1]) and any slice X[a:b]'s, bit for bit,
+    and the whole product is the same at 1 and 2 threads."""
+    x, w, b = layer(m, n, k, seed, bias=data.draw(st.booleans()))
+    a = data.draw(st.integers(0, m - 1))
+    stop = data.draw(st.integers(a + 1, m))
+    with at_threads(2 if two_threads else 1):
+        assert rows_alone_differ(linear.invariant_linear, x, w, b) == []
+        y = linear.invariant_linear(x, w, b)
+        assert torch.equal(linear.invariant_linear(x[a:stop], w, b), y[a:stop])
+    with at_threads(1 if two_threads else 2):
+        assert torch.equal(linear.invariant_linear(x, w, b), y)
+
+
+@pytest.mark.clause("BI-1")
+def test_mkl_is_not_batch_invariant() -> None:
+    """BI-1's negative control: F.linear (MKL) on the same inputs gives some row a different value alone than in a
+    batch, at 1 thread, so the property above can fail."""
+    x, w, b = layer(8, 1536, 256, 0, bias=False)  # the default model's gate_up
+    with at_threads(1):
+        assert rows_alone_differ(F.linear, x, w, b) != []
+        assert rows_alone_differ(linear.invariant_linear, x, w, b) == []
+
+
+@pytest.mark.clause("BI-1")
+@pytest.mark.parametrize("model", sorted(linear.MODEL_SHAPES))
+def test_every_layer_of_the_models_is_batch_invariant(model: str) -> None:
+    """BI-1 on the real shapes: each linear layer of the default model and of Qwen3-0.6B (its lm_head at 3 rows)
+    gives each row the same bits alone, at 1 and 2 threads."""
+    for name, (k, n) in linear.MODEL_SHAPES[model].items():
+        for m in (3,) if n * k > 1 << 26 else (5, 17):
+            x, w, _ = layer(m, n, k, m, bias=False)
+            for t in (1, 2):
+                with at_threads(t):
+                    assert rows_alone_differ(linear.invariant_linear, x, w, None) == [], (name, m, t)
+
+
+SPECIAL = st.sampled_from([0.0, -0.0, 1.0, -1.0, 1e-30, -3e-38, 1e30, 0.1, 2.0**-24, 3.0])
+
+
+@pytest.mark.clause("BI-2")
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 20), n=st.integers(1, 40), k=st.integers(1, 70), seed=st.integers(0, 2**16), data=st.data())
+def test_the_kernel_computes_the_stated_order(m: int, n: int, k: int, seed: int, data: st.DataObject) -> None:
+    """BI-2: the compiled kernel equals fixed_order_linear (the stated order, each fused multiply-add emulated
+    exactly in float64 with torch) bit for bit, on random values and on exact zeros of both signs, ties, tiny and
+    huge values."""
+    x, w, b = layer(m, n, k, seed, bias=data.draw(st.booleans()))
+    if data.draw(st.booleans()):
+        picks = st.lists(SPECIAL, min_size=m * k, max_size=m * k)
+        x = torch.tensor(data.draw(picks), dtype=torch.float32).view(m, k)
+    assert torch.equal(linear.compiled_linear(x, w, b), linear.fixed_order_linear(x, w, b))
+
+
+@pytest.mark.clause("BI-2")
+def test_the_emulated_fma_rounds_once() -> None:
+    """BI-2's oracle: _fma_f32 rounds a * b + c once, as fmaf does, where the float64 sum rounded again to float32
+    would not: (8 + 2^-20)(8 - 2^-20) + (2^30 + 2^7) is 2^-40 below the midpoint of 2^30 + 2^7 and 2^30 + 2^8, so it
+    rounds down; the float64 sum lands on the midpoint and rounds to even, up."""
+    a, b, c = (torch.tensor([v]) for v in (8 + 2.0**-20, 8 - 2.0**-20, 2.0**30 + 2.0**7))
+    assert (a.double() * b.double() + c.double()).float().item() == 2.0**30 + 2.0**8  # rounded twice
+    assert linear._fma_f32(a, b, c).item() == 2.0**30 + 2.0**7
+    assert linear._fma_f32(-a, b, -c).item() == -(2.0**30 + 2.0**7)
+    assert linear._fma_f32(a, a, torch.zeros(1)).item() == 64 + 2.0**-16  # 2^-40 below float32's reach: dropped
+
+
+PATH_FLAGS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
+@pytest.mark.clause("BI-2")
+def test_every_instruction_set_path_gives_the_same_bits(tmp_path: Path) -> None:
+    """BI-2: cpu_linear.c built for AVX2 and for no vector extension at all (the fallbacks of machines without
+    AVX-512) gives the very bits of this machine's build."""
+    compiler = cpu_build.find_compiler()
+    assert compiler is not None
+    cases = [layer(m, n, k, m + n + k) for m, n, k in ((1, 5, 3), (4, 16, 16), (7, 33, 47), (300, 21, 99))]
+    expected = [linear.compiled_linear(*case) for case in cases]
+    for path, extra in PATH_FLAGS.items():
+        out = tmp_path / f"linear-{path}.so"
+        cmd = [compiler, *cpu_build.FLAGS, *extra, "-o", str(out), str(cpu_build.LINEAR_SOURCE), *cpu_build.LIBS]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=cpu_build.BUILD_TIMEOUT_S)
+        library = ctypes.CDLL(str(out))
+        named = library.nv_linear_path
+        named.restype = ctypes.c_char_p
+        assert named() == path.encode()
+        kernel = linear.bind(library)
+        for case, want in zip(cases, expected, strict=True):
+            assert torch.equal(linear.compiled_linear(*case, kernel=kernel), want), (path, case[0].shape)
+
+
+@pytest.mark.clause("BI-3")
+@pytest.mark.parametrize("model", sorted(linear.MODEL_SHAPES))
+def test_error_against_float64_is_within_twice_mkls(model: str) -> None:
+    """BI-3: on every linear layer of the default model and Qwen3-0.6B, the kernel's largest error against the
+    float64 layer is at most 2x F.linear's (measured: 0.3x to 1.0x)."""
+    for name, (k, n) in linear.MODEL_SHAPES[model].items():
+        m = 2 if n * k > 1 << 26 else 33
+        x, w, _ = layer(m, n, k, 7)
+        exact = linear.float64_linear(x, w)
+        mine = linear.relative_error(linear.invariant_linear(x, w), exact)
+        mkl = linear.relative_error(F.linear(x, w), exact)
+        assert mine <= 2 * mkl, (name, mine, mkl)
+
+
+@pytest.mark.clause("BI-5")
+def test_refusals_name_the_tensor() -> None:
+    """BI-5: a tensor the invariant linear cannot take is a ValueError naming it, never a silent F.linear."""
+    x, w, b = layer(2, 3, 4, 0)
+    assert b is not None
+    with pytest.raises(ValueError, match=r"x is torch\.float64"):
+        linear.invariant_linear(x.double(), w, b)
+    with pytest.raises(ValueError, match="x's last dimension 5 is not weight's in_features 4"):
+        linear.invariant_linear(torch.zeros(2, 5), w, b)
+    with pytest.raises(ValueError, match=r"bias \(2,\) is not \[out_features\]"):
+        linear.invariant_linear(x, w, b[:2])
+    with pytest.raises(ValueError, match=r"weight .* is not"):
+        linear.invariant_linear(x, w[0], None)
+    with pytest.raises(ValueError, match="x is on meta"):
+        linear.invariant_linear(x.to("meta"), w, b)
+
+
+@pytest.mark.clause("BI-5")
+def test_without_the_library_the_torch_order_stands_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BI-5: where the library does not build, invariant_linear computes the same bits with torch (never MKL); strided
+    inputs and leading batch dimensions are taken as F.linear takes them."""
+    x, w, b = layer(6, 9, 20, 3)
+    xs = torch.randn(2, 6, 40)[..., ::2]  # strided along in_features
+    want, want_strided = linear.invariant_linear(x, w, b), linear.invariant_linear(xs, w, b)
+    assert want_strided.shape == (2, 6, 9)
+    assert torch.equal(want_strided.reshape(12, 9), linear.invariant_linear(xs.reshape(12, 20).contiguous(), w, b))
+    monkeypatch.setattr(linear, "unavailable_reason", lambda: "no C compiler (a test)")
+    assert torch.equal(linear.invariant_linear(x, w, b), want)
+    assert torch.equal(linear.invariant_linear(xs, w, b), want_strided)
+
+
+def attention_case(
+    seed: int, n: int, qlen: int, heads: int, kv_heads: int, d: int, block: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-n // block) + 2
+    k_cache = torch.randn(blocks, block, kv_heads, d, generator=g, dtype=dtype) * 3
+    v_cache = torch.randn(blocks, block, kv_heads, d, generator=g, dtype=dtype)
+    table = torch.randperm(blocks, generator=g)[None].to(torch.int32)
+    q = torch.randn(qlen, heads, d, generator=g, dtype=dtype)
+    return q, k_cache, v_cache, table
+
+
+@pytest.mark.clause("BI-4")
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(1, 80),
+    gqa=st.sampled_from([(1, 1), (4, 2), (6, 2), (8, 1)]),
+    d=st.sampled_from([64, 128, 8, 20, 33]),
+    block=st.sampled_from([1, 4, 16]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    data=st.data(),
+)
+def test_decode_row_equals_prefill_row(
+    seed: int, n: int, gqa: tuple[int, int], d: int, block: int, dtype: torch.dtype, data: st.DataObject
+) -> None:
+    """BI-4: for the same query and keys, the C decode's output is the C prefill's row for that query, bit for bit:
+    a prefill of the last qlen positions of a context against decodes of each one with its own context length (so
+    recomputing a preempted sequence, or reading blocks decode wrote, moves no bit)."""
+    qlen = data.draw(st.integers(1, n))
+    q, k_cache, v_cache, table = attention_case(seed, n, qlen, *gqa, d, block, dtype)
+    scale = d**-0.5
+    cu = torch.tensor([0, qlen], dtype=torch.int32)
+    prefill = cpu_attention.paged_prefill(q, k_cache, v_cache, cu, torch.tensor([n], dtype=torch.int32), table, scale)
+    lens = torch.arange(n - qlen + 1, n + 1, dtype=torch.int32)
+    decode = cpu_attention.paged_decode(q, k_cache, v_cache, lens, table.expand(qlen, -1).contiguous(), scale)
+    assert torch.equal(decode, prefill)
