@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-M = TypeVar("M", bound=BaseModel)
+M = TypeVar("M", bound="_Sampling")
 
 
 class ApiError(Exception):
@@ -106,7 +106,7 @@ def parse_request(model: type[M], raw: bytes) -> M:
         request = model.model_validate(data)
     except ValidationError as e:
         raise from_validation(e) from None
-    if getattr(request, "n", 1) != 1:
+    if request.n != 1:
         raise ApiError(400, "n: only n=1 is supported (one completion per request)", param="n")
     _refuse_unsupported(data)
     return request
