@@ -19,9 +19,9 @@ from typing import Protocol, TypeAlias
 import torch
 
 from kernels import cpu_build
+from kernels.backend_names import BACKEND_NAMES
 from kernels.torch_backend import TorchBackend
 
-BACKEND_NAMES = ("torch", "cpu", "triton", "flash-attn")
 __all__ = ["BACKEND_NAMES", "AttentionBackend", "DecodePlan", "TorchBackend", "flash_attn_available", "get_backend"]
 
 

@@ -18,18 +18,20 @@ from optimized.core.errors import EmptyDecodeError  # noqa: E402
 from optimized.engine.sampling_params import RequestRefused, SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:  # the lazy names, as mypy should see them
+    from optimized.core.config import SchedulerConfig as SchedulerConfig
     from optimized.core.scheduler import Scheduler as Scheduler
-    from optimized.core.scheduler import SchedulerConfig as SchedulerConfig
-    from optimized.core.scheduler import Sequence as Sequence
-    from optimized.core.scheduler import SequenceStatus as SequenceStatus
+    from optimized.core.sequence import Sequence as Sequence
+    from optimized.core.sequence import SequenceStatus as SequenceStatus
+    from optimized.engine.args import EngineArgs as EngineArgs
     from optimized.entry.llm import LLM as LLM
     from optimized.entry.llm import RequestOutput as RequestOutput
 
-_LAZY = {
+_LAZY = {  # each name's own module, in its room
     "Scheduler": "optimized.core.scheduler",
-    "SchedulerConfig": "optimized.core.scheduler",
-    "Sequence": "optimized.core.scheduler",
-    "SequenceStatus": "optimized.core.scheduler",
+    "SchedulerConfig": "optimized.core.config",
+    "Sequence": "optimized.core.sequence",
+    "SequenceStatus": "optimized.core.sequence",
+    "EngineArgs": "optimized.engine.args",
     "LLM": "optimized.entry.llm",
     "RequestOutput": "optimized.entry.llm",
 }

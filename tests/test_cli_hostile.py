@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from hypothesis.stateful import RuleBasedStateMachine
 
-from optimized.cli import arguments, fuzz, main
 from optimized.cli import command as cli
+from optimized.cli import fuzz, main
+from optimized.engine import arg_types
 from optimized.verify.machines import Stats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +52,7 @@ GARBAGE: dict[str, list[list[str]]] = {
                          ["--max-output-len", str(1 << 64)], ["--dtype", "int8"]],
     "generate": [[], ["--model", MISSING, "hi"], ["--model", A_FILE, "hi"], ["--seed", "abc", "hi"],
                  ["--max-tokens", "x", "hi"], ["caf\udce9"], ["--temperature", "nan", "hi"],
-                 ["--temperature", "-1", "hi"], ["--top-p", "2", "hi"], ["--top-k", "0", "hi"],
+                 ["--temperature", "-1", "hi"], ["--top-p", "2", "hi"], ["--top-k", "-2", "hi"],
                  ["--max-tokens", "-5", "hi"]],
     "gpu-check": [["--deadline-s", "nan"], ["--deadline-s", "-1"], ["--deadline-s", "inf"], ["--work", A_FILE],
                   ["--device", "tpu"], ["--device", "cpu"], ["--device", "cpu", "--tiny", "--stages", "bogus"]],
@@ -189,7 +190,7 @@ def test_fuzz_minutes_nan_and_negative_are_refused_inf_is_accepted(capsys: pytes
     for value in ("nan", "-0.5", "-inf"):
         assert main(["fuzz", f"--minutes={value}"]) == 2
         assert "argument --minutes: must be a number >= 0 (or inf)" in capsys.readouterr().err
-    assert arguments.minutes("inf") == math.inf and arguments.minutes("0") == 0.0
+    assert arg_types.minutes("inf") == math.inf and arg_types.minutes("0") == 0.0
 
 
 @pytest.mark.clause("CLI-6")

@@ -71,11 +71,10 @@ def test_generate_command(cache_dir: Path, capsys: pytest.CaptureFixture[str]) -
 @pytest.mark.clause("ENG-18")
 def test_throughput_benchmark_prints_both_sides(cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """ENG-18: the throughput benchmark runs the engine and transformers on one workload and prints the ratio."""
-    from optimized.benchmarks.throughput import main
+    from optimized.benchmarks.throughput import run
+    from optimized.engine.args import EngineArgs
 
-    args = argparse.Namespace(
-        model=None, num_requests=6, max_input_len=12, max_output_len=6, dtype=None, device="cpu", seed=0
-    )
-    assert main(args) == 0
+    args = argparse.Namespace(num_requests=6, max_input_len=12, max_output_len=6)
+    assert run(args, EngineArgs(device="cpu")) == 0
     out = capsys.readouterr().out
     assert "nanoverify engine:" in out and "transformers generate:" in out and "ratio (engine / transformers):" in out

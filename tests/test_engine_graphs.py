@@ -73,7 +73,7 @@ def test_enforce_eager_default_and_validation() -> None:
     llm = LLM(str(checkpoint("qwen3")), dtype="float64", **SETTINGS)
     assert llm.enforce_eager is True and llm.engine.runner.graphs is None
     with pytest.raises(ValueError, match="enforce_eager"):
-        LLM(str(checkpoint("qwen3")), enforce_eager="no")  # type: ignore[arg-type]
+        LLM(str(checkpoint("qwen3")), enforce_eager="no")
 
 
 @pytest.mark.clause("ENG-21")

@@ -308,15 +308,16 @@ def test_cuda_graphs_follow_the_declared_capturable(monkeypatch: pytest.MonkeyPa
     from optimized.models.loader import load_model
 
     spy = CapabilitySpy(reads_cache_in_place=True, needs_decode_plan=False, capturable=capturable)
+    monkeypatch.setattr(spy, "name", "triton")  # the engine's settings name only backends it knows
     loads: list[str] = []
 
-    def load_on_cpu(folder: Any, dtype: torch.dtype, device: torch.device) -> Any:
+    def load_on_cpu(folder: Any, dtype: torch.dtype, device: torch.device, tp: Any = None) -> Any:
         loads.append(device.type)
-        return load_model(folder, dtype, torch.device("cpu"))
+        return load_model(folder, dtype, torch.device("cpu"), tp)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(kernels.backend, "get_backend", lambda name, device: spy)
-    monkeypatch.setattr("optimized.entry.llm.load_model", load_on_cpu)
+    monkeypatch.setattr("optimized.models.loader.load_model", load_on_cpu)
     llm = make(device="cuda")
     assert loads == ["cuda"] and llm.enforce_eager is not capturable
     assert (llm.engine.runner.graphs is not None) is capturable
@@ -373,12 +374,12 @@ def test_throughput_benchmark_states_its_fairness(
 ) -> None:
     """ENG-22: one thread count set for both sides and printed; static batches of the stated size; requests
     with identical tokens reported; only requested tokens counted."""
-    from optimized.benchmarks.throughput import main
+    from optimized.benchmarks.throughput import run
+    from optimized.engine.args import EngineArgs
 
     monkeypatch.setenv("NANOVERIFY_CACHE", str(tmp_path))
-    args = argparse.Namespace(device="cpu", num_requests=5, max_input_len=9, max_output_len=5, threads=1)
-    args.hf_batch_size = 2
-    assert main(args) == 0
+    args = argparse.Namespace(num_requests=5, max_input_len=9, max_output_len=5, threads=1, hf_batch_size=2)
+    assert run(args, EngineArgs(device="cpu")) == 0
     out = capsys.readouterr().out
     assert "1 torch threads for both sides" in out and "static left-padded batches of 2" in out
     line = next(s for s in out.splitlines() if s.startswith("requests with identical tokens on both sides"))

@@ -118,7 +118,7 @@ def test_one_kv_head_is_replicated_and_odd_vocabulary_padded(tmp_path: Path) -> 
             got = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
             assert llm.engine.runner.kv_cache.shape[-2] == 1
             assert llm.engine.runner.model.embed_tokens.weight.shape[0] == 128
-            group = llm.engine.runner.tp
+            group = llm._group
             assert group is not None
         threads_after = torch.get_num_threads()
     finally:
@@ -138,11 +138,11 @@ def test_bench_prints_tp1_and_tp2_side_by_side(capsys: pytest.CaptureFixture[str
     import argparse
 
     from optimized.benchmarks import throughput
+    from optimized.engine.args import EngineArgs
 
-    args = argparse.Namespace(model=str(checkpoint("qwen3")), num_requests=3, max_input_len=8, max_output_len=4,
-                              dtype="float64", device="cpu", tensor_parallel_size=2, threads=1, seed=0,
-                              hf_batch_size=None)
-    assert throughput.main(args) == 0
+    args = argparse.Namespace(num_requests=3, max_input_len=8, max_output_len=4, threads=1, hf_batch_size=None)
+    engine = EngineArgs(str(checkpoint("qwen3")), dtype="float64", device="cpu", tensor_parallel_size=2)
+    assert throughput.run(args, engine) == 0
     out = capsys.readouterr().out
     assert "nanoverify engine TP=1:" in out and "nanoverify engine TP=2:" in out
     assert "all-reduces of" in out and "logits gathered" in out

@@ -21,9 +21,12 @@ import pytest
 import torch
 
 from optimized import LLM, SamplingParams
+from optimized.engine import assembly
+from optimized.engine.assembly import RunnerSpec
+from optimized.engine.model_runner import StepMessage
 from optimized.parallel import launch
 from optimized.parallel.group import Group, TensorParallelError, open_store, private_store
-from optimized.parallel.step import StepMessage, receive_step, send_step, send_stop
+from optimized.parallel.step import receive_step, send_step, send_stop
 from tests.engine_fixtures import checkpoint, with_config
 
 pytestmark = pytest.mark.usefixtures("engine_env")
@@ -38,7 +41,7 @@ def _child_env() -> dict[str, str]:
 
 @pytest.fixture
 def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(spec: launch.RunnerSpec) -> Group:
+    def refuse(spec: RunnerSpec) -> Group:
         raise AssertionError("a worker was started before the refusal")
 
     monkeypatch.setattr(launch, "_spawn", refuse)
@@ -65,7 +68,7 @@ def test_refused_by_name_before_any_process(no_spawn: None, folder: str, size: o
         "h12kv3": with_config("qwen3", "h12kv3", num_attention_heads=12, num_key_value_heads=3),
     }[folder]
     with pytest.raises(ValueError, match=message):
-        LLM(str(path), tensor_parallel_size=size, **SMALL)  # type: ignore[arg-type]
+        LLM(str(path), tensor_parallel_size=size, **SMALL)
 
 
 @pytest.mark.clause("TP-1")
@@ -77,7 +80,7 @@ def test_too_few_cuda_devices_refused(no_spawn: None, monkeypatch: pytest.Monkey
         LLM(str(checkpoint("qwen3")), device="cuda", attention_backend="torch", tensor_parallel_size=2)
 
 
-def _refuse_join(spec: launch.RunnerSpec, rank: int) -> Group:
+def _refuse_join(spec: RunnerSpec, rank: int) -> Group:
     raise AssertionError("the torchrun group was joined before the refusal")
 
 
@@ -98,13 +101,20 @@ def test_size_one_under_torchrun_joins_nothing(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(launch, "_join_torchrun", _refuse_join)
     llm = LLM(str(checkpoint("qwen3")), **SMALL)
-    assert llm.engine.runner.tp is None
+    assert llm.engine.runner.tp is None and llm.comm_stats() is None
     assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].token_ids) == 6
 
 
-def _spec(family: str, **changes: Any) -> launch.RunnerSpec:
-    base = launch.RunnerSpec(str(checkpoint(family)), "float64", "cpu", "torch", 4, 32, 0.9, 0.5, 64, 8, True, 2, 1)
-    return launch.RunnerSpec(**{**base.__dict__, **changes})
+def _spec(family: str, **changes: Any) -> RunnerSpec:
+    base = RunnerSpec(str(checkpoint(family)), "float64", "cpu", "torch", 4, 32, 0.9, 0.5, 64, 8, True, 2, 1)
+    return RunnerSpec(**{**base.__dict__, **changes})
+
+
+def _group(llm: LLM) -> Group:
+    """Rank 0's group of a tensor-parallel LLM."""
+    group = llm._group
+    assert group is not None
+    return group
 
 
 def _on_two_ranks(work: Callable[[Group], Any], timeout: float = 30) -> tuple[list[Any], list[BaseException | None]]:
@@ -140,7 +150,7 @@ def _on_two_ranks(work: Callable[[Group], Any], timeout: float = 30) -> tuple[li
     return results, errors
 
 
-def _check_pair(spec0: launch.RunnerSpec, spec1: launch.RunnerSpec) -> list[BaseException | None]:
+def _check_pair(spec0: RunnerSpec, spec1: RunnerSpec) -> list[BaseException | None]:
     """check_same run by two ranks over a real gloo group; each rank's exception."""
     return _on_two_ranks(lambda group: launch.check_same(group, (spec0, spec1)[group.rank]))[1]
 
@@ -162,11 +172,11 @@ def _same_shapes_other_weights(folder: Path) -> Path:
 def test_ranks_that_disagree_are_refused(tmp_path: Path) -> None:
     """TP-7: ranks loading different checkpoints (even of the same shapes, other weights), or with different
     settings, refuse on every rank, naming the rank and what differs; ranks that agree pass."""
-    same_shapes = _spec("qwen3", model_dir=str(_same_shapes_other_weights(tmp_path / "other-weights")))
+    same_shapes = _spec("qwen3", model=str(_same_shapes_other_weights(tmp_path / "other-weights")))
     assert launch._setup(same_shapes)["checkpoint files"] == launch._setup(_spec("qwen3"))["checkpoint files"]
     assert _check_pair(_spec("qwen3"), _spec("qwen3")) == [None, None]
     for other, field in ((_spec("llama"), "checkpoint files"), (same_shapes, "checkpoint sampled sha256"),
-                         (_spec("qwen3", block_size=8), "block_size")):
+                         (_spec("qwen3", kvcache_block_size=8), "kvcache_block_size")):
         errors = _check_pair(_spec("qwen3"), other)
         for e in errors:
             assert isinstance(e, ValueError)
@@ -179,8 +189,7 @@ def test_killed_worker_fails_the_next_step_naming_it() -> None:
     the signal; every later step fails the same way at once; close() then has nothing left to stop."""
     llm = LLM(str(checkpoint("qwen3")), tensor_parallel_size=2, **SMALL)
     assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].token_ids) == 6
-    group = llm.engine.runner.tp
-    assert group is not None
+    group = _group(llm)
     worker = group.workers[0]
     os.kill(worker.pid or 0, signal.SIGKILL)
     start = time.monotonic()
@@ -220,7 +229,7 @@ from optimized import LLM
 if __name__ == "__main__":
     torch.set_num_threads(1)
     llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float64", kvcache_block_size=4, num_kvcache_blocks=16)
-    print(llm.engine.runner.tp.store_folder, *(w.pid for w in llm.engine.runner.tp.workers), flush=True)
+    print(llm._group.store_folder, *(w.pid for w in llm._group.workers), flush=True)
     time.sleep(120)
 """
 
@@ -458,8 +467,7 @@ def test_rank_0_that_raises_ends_the_group_at_once() -> None:
     engine fails the batch, FAULT-1), kills the worker (no collective timeout waited out), and every later call fails
     at once with the same message."""
     llm = LLM(str(checkpoint("qwen3")), tensor_parallel_size=2, **SMALL)
-    runner, group = llm.engine.runner, llm.engine.runner.tp
-    assert group is not None
+    runner, group = llm.engine.runner, _group(llm)
     runner.model.layers[1] = _RaisesOnce(runner.model.layers[1])
     start = time.monotonic()
     with pytest.raises(TensorParallelError, match="tensor-parallel rank 0 raised ValueError: rank 0's layer broke"):
@@ -509,8 +517,8 @@ def test_private_store_and_dropped_llm_stops_its_worker() -> None:
 
     before = set(_sockets_listening(os.getpid()))
     llm = LLM(str(checkpoint("qwen3")), tensor_parallel_size=2, **SMALL)
-    group = llm.engine.runner.tp
-    assert group is not None and group.store_folder is not None
+    group = _group(llm)
+    assert group.store_folder is not None
     folder = group.store_folder
     assert folder.stat().st_mode & 0o777 == 0o700 and (folder / "store").is_file()
     worker = group.workers[0]
@@ -526,7 +534,6 @@ def test_private_store_and_dropped_llm_stops_its_worker() -> None:
 
 def _slow_rank_1(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Rank 1 (the thread named rank1) loads its shard ``seconds`` late and its memory holds 5 KV blocks, rank 0's 9."""
-    from optimized.entry import llm
     from optimized.models import loader
 
     load = loader.load_model
@@ -537,7 +544,7 @@ def _slow_rank_1(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
         return load(*args)
 
     monkeypatch.setattr(loader, "load_model", slow_load)
-    monkeypatch.setattr(llm, "kv_cache_blocks", lambda *a: 5 if threading.current_thread().name == "rank1" else 9)
+    monkeypatch.setattr(assembly, "kv_cache_blocks", lambda *a: 5 if threading.current_thread().name == "rank1" else 9)
 
 
 @pytest.mark.clause("TP-3", "TP-8")

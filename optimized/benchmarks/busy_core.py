@@ -36,7 +36,7 @@ class Config:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from optimized.cli.arguments import MAX_THREADS, bounded_int
+    from optimized.engine.arg_types import MAX_THREADS, bounded_int
 
     p.add_argument("--num-requests", type=bounded_int(1), default=50)
     p.add_argument("--max-tokens", type=bounded_int(1, 4096), default=48)

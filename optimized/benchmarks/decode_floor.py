@@ -11,9 +11,9 @@ device's copy bandwidth (GPU-6..GPU-8 in spec/gpu.md):
     BW     = 2 * S / t_copy(S)                           (one copy of S bytes reads S and writes S; best of n)
     floor  = (W + KV_r + KV_w) / BW
 
-Activations, logits and the sampler are left out, so the floor is a lower bound. The step time is the engine's
-own ``Engine.step()`` wall time (scheduler, input preparation, forward, sampling and the token's trip to the
-host), timed only on steps whose decode batch is exactly B.
+Activations, logits and the sampler are left out, so the floor is a lower bound. The step time is the wall time of
+``LLM.step()`` (scheduler, input preparation, forward, sampling and the token's trip to the host; the LLM's lock
+around it), timed only on steps whose decode batch is exactly B.
 """
 
 from __future__ import annotations
@@ -102,23 +102,22 @@ def time_decode_steps(llm: LLM, prompts: list[list[int]], warmup: int, steps: in
     Every request asks for more tokens than are timed, so the batch stays whole; prefill steps (and any decode
     step of a smaller batch) are run but not timed. The requests are left unfinished: the caller drops the LLM.
     """
-    engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 2, ignore_eos=True)
-    requests = [engine.add(p, params, seed=i) for i, p in enumerate(prompts)]
+    requests = [(llm.add_request(p, params), len(p)) for p in prompts]
     batch, seen = len(prompts), 0
     timed: list[DecodeStep] = []
-    device = llm.engine.runner.device
+    device = llm.device
     while len(timed) < steps:
-        contexts = [r.seq.num_tokens for r in requests]
-        before = engine.stats.decode_tokens
+        contexts = [length + len(llm.completion_tokens(i) or ()) for i, length in requests]
+        before = llm.stats.decode_tokens
         _sync(device)
         start = time.perf_counter()
-        if not engine.has_unfinished():
+        if not llm.has_unfinished_requests():
             raise RuntimeError(f"the requests finished before {steps} decode steps of batch {batch} were timed")
-        engine.step()
+        llm.step()
         _sync(device)
         seconds = time.perf_counter() - start
-        if engine.stats.decode_tokens - before != batch:
+        if llm.stats.decode_tokens - before != batch:
             continue
         seen += 1
         if seen > warmup:

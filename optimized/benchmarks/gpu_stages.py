@@ -29,6 +29,8 @@ from optimized.benchmarks.gpu_profile import PROFILES, BenchWorkload, Profile, p
 if TYPE_CHECKING:
     import torch
 
+    from optimized.entry.llm import LLM
+
 Result = dict[str, Any]
 BENCH_DIR = "bench-model"
 
@@ -45,9 +47,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _dtype(name: str) -> torch.dtype:
-    from optimized.entry.llm import DTYPES
+    from optimized.engine.assembly import torch_dtype
 
-    return DTYPES[name]
+    return torch_dtype(name)
 
 
 def bench_requests(w: BenchWorkload, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -145,17 +147,11 @@ def stage_kernels_direct(p: Profile, work: Path) -> Result:
 # ---- graphs-exact: eager and CUDA graphs give the same greedy tokens -------------------------------------------
 
 
-def graph_info(llm: Any) -> tuple[bool, int]:
-    """Whether decode ran through a GraphRunner on the model runner, and how many bucket graphs it captured.
-
-    Where the runner counts the decode steps its graphs served (``graph_steps``), none counted means none ran.
-    """
-    from optimized.engine.graph_runner import GraphRunner
-
-    runner = llm.engine.runner
-    graph_runners = [v for v in vars(runner).values() if isinstance(v, GraphRunner)]
-    used = bool(graph_runners) and getattr(runner, "graph_steps", 1) > 0
-    return used, sum(len(r.graphs) for r in graph_runners)
+def graph_info(llm: LLM) -> tuple[bool, int]:
+    """Whether decode ran through graphs (some decode step was served by them), and how many bucket graphs were
+    captured."""
+    steps, captured = llm.decode_graphs()
+    return steps > 0, captured
 
 
 def _free(device: torch.device) -> None:
@@ -267,9 +263,9 @@ def _engine_stage(p: Profile, work: Path, eager: bool) -> Result:
                           p.bench_model.vocab)[0]
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outs]
-    st = llm.engine.stats
+    st = llm.stats
     steps0, decode0 = st.steps, st.decode_steps
-    _sync(llm.engine.runner.device)
+    _sync(llm.device)
     start = time.perf_counter()
     done = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -357,7 +353,7 @@ def stage_decode_floor(p: Profile, work: Path) -> Result:
                   num_kvcache_blocks=blocks_for(lengths, 16), max_num_seqs=p.floor_batch,
                   max_model_len=max(lengths) + 16)
         steps = time_decode_steps(llm, prompts, p.floor_warmup_steps, p.floor_steps)
-        floors = [decode_floor(llm.engine.runner.model, s.context_lens, bandwidth) for s in steps]
+        floors = [decode_floor(llm.network(), s.context_lens, bandwidth) for s in steps]
         measured = statistics.median(s.seconds for s in steps)
         floor = statistics.median(f.seconds for f in floors)
         mode = "eager" if eager else "graphs"

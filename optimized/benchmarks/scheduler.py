@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from types import ModuleType
 
-from optimized.cli.arguments import any_int, bounded_int
+from optimized.engine.arg_types import any_int, bounded_int
 
 MAX_REPEAT = 1000
 

@@ -335,11 +335,15 @@ def offline_throughput(llm_kwargs: dict[str, Any], jobs: list[Job]) -> tuple[flo
 
 
 # --- the command -------------------------------------------------------------------------------------------
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from optimized.cli.arguments import bounded_int
-    from optimized.cli.engine_options import add_engine_arguments
+# The engine settings the command does not pass on: the server and the offline side would record one trace file.
+NOT_PASSED = ("trace", "trace_wall_times")
 
-    add_engine_arguments(p)
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from optimized.engine.arg_types import bounded_int
+    from optimized.engine.args import EngineArgs
+
+    EngineArgs.add_cli_args(p, exclude=NOT_PASSED)
     p.add_argument("--rate", type=_rate, default=None,
                    help="requests per second, or inf: all at once (default: inf, or a trace's own arrivals)")
     p.add_argument("--burstiness", type=_positive, default=1.0, help="gamma shape of the gaps (1: Poisson)")
@@ -356,7 +360,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _positive(text: str) -> float:
-    from optimized.cli.arguments import positive_seconds
+    from optimized.engine.arg_types import positive_seconds
 
     return positive_seconds(text)
 
@@ -366,15 +370,15 @@ def _rate(text: str) -> float:
 
 
 def main(args: argparse.Namespace) -> int:
-    from optimized.cli.engine_options import llm_kwargs
+    from optimized.engine.args import EngineArgs
     from optimized.entry.llm import LLM
 
-    kwargs = llm_kwargs(args)
+    kwargs = EngineArgs.from_cli_args(args).as_kwargs()
     rows = None
     if args.trace_file is not None:  # read and checked first: a bad file is refused before any model loads
         rows = trace_rows(AZURE_CODE if str(args.trace_file) == "azure-code" else args.trace_file, args.requests)
     probe = LLM(**{**kwargs, "num_kvcache_blocks": 1, "check": False})  # vocabulary and max_model_len only
-    vocab, max_len = probe.engine.limits.vocab_size, probe.engine.limits.max_model_len
+    vocab, max_len = probe.limits.vocab_size, probe.limits.max_model_len
     del probe
     if rows is not None:
         jobs = trace_jobs(rows, vocab, max_len, args.trace_prompt_scale, args.trace_output_scale, args.rate,
@@ -411,7 +415,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _server_flags(args: argparse.Namespace) -> list[str]:
-    """The server's flags: every engine option given (the LLM it builds is the offline side's), the interval."""
-    from optimized.cli.engine_options import engine_flags
+    """The server's flags: every engine setting (the LLM it builds is the offline side's), the interval."""
+    from optimized.engine.args import EngineArgs
 
-    return [*engine_flags(args), "--stream-interval", str(args.stream_interval)]
+    return [*EngineArgs.from_cli_args(args).cli_flags(), "--stream-interval", str(args.stream_interval)]

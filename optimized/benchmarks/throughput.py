@@ -16,6 +16,9 @@ transformers' SDPA, so a near-tie can rarely flip a greedy choice).
 With ``--tensor-parallel-size N`` (N > 1) the two sides are the engine at TP=1 and at TP=N instead (spec/parallel.md,
 TP-10): TP=1 with the run's thread count, each of the N ranks with that count divided by N (at least one), so both
 use the same cores; the TP=N line adds rank 0's communication per step (all-reduces, their bytes and time).
+
+The engine's settings are ``EngineArgs`` (every engine flag; its seed seeds the workload too); the workload's are
+the command's own flags, ``DEFAULTS`` filling those not given.
 """
 
 from __future__ import annotations
@@ -24,28 +27,24 @@ import argparse
 import copy
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from optimized.cli.arguments import MAX_COUNT, MAX_THREADS
 from optimized.core.errors import is_strict_int
+from optimized.engine.arg_types import MAX_COUNT, MAX_THREADS
+from optimized.engine.args import EngineArgs
+from optimized.engine.assembly import torch_dtype
 from optimized.engine.sampling_params import SamplingParams
-from optimized.entry.llm import DTYPES, LLM
-from optimized.parallel.group import CommStats
+from optimized.entry.llm import LLM
 
 DEFAULTS: dict[str, Any] = {
-    "model": None,
     "num_requests": 256,
     "max_input_len": 256,
     "max_output_len": 128,
-    "seed": 0,
-    "dtype": None,
-    "device": None,
     "hf_batch_size": 32,
     "threads": None,
-    "tensor_parallel_size": 1,
 }
 
 
@@ -145,22 +144,18 @@ def check_arguments(args: argparse.Namespace) -> None:
     The command line refuses these at parse time already (optimized/cli/bench.py); this is the same rule for
     a caller that builds the Namespace itself.
     """
-    for name in ("num_requests", "max_input_len", "max_output_len", "hf_batch_size", "threads", "tensor_parallel_size"):
+    for name in ("num_requests", "max_input_len", "max_output_len", "hf_batch_size", "threads"):
         value = _arg(args, name)
         if value is None and name == "threads":
             continue
         most = MAX_THREADS if name == "threads" else MAX_COUNT
         if not is_strict_int(value) or not 1 <= value <= most:
             raise ValueError(f"--{name.replace('_', '-')} must be an integer in [1, {most}], got {value!r}")
-    seed = _arg(args, "seed")
-    if not is_strict_int(seed):
-        raise ValueError(f"--seed must be an integer, got {seed!r}")
 
 
 def _tp_line(llm: LLM, timing: Timing, w: Workload, size: int, threads: int, steps: int) -> str:
-    runner = llm.engine.runner
-    assert runner.tp is not None
-    c = runner.tp.stats
+    c = llm.comm_stats()
+    assert c is not None  # a tensor-parallel LLM's
     steps = max(1, steps)
     per = c.all_reduce_seconds / max(1, c.all_reduces) * 1e6
     gathered = c.gather_bytes / max(1, c.gathers) / 1024
@@ -173,32 +168,35 @@ def _tp_line(llm: LLM, timing: Timing, w: Workload, size: int, threads: int, ste
     )
 
 
-def compare_tensor_parallel(args: argparse.Namespace, size: int, threads: int) -> int:
-    """TP-10: the engine at TP=1 and at TP=``size`` on one workload, side by side."""
-    model, dtype, device = _arg(args, "model"), _arg(args, "dtype"), _arg(args, "device")
-    num, max_in, max_out, seed = (_arg(args, k) for k in ("num_requests", "max_input_len", "max_output_len", "seed"))
-    one = LLM(model, dtype=dtype, device=device)
-    if max_in + max_out > one.engine.limits.max_model_len:
+def _check_lengths(llm: LLM, max_in: int, max_out: int) -> None:
+    if max_in + max_out > llm.limits.max_model_len:
         raise ValueError(f"--max-input-len {max_in} + --max-output-len {max_out} exceeds the model's "
-                         f"max_model_len={one.engine.limits.max_model_len}")
-    w = make_workload(num, max_in, max_out, one.engine.limits.vocab_size, seed)
-    warmup = make_workload(4, max_in, 4, one.engine.limits.vocab_size, seed + 1)
+                         f"max_model_len={llm.limits.max_model_len}")
+
+
+def compare_tensor_parallel(args: argparse.Namespace, engine: EngineArgs, threads: int) -> int:
+    """TP-10: the engine at TP=1 and at TP=``engine.tensor_parallel_size`` on one workload, side by side."""
+    size = engine.tensor_parallel_size
+    num, max_in, max_out = (_arg(args, k) for k in ("num_requests", "max_input_len", "max_output_len"))
+    one = LLM(**replace(engine, tensor_parallel_size=1).as_kwargs())
+    _check_lengths(one, max_in, max_out)
+    w = make_workload(num, max_in, max_out, one.limits.vocab_size, engine.seed)
+    warmup = make_workload(4, max_in, 4, one.limits.vocab_size, engine.seed + 1)
     print(f"workload: {num} requests, prompts 1..{max_in}, outputs 1..{max_out} tokens ({w.output_tokens} output "
-          f"tokens, greedy, eos ignored), model {one.model_dir}, {one.engine.runner.dtype} on "
-          f"{one.engine.runner.device}; untimed warm-up of {len(warmup.prompts)} requests on both sides")
+          f"tokens, greedy, eos ignored), model {one.model_dir}, {one.settings.dtype} on {one.settings.device}; "
+          f"untimed warm-up of {len(warmup.prompts)} requests on both sides")
     single, single_out = run_engine(one, w, warmup)
     print(f"nanoverify engine TP=1:     {w.output_tokens / single.wall:10.1f} output tok/s ({single.wall:.2f} s, "
           f"{single.cpu:.2f} CPU s, {threads} thread(s))")
     del one
     per_rank = max(1, threads // size)
-    with LLM(model, dtype=dtype, device=device, tensor_parallel_size=size) as many:  # workers: threads // size
+    with LLM(**engine.as_kwargs()) as many:  # workers: threads // size
         torch.set_num_threads(per_rank)
         many.generate(warmup.prompts, _params(warmup), use_tqdm=False)
-        assert many.engine.runner.tp is not None
-        many.engine.runner.tp.stats = CommStats()  # the timed run's communication only
-        steps = many.engine.stats.steps
+        many.reset_comm_stats()  # the timed run's communication only
+        steps = many.stats.steps
         split, split_out = run_engine(many, w, Workload([], []))
-        print(_tp_line(many, split, w, size, per_rank, many.engine.stats.steps - steps))
+        print(_tp_line(many, split, w, size, per_rank, many.stats.steps - steps))
     same = sum(a == b for a, b in zip(single_out, split_out, strict=True))
     print(f"requests with identical tokens on both sides: {same}/{len(w.prompts)}")
     print(f"ratio (TP={size} / TP=1): {single.wall / split.wall:.2f}x")
@@ -206,22 +204,25 @@ def compare_tensor_parallel(args: argparse.Namespace, size: int, threads: int) -
 
 
 def main(args: argparse.Namespace) -> int:
+    """The command: the workload's flags in ``args``, and the engine's (EngineArgs.add_cli_args)."""
+    return run(args, EngineArgs.from_cli_args(args))
+
+
+def run(args: argparse.Namespace, engine: EngineArgs) -> int:
+    """The benchmark of ``engine`` on the workload ``args`` describe (``DEFAULTS`` for what it lacks)."""
     check_arguments(args)
     threads = int(_arg(args, "threads") or torch.get_num_threads())
     torch.set_num_threads(threads)  # both sides run under this one setting
-    size = int(_arg(args, "tensor_parallel_size"))
+    size = engine.tensor_parallel_size
     if size > 1 and getattr(args, "trace", False):
         raise ValueError("--trace and --tensor-parallel-size each replace the transformers side: give one at a time")
     if size > 1:
-        return compare_tensor_parallel(args, size, threads)
+        return compare_tensor_parallel(args, engine, threads)
     hf_batch_size = int(_arg(args, "hf_batch_size"))
-    llm = LLM(_arg(args, "model"), dtype=_arg(args, "dtype"), device=_arg(args, "device"))
-    runner = llm.engine.runner
-    vocab = llm.engine.limits.vocab_size
-    num, max_in, max_out, seed = (_arg(args, k) for k in ("num_requests", "max_input_len", "max_output_len", "seed"))
-    if max_in + max_out > llm.engine.limits.max_model_len:
-        raise ValueError(f"--max-input-len {max_in} + --max-output-len {max_out} exceeds the model's "
-                         f"max_model_len={llm.engine.limits.max_model_len}")
+    llm = LLM(**engine.as_kwargs())
+    vocab, seed = llm.limits.vocab_size, engine.seed
+    num, max_in, max_out = (_arg(args, k) for k in ("num_requests", "max_input_len", "max_output_len"))
+    _check_lengths(llm, max_in, max_out)
     w = make_workload(num, max_in, max_out, vocab, seed)
     if getattr(args, "trace", False):  # TRACE-12: the engine with and without a trace, instead of transformers
         from optimized.trace.cost import measure
@@ -230,18 +231,21 @@ def main(args: argparse.Namespace) -> int:
         measure(llm, [len(p) for p in w.prompts], w.output_lens, seed)
         return 0
     warmup = make_workload(4, max_in, 4, vocab, seed + 1)
-    dtype, device = runner.dtype, runner.device
+    dtype_name = llm.settings.dtype
+    assert dtype_name is not None  # resolved when the LLM was built
+    dtype, device = torch_dtype(dtype_name), llm.device
     print(
         f"workload: {num} requests, prompts 1..{max_in}, outputs 1..{max_out} tokens ({w.output_tokens} output "
-        f"tokens, greedy, eos ignored), model {llm.model_dir}, {str(dtype).removeprefix('torch.')} on {device}, "
+        f"tokens, greedy, eos ignored), model {llm.model_dir}, {dtype_name} on {device}, "
         f"{threads} torch threads for both sides; untimed warm-up of {len(warmup.prompts)} requests on both sides"
     )
-    engine, engine_out = run_engine(llm, w, warmup)
-    engine_tps = w.output_tokens / engine.wall
+    ours, engine_out = run_engine(llm, w, warmup)
+    engine_tps = w.output_tokens / ours.wall
     mode = "eager" if llm.enforce_eager else "graph decode"
     print(
-        f"nanoverify engine:          {engine_tps:10.1f} output tok/s ({engine.wall:.2f} s, {engine.cpu:.2f} CPU s, "
-        f"continuous batching, {mode}, {runner.backend.name} attention backend)"
+        f"nanoverify engine:          {engine_tps:10.1f} output tok/s ({ours.wall:.2f} s, "
+        f"{ours.cpu:.2f} CPU s, continuous batching, {mode}, {llm.settings.attention_backend} attention "
+        "backend)"
     )
     hf, hf_out, attn = run_transformers(str(llm.model_dir), dtype, device, w, hf_batch_size, warmup)
     hf_tps = w.output_tokens / hf.wall
@@ -251,8 +255,8 @@ def main(args: argparse.Namespace) -> int:
     )
     same = sum(a == b for a, b in zip(engine_out, hf_out, strict=True))
     print(f"requests with identical tokens on both sides: {same}/{len(w.prompts)}")
-    print(f"ratio (engine / transformers): {engine_tps / hf_tps:.2f}x (by CPU seconds: {hf.cpu / engine.cpu:.2f}x)")
+    print(f"ratio (engine / transformers): {engine_tps / hf_tps:.2f}x (by CPU seconds: {hf.cpu / ours.cpu:.2f}x)")
     return 0
 
 
-__all__ = ["DEFAULTS", "DTYPES", "main", "make_workload"]
+__all__ = ["DEFAULTS", "main", "make_workload", "run"]

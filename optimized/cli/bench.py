@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from optimized.cli.arguments import MAX_THREADS, any_int, bounded_int, checkpoint_folder
+from optimized.engine.arg_types import MAX_THREADS, bounded_int
+from optimized.engine.args import EngineArgs
 
 HELP = ("benchmarks: 'scheduler' (reference vs optimized scheduler), 'throughput' (the engine vs transformers), "
         "'threads' (CPU settings, idle and with a busy core), 'serve' (the HTTP server vs LLM.generate)")
@@ -25,22 +26,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     scheduler.add_arguments(sched)
     tp = sub.add_parser("throughput", help="tokens per second of the engine on a random workload")
-    tp.add_argument("--model", metavar="DIR", type=checkpoint_folder, default=None,
-                    help="a Hugging Face model directory")
-    # Defaults (None) come from optimized.benchmarks.throughput.DEFAULTS: one source for the workload.
+    # Defaults (None) come from optimized.benchmarks.throughput.DEFAULTS: one source for the workload (that module
+    # imports torch, so it is not imported here).
     tp.add_argument("--num-requests", type=bounded_int(1), default=None)
     tp.add_argument("--max-input-len", type=bounded_int(1), default=None)
     tp.add_argument("--max-output-len", type=bounded_int(1), default=None)
     tp.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=None,
                     help="torch CPU threads, the same for both sides (default: torch's)")
-    tp.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16", "float16"],
-                    help="default: the model's")
-    tp.add_argument("--device", default=None, help="cuda, cpu... (default: cuda when available)")
-    tp.add_argument("--seed", type=any_int, default=0)
     tp.add_argument("--hf-batch-size", type=bounded_int(1), default=None,
                     help="batch size of the transformers baseline")
-    tp.add_argument("--tensor-parallel-size", type=bounded_int(1), default=None,
-                    help="N > 1: the engine at TP=1 and at TP=N side by side (instead of transformers)")
+    # The engine's flags; --seed seeds the workload too, --tensor-parallel-size N > 1 runs the engine at TP=1 and
+    # TP=N side by side instead of transformers, and --trace (this command's own) the engine with and without one.
+    EngineArgs.add_cli_args(tp, exclude=("trace", "trace_wall_times"))
     tp.add_argument("--trace", action="store_true", help="instead of transformers: the engine with and without "
                     "a trace (spec/trace.md), alternating, and the cost")
     threads = sub.add_parser("threads", help="the engine under each thread count and OpenMP wait policy, "

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from optimized.cli import arguments
+from optimized.engine import arg_types
 
 if TYPE_CHECKING:
     import hypothesis
@@ -36,10 +36,10 @@ BLOB = re.compile(r"@reproduce_failure\('([^']+)', b'([^']+)'\)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--minutes", type=arguments.minutes, default=None,
+    p.add_argument("--minutes", type=arg_types.minutes, default=None,
                    help="how long to fuzz (fractions allowed; required); inf runs until Ctrl-C, which prints the "
                    "progress and exits 130")
-    p.add_argument("--seed", type=arguments.any_int, default=None, help="seed of the run (default: random, printed)")
+    p.add_argument("--seed", type=arg_types.any_int, default=None, help="seed of the run (default: random, printed)")
     p.add_argument("--machine", default=None, help="run only this registered machine")
     p.add_argument("--no-shrink", action="store_true",
                    help="report the first failing program as found, without minimising it (faster)")

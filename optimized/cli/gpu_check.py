@@ -12,7 +12,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from optimized.cli.arguments import positive_seconds, work_folder
+from optimized.engine.arg_types import positive_seconds, work_folder
 
 HELP = "check the engine on a GPU: kernel tests, eager vs CUDA graphs, throughput vs transformers, decode floor"
 

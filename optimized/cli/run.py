@@ -14,26 +14,22 @@ from __future__ import annotations
 import argparse
 import random
 
-from optimized.cli.arguments import any_int, bounded_int, checkpoint_folder
-from optimized.trace.options import add_trace_arguments, trace_options
+from optimized.engine.arg_types import bounded_int
+from optimized.engine.args import EngineArgs
 
 HELP = "serve a few hundred requests on the default model in check mode and report"
+# The engine settings run has its own defaults for: check mode on, and a KV cache small enough that requests are
+# preempted. --seed seeds the workload too.
+ENGINE_DEFAULTS = {"check": True, "num_kvcache_blocks": 320, "max_num_seqs": 128}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=checkpoint_folder, default=None,
-                   help="checkpoint folder (default: the embedded default model)")
-    p.add_argument("--num-requests", type=bounded_int(1), default=256)
-    p.add_argument("--max-input-len", type=bounded_int(2), default=128)
-    p.add_argument("--max-output-len", type=bounded_int(1), default=96)
-    p.add_argument("--num-kvcache-blocks", type=bounded_int(1), default=320)
-    p.add_argument("--block-size", type=bounded_int(2), default=16)
-    p.add_argument("--max-num-seqs", type=bounded_int(1), default=128)
-    p.add_argument("--seed", type=any_int, default=0)
-    p.add_argument("--tensor-parallel-size", type=bounded_int(1), default=1,
-                   help="split the model over this many processes (under torchrun: its WORLD_SIZE)")
-    p.add_argument("--no-check", action="store_true", help="skip the reference shadow (check mode is on by default)")
-    add_trace_arguments(p)
+    p.add_argument("--num-requests", type=bounded_int(1), default=256, help="requests (default: %(default)s)")
+    p.add_argument("--max-input-len", type=bounded_int(2), default=128,
+                   help="prompt tokens, at most (default: %(default)s)")
+    p.add_argument("--max-output-len", type=bounded_int(1), default=96,
+                   help="output tokens, at most (default: %(default)s)")
+    EngineArgs.add_cli_args(p, ENGINE_DEFAULTS)
 
 
 def workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -50,23 +46,15 @@ def main(args: argparse.Namespace) -> int:
     """Serve the workload and print the report; a ValueError (bad input) is one line from optimized/cli/command.py."""
     import time
 
+    engine = EngineArgs.from_cli_args(args)
     from optimized import LLM, SamplingParams
 
-    llm = LLM(
-        args.model,
-        check=not args.no_check,
-        num_kvcache_blocks=args.num_kvcache_blocks,
-        kvcache_block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
-        **trace_options(args),
-    )
-    longest = llm.engine.limits.max_model_len
+    llm = LLM(**engine.as_kwargs())
+    longest = llm.limits.max_model_len
     if args.max_input_len + args.max_output_len > longest:
         raise ValueError(f"--max-input-len {args.max_input_len} + --max-output-len {args.max_output_len} exceeds "
                          f"the model's max_model_len={longest}")
-    prompts, lens = workload(args, llm.engine.limits.vocab_size)
+    prompts, lens = workload(args, llm.limits.vocab_size)
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         if i % 3 == 0
@@ -76,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     seconds = time.perf_counter() - start
-    st = llm.engine.stats
+    st = llm.stats
     generated = sum(len(o.token_ids) for o in outs)
     prompt_tokens = sum(len(p) for p in prompts)
     print(f"model: {llm.model_dir}")
@@ -91,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
         f"finish reasons: stop {sum(o.finish_reason == 'stop' for o in outs)}, "
         f"length {sum(o.finish_reason == 'length' for o in outs)}"
     )
-    if llm.shadow is None:
+    if not llm.checked:
         print("decisions identical to the reference: not checked (--no-check)")
     else:
         print(f"decisions identical to the reference: {st.compared_steps}/{st.steps} steps")

@@ -13,16 +13,14 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from optimized.cli.arguments import bounded_int, minutes
-from optimized.cli.engine_options import add_engine_arguments, llm_kwargs
-from optimized.trace.options import add_trace_arguments, trace_options
+from optimized.engine.arg_types import bounded_int, minutes
+from optimized.engine.args import EngineArgs
 
 HELP = "serve the model over HTTP with OpenAI's API (completions, chat, streaming, /health, /metrics)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_engine_arguments(p)
-    add_trace_arguments(p)
+    EngineArgs.add_cli_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=bounded_int(0, 65535), default=8000, help="port (0: a free one; default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or NANOVERIFY_API_KEY)")
@@ -60,9 +58,10 @@ def main(args: argparse.Namespace) -> int:
     from optimized.serve.metrics import Metrics
     from optimized.serve.server import serve
 
+    engine_args = EngineArgs.from_cli_args(args)
     key = api_key(args.api_key, os.environ)
     options = ServerOptions(served_model=served_name(args.model), api_key=key, stream_interval=args.stream_interval)
-    kwargs = {**llm_kwargs(args), **trace_options(args)}
+    kwargs = engine_args.as_kwargs()
     if torchrun_rank() not in (None, 0):  # a torchrun worker rank: the LLM serves rank 0, then ends the process
         from optimized import LLM  # (TP-6): it never returns
 

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from optimized.cli.arguments import bounded_int
+from optimized.engine.arg_types import bounded_int
 
 HELP = "draw a trace (or a workload, run through the reference) as a Perfetto timeline and/or a PNG"
 

@@ -39,9 +39,7 @@ from kernels.backend import AttentionBackend
 from kernels.rotary import rotary_cos_sin
 from kernels.sampling import sample
 from optimized.engine.graph_runner import DecodeMetadata, GraphFactory, GraphRunner, cuda_graph_factory
-from optimized.models.decoder import AttentionContext, CausalLM
-from optimized.parallel.group import Group, TensorParallelError
-from optimized.parallel.step import StepMessage, send_step
+from optimized.models.decoder import AttentionContext, CausalLM, TensorParallel
 
 PLACEHOLDER = -1  # the token handed to postprocess for an unfinished prefill chunk
 # On the CPU a step of more tokens than this runs its row-wise work (norms, projections, rotary, MLP) in slices of
@@ -77,6 +75,42 @@ class DrawParams:
 
 
 I64 = npt.NDArray[np.int64]
+
+
+@dataclass
+class StepMessage:
+    """One step as every tensor-parallel rank runs it (TP-5; optimized/parallel/step.py puts it on the wire).
+    ``StepInputs`` adds what rank 0 alone needs."""
+
+    is_prefill: bool
+    graphed: bool
+    input_ids: I64
+    positions: I64
+    slot_mapping: I64
+    cu_seqlens_q: I64
+    context_lens: I64
+    block_tables: I64
+    logit_rows: I64
+
+
+class CollectiveError(RuntimeError):
+    """A tensor-parallel rank failed (died, raised or timed out); optimized/parallel/'s TensorParallelError."""
+
+
+class StepBroadcast(Protocol):
+    """Rank 0's tensor-parallel group, as its runner uses it (optimized/parallel/group.py's ``Group``)."""
+
+    def send_step(self, step: StepMessage) -> None:
+        """The step to every worker, which runs this very forward on its shard."""
+        ...
+
+    def fail_here(self, cause: BaseException) -> CollectiveError:
+        """End the group naming rank 0 and ``cause``, so no worker waits out a collective (TP-8)."""
+        ...
+
+
+class RankGroup(TensorParallel, StepBroadcast, Protocol):
+    """A rank's group: the collectives its model piece calls, and rank 0's step broadcast."""
 
 
 @dataclass
@@ -141,7 +175,7 @@ class ModelRunner:
         max_num_seqs: int = 256,
         enforce_eager: bool = True,
         graph_factory: GraphFactory | None = None,
-        tp: Group | None = None,
+        tp: StepBroadcast | None = None,
     ) -> None:
         """``graph_factory`` makes the decode graphs (default: CUDA graphs on CUDA, eager stand-ins elsewhere);
         ``tp``: this rank's tensor-parallel group (the model is then its shard and the cache holds its KV heads)."""
@@ -194,11 +228,6 @@ class ModelRunner:
         out: torch.Tensor = self.model(input_ids, positions, ctx, self.kv_views)
         return out
 
-    @staticmethod
-    def kv_bytes_per_block(model: CausalLM, block_size: int) -> int:
-        c = model.local_config  # under tensor parallelism, this rank's KV heads
-        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * model.embed_tokens.weight.element_size()
-
     def _tensor(self, a: I64, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.from_numpy(a).to(device=self.device, dtype=dtype)
 
@@ -234,14 +263,14 @@ class ModelRunner:
             tokens[i] = t
         return tokens
 
-    def _forward_everywhere(self, tp: Group, step: StepMessage) -> torch.Tensor | None:
+    def _forward_everywhere(self, tp: StepBroadcast, step: StepMessage) -> torch.Tensor | None:
         """Rank 0 under tensor parallelism: the step to the workers, then its own forward (TP-5). An exception of
         rank 0's own ends the group at once, naming rank 0, so no worker waits out a collective (TP-8); an
         interruption (KeyboardInterrupt) ends it too and propagates unchanged."""
         try:
-            send_step(tp, step)  # the workers run this very forward on their shards
+            tp.send_step(step)  # the workers run this very forward on their shards
             return self.forward(step)
-        except TensorParallelError:
+        except CollectiveError:
             raise
         except Exception as e:
             raise tp.fail_here(e) from e

@@ -33,32 +33,28 @@ while ``add_request`` outputs are left for ``step``.
 
 from __future__ import annotations
 
-import math
-import os
 import random
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from optimized.core.errors import is_strict_int, strict_int
-from optimized.engine import cpu_defaults
+from optimized.engine.args import EngineArgs
 from optimized.engine.detokenizer import IncrementalDetokenizer
-from optimized.engine.engine import Engine, EngineStats, Request, SchedulerConfig, describe
-from optimized.engine.model_runner import ModelRunner
+from optimized.engine.engine import Engine, EngineStats, Request, describe
 from optimized.engine.sampling_params import SamplingParams
 from optimized.engine.validation import EngineLimits, RequestRefused, prompt_ids, validate_request
-from optimized.models.config import load_config
-from optimized.models.loader import load_model
-from optimized.models.tokenizer import load_tokenizer
+from optimized.entry.build import build_engine
 from optimized.trace.recorder import Recorder, TraceObserver, trace_file
 from optimized.verify.shadow import Shadow
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
 
+    from optimized.models.decoder import CausalLM
+    from optimized.parallel.group import CommStats
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -93,66 +89,6 @@ class EngineState:
     compared_steps: int  # steps check mode compared with the reference
 
 
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _physical_memory() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _positive(name: str, value: object, minimum: int = 1) -> int:
-    return strict_int(value, name, minimum)
-
-
-def _device(device: str | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available")
-    return dev
-
-
-def _dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
-
-
-def _budget_blocks(dev: torch.device, per_block: int, utilization: float, cpu_gib: float) -> int:
-    if dev.type == "cuda":
-        free, total = torch.cuda.mem_get_info(dev)
-        # What is not free now (weights, other processes) stays taken; a tenth of the rest is left for
-        # activations, which the engine does not measure.
-        budget = int((total * utilization - (total - free)) * 0.9)
-    else:
-        budget = int(cpu_gib * (1 << 30))
-    blocks = budget // per_block
-    if blocks < 1:
-        raise ValueError(f"the KV-cache memory budget ({budget} bytes) holds no block of {per_block} bytes")
-    return blocks
-
-
-def kv_cache_blocks(
-    dev: torch.device, per_block: int, requested: int | None, utilization: float, cpu_gib: float
-) -> int:
-    """``requested`` KV blocks (refused when they cannot fit this machine's memory), or the memory budget's."""
-    if requested is None:
-        return _budget_blocks(dev, per_block, utilization, cpu_gib)
-    if dev.type == "cpu" and requested * per_block > _physical_memory():
-        raise ValueError(f"num_kvcache_blocks={requested} needs {requested * per_block} bytes, "
-                         f"more than this machine's {_physical_memory()}")
-    return requested
-
-
 def _completion_since(request: Request, start: int) -> list[int]:
     """The tokens ``request`` has generated, from its ``start``-th on."""
     seq = request.seq
@@ -185,123 +121,44 @@ class _Bookkeeping:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        *,
-        dtype: str | None = None,
-        device: str | None = None,
-        kvcache_block_size: int = 16,
-        num_kvcache_blocks: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        cpu_kvcache_gib: float = 0.5,
-        enforce_eager: bool | None = None,
-        check: bool = False,
-        attention_backend: str | None = None,
-        seed: int = 0,
-        tensor_parallel_size: int = 1,
-        trace: str | Path | None = None,
-        trace_wall_times: bool = False,
-    ) -> None:
+    def __init__(self, model: str | Path | None = None, **kwargs: Any) -> None:
         """Load ``model`` (a checkpoint folder; None: the embedded default model) and size the KV cache.
 
-        ``num_kvcache_blocks`` defaults to what fits a memory budget: ``gpu_memory_utilization`` of the GPU
-        (less what weights and activations take) or ``cpu_kvcache_gib`` GiB on the CPU. ``enforce_eager``
-        None means CUDA-graph decode on CUDA with a capturable backend, eager everywhere else (ENG-21).
-        ``tensor_parallel_size`` N > 1 splits the model over N processes (spec/parallel.md): N - 1 spawned
-        workers, or the ranks torchrun started (on a torchrun rank other than 0 this serves rank 0 and then exits
-        the process). ``close()`` (or leaving a ``with`` block) stops them.
-        ``trace``: a file the run is recorded in as it happens (spec/trace.md, TRACE-1), each step's wall
-        times too when ``trace_wall_times``.
+        ``kwargs`` are ``EngineArgs``' fields (optimized/engine/args.py: each one's default, bounds and help); a
+        name that is none of them is a ValueError naming it. ``num_kvcache_blocks`` defaults to what fits a memory
+        budget: ``gpu_memory_utilization`` of the GPU (less what weights and activations take) or
+        ``cpu_kvcache_gib`` GiB on the CPU. ``enforce_eager`` None means CUDA-graph decode on CUDA with a
+        capturable backend, eager everywhere else (ENG-21). ``tensor_parallel_size`` N > 1 splits the model over
+        N processes (spec/parallel.md): N - 1 spawned workers, or the ranks torchrun started (on a torchrun rank
+        other than 0 this serves rank 0 and then exits the process). ``close()`` (or leaving a ``with`` block)
+        stops them. ``trace``: a file the run is recorded in as it happens (spec/trace.md, TRACE-1), each step's
+        wall times too when ``trace_wall_times``.
         """
-        trace_path = trace_file(trace, trace_wall_times)
-        for name, flag in (("enforce_eager", enforce_eager), ("check", check)):
-            if not isinstance(flag, bool) and not (name == "enforce_eager" and flag is None):
-                raise ValueError(f"{name} must be a bool, got {flag!r}")
-        block_size = _positive("kvcache_block_size", kvcache_block_size, 2)
-        _positive("max_num_seqs", max_num_seqs)
-        _positive("max_num_batched_tokens", max_num_batched_tokens)
-        if num_kvcache_blocks is not None:
-            _positive("num_kvcache_blocks", num_kvcache_blocks)
-        if not _number(gpu_memory_utilization) or not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        if not _number(cpu_kvcache_gib) or not 0 < cpu_kvcache_gib < math.inf:
-            raise ValueError(f"cpu_kvcache_gib must be a positive finite number, got {cpu_kvcache_gib!r}")
-        if not is_strict_int(seed):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        tp_size = _positive("tensor_parallel_size", tensor_parallel_size)
-        dev = _device(device)
-        torch_dtype = _dtype(dtype, dev)
-        model_dir = self._model_dir(model)
-        cpu_defaults.cap_threads()  # ENG-27: before the first forward, so the thread pool starts at its size
-        from kernels.backend import get_backend
-
-        try:
-            backend = get_backend(attention_backend, dev)
-        except ValueError as e:
-            raise ValueError(f"attention_backend: {e}") from None
-        if enforce_eager is False and dev.type == "cuda" and not backend.capturable:
-            raise ValueError("enforce_eager=False on CUDA needs attention_backend 'triton' or 'flash-attn'")
         from optimized.parallel import launch
 
-        c = load_config(model_dir)
-        launch.check_plan(tp_size, c, dev)  # TP-1: refused before any process starts
-        if max_model_len is None:
-            max_model_len = c.max_position_embeddings
-        _positive("max_model_len", max_model_len, 2)
-        if max_model_len > c.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {c.max_position_embeddings}")
-        if enforce_eager is None:
-            enforce_eager = dev.type != "cuda" or not backend.capturable
-        self.enforce_eager = enforce_eager
-        self.model_dir = model_dir
-        self.tokenizer = load_tokenizer(model_dir)
-        if tp_size > 1:
-            dtype_name = next(k for k, v in DTYPES.items() if v == torch_dtype)
-            spec = launch.RunnerSpec(
-                str(model_dir), dtype_name, dev.type, backend.name, block_size, num_kvcache_blocks,
-                gpu_memory_utilization, cpu_kvcache_gib, max_model_len, max_num_seqs, enforce_eager, tp_size,
-                max(1, torch.get_num_threads() // tp_size),
-            )
-            runner = launch.engine_runner(spec)
-            weakref.finalize(self, launch.close, runner)  # TP-9: an LLM dropped unclosed still stops its workers
-            num_kvcache_blocks = runner.num_blocks
-        else:
-            net = load_model(model_dir, torch_dtype, dev)
-            per_block = ModelRunner.kv_bytes_per_block(net, block_size)
-            num_kvcache_blocks = kv_cache_blocks(dev, per_block, num_kvcache_blocks, gpu_memory_utilization,
-                                                 cpu_kvcache_gib)
-            runner = ModelRunner(
-                net,
-                backend,
-                num_kvcache_blocks,
-                block_size,
-                max_model_len,
-                max_num_seqs=max_num_seqs,
-                enforce_eager=enforce_eager,
-            )
-        config = SchedulerConfig(
-            num_blocks=num_kvcache_blocks,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            eos=c.eos,
-        )
-        limits = EngineLimits(c.vocab_size, max_model_len, num_kvcache_blocks, block_size, c.eos_token_ids)
-        self.engine = Engine(runner, config, limits)
+        args = EngineArgs.of(model=model, **kwargs)
+        trace_path = trace_file(args.trace, args.trace_wall_times)
+        parts = build_engine(args)
+        if parts.group is not None:  # TP-9: an LLM dropped unclosed still stops its workers
+            weakref.finalize(self, launch.close, parts.group)
+        self._group = parts.group
+        self.settings = parts.settings  # (read API) EngineArgs with every None resolved: dtype, device, backend...
+        self.enforce_eager = bool(parts.settings.enforce_eager)
+        self.model_dir = parts.model_dir
+        self.tokenizer = parts.tokenizer
+        config, limits = parts.config, parts.limits
+        self.engine = Engine(parts.runner, config, limits)
         # The plug-ins, wired here and known to the engine only as observers (ARCH-3): the trace first, so a step
         # the shadow finds divergent is still on disk.
-        self.recorder = None if trace_path is None else Recorder(trace_path, config, c.eos_token_ids,
-                                                                 trace_wall_times, max_model_len=max_model_len)
+        self.recorder = None if trace_path is None else Recorder(trace_path, config, limits.eos_token_ids,
+                                                                 args.trace_wall_times,
+                                                                 max_model_len=limits.max_model_len)
         if self.recorder is not None:
             self.engine.observers.append(TraceObserver(self.recorder, limits.eos))
-        self.shadow = Shadow(config, self.engine.stats) if check else None
+        self.shadow = Shadow(config, self.engine.stats) if args.check else None
         if self.shadow is not None:
             self.engine.observers.append(self.shadow)
-        self._rng = random.Random(seed)
+        self._rng = random.Random(args.seed)
         self._lock = threading.Lock()  # THREAD-1: held for one engine operation at a time
         self._changes = 0  # steps and aborts so far: a generate call that sees it move rescans its requests
         self.interrupted: str | None = None  # FAULT-6: the bookkeeping an exception broke off, if any
@@ -310,21 +167,6 @@ class LLM:
         self._undelivered: list[RequestOutput] = []  # their outputs that finished outside step()
         self._watched: dict[int, IncrementalDetokenizer] = {}  # live requests with stop strings (SERVE-5)
         self._stop_text: dict[int, str] = {}  # finished ones' text, cut before the stop string
-
-    @staticmethod
-    def _model_dir(model: str | Path | None) -> Path:
-        if model is None:
-            from optimized.models.default_model import default_model_dir
-
-            return default_model_dir()
-        if not isinstance(model, (str, Path)):
-            raise ValueError(f"model must be a checkpoint folder path or None, got {type(model).__name__}")
-        if model == "":  # Path("") is the current directory, surely not what was meant
-            raise ValueError("model must be a checkpoint folder path or None, got an empty string")
-        path = Path(model)
-        if not path.is_dir():
-            raise ValueError(f"model must be a checkpoint folder, got {str(model)!r}")
-        return path
 
     # --- the read API: what serve/, cli/ and benchmarks/ may know of the engine (ARCH-5) ---------------------
     @property
@@ -377,6 +219,31 @@ class LLM:
         return Gauges(len(scheduler.running), len(scheduler.waiting), scheduler.block_manager.free.count,
                       self.engine.limits.num_blocks)
 
+    def comm_stats(self) -> CommStats | None:
+        """Rank 0's tensor-parallel communication since the last reset (TP-10); None without tensor parallelism."""
+        return None if self._group is None else self._group.stats
+
+    def reset_comm_stats(self) -> None:
+        """Start rank 0's communication counters afresh (a benchmark's timed run only)."""
+        if self._group is not None:
+            from optimized.parallel.group import CommStats
+
+            self._group.stats = CommStats()
+
+    @property
+    def device(self) -> torch.device:
+        """The device the model runs on (rank 0's under tensor parallelism)."""
+        return self.engine.runner.device
+
+    def network(self) -> CausalLM:
+        """The loaded model (rank 0's piece under tensor parallelism), for the GPU benchmarks that weigh it."""
+        return self.engine.runner.model
+
+    def decode_graphs(self) -> tuple[int, int]:
+        """The decode steps served by graphs so far, and the graphs captured (0, 0 when eager: ENG-21)."""
+        graphs = self.engine.runner.graphs
+        return (0, 0) if graphs is None else (self.engine.runner.graph_steps, len(graphs.graphs))
+
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any, and wait for them (TP-9); the LLM is unusable afterwards
         under tensor parallelism. Idempotent; a single-process LLM has nothing to stop. A trace is flushed and
@@ -385,7 +252,7 @@ class LLM:
 
         with self._lock:
             try:
-                launch.close(self.engine.runner)
+                launch.close(self._group)
             finally:  # the trace is closed even when stopping the workers raised
                 for observer in self.engine.observers:
                     observer.close()

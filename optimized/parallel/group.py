@@ -36,7 +36,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 
+from optimized.engine.model_runner import CollectiveError, StepMessage
 from optimized.models.sharding import Shard
+from optimized.parallel.step import send_step
 
 TIMEOUT_VARIABLE = "NANOVERIFY_TP_TIMEOUT"  # seconds a collective may take (default 60)
 START_TIMEOUT_VARIABLE = "NANOVERIFY_TP_START_TIMEOUT"  # seconds every rank may take to load its shard (default 600)
@@ -45,7 +47,7 @@ ERROR_KEY = "nanoverify/error/"  # + rank: a worker's exception text
 FAILED_KEY = "nanoverify/failed/"  # + rank: why that rank's group ended (its whole message)
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(CollectiveError):
     """A rank failed (died, raised or timed out); the message names it when known."""
 
 
@@ -204,6 +206,10 @@ class Group:
         group = self.control if idle else self.compute
         self._wait(lambda: group.broadcast([t], opts))
         return t
+
+    def send_step(self, step: StepMessage) -> None:
+        """Rank 0: ``step`` to every worker (the runner's ``StepBroadcast``; the wire is parallel/step.py's)."""
+        send_step(self, step)
 
     def agree_min(self, value: int) -> int:
         """The least of every rank's ``value`` (e.g. the KV blocks each rank's memory holds), on every rank."""

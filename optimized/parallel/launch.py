@@ -7,7 +7,8 @@ workers (multiprocessing spawn) around a private rendezvous store (a file in a 0
 ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, every rank joins torchrun's ``env://`` store. Every rank
 then checks that all ranks agree on the checkpoint and the settings, loads its shard, waits (under the start
 timeout) for every rank to have loaded, and sizes its KV cache, the same number of blocks on every rank;
-``build_runner`` is that one sequence, run by rank 0 and by every worker alike, so their collectives pair up. A
+``build_runner`` is that one sequence, run by rank 0 and by every worker alike, so their collectives pair up (its
+loading and sizing are ``load_runner``'s of optimized/engine/assembly.py, which a single process runs too). A
 worker exits when rank 0 says stop, when a collective with rank 0 fails (rank 0 died or ended the group: its
 connections closed), or when its parent process is gone (the watchdog).
 """
@@ -21,7 +22,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from torch.distributed.rendezvous import rendezvous
 
+from optimized.engine.assembly import RunnerSpec, kv_bytes_per_block, kv_cache_blocks, load_runner, torch_dtype
 from optimized.engine.model_runner import ModelRunner
 from optimized.models.config import ModelConfig
 from optimized.models.sharding import Shard, check_divisible
@@ -47,25 +49,6 @@ from optimized.parallel.watchdog import watch_parent
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _JOINED = "nanoverify/joined/"
 _SETUP = "nanoverify/setup/"
-
-
-@dataclass(frozen=True)
-class RunnerSpec:
-    """Everything a rank needs to build its runner; rank 0 resolves it, spawned workers receive it."""
-
-    model_dir: str
-    dtype: str  # a key of optimized.entry.llm.DTYPES
-    device: str  # "cpu" or "cuda"
-    backend: str  # the attention backend's resolved name
-    block_size: int
-    num_kvcache_blocks: int | None  # None: what each rank's memory budget holds, the least of them
-    gpu_memory_utilization: float
-    cpu_kvcache_gib: float
-    max_model_len: int
-    max_num_seqs: int
-    enforce_eager: bool
-    size: int
-    threads: int  # torch CPU threads of a spawned worker
 
 
 def torchrun_rank() -> int | None:
@@ -95,7 +78,7 @@ def check_plan(size: int, c: ModelConfig, device: torch.device) -> None:
 
 
 def _device(spec: RunnerSpec, rank: int) -> torch.device:
-    if spec.device != "cuda":
+    if torch.device(spec.device).type != "cuda":
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", rank))
     torch.cuda.set_device(local)
@@ -131,10 +114,10 @@ def sampled_digest(path: Path) -> str:
 def _setup(spec: RunnerSpec) -> dict[str, Any]:
     """What every rank must agree on: the checkpoint (config bytes, file names and sizes, each file's sampled
     digest) and the settings."""
-    folder = Path(spec.model_dir)
+    folder = Path(spec.model)
     config = (folder / "config.json").read_bytes()
     paths = sorted(folder.glob("*.safetensors"))
-    settings = {k: v for k, v in asdict(spec).items() if k not in ("model_dir", "threads")}
+    settings = {k: v for k, v in asdict(spec).items() if k not in ("model", "threads")}
     return {
         "config.json sha256": hashlib.sha256(config).hexdigest(),
         "checkpoint files": [(p.name, p.stat().st_size) for p in paths],
@@ -163,32 +146,19 @@ def check_same(group: Group, spec: RunnerSpec) -> None:
 
 def build_runner(spec: RunnerSpec, group: Group) -> ModelRunner:
     """This rank's shard, its KV cache (the same block count on every rank) and its runner."""
-    from kernels.backend import get_backend
-    from optimized.entry.llm import DTYPES, kv_cache_blocks
-    from optimized.models.loader import load_model
-
     check_same(group, spec)
-    net = load_model(Path(spec.model_dir), DTYPES[spec.dtype], group.device, group)
-    per_block = ModelRunner.kv_bytes_per_block(net, spec.block_size)
-    blocks = kv_cache_blocks(group.device, per_block, spec.num_kvcache_blocks, spec.gpu_memory_utilization,
-                             spec.cpu_kvcache_gib)
-    group.wait_for_ranks("load its shard", start_timeout())  # a slow rank is named, not a collective timeout
-    blocks = group.agree_min(blocks)
-    return ModelRunner(
-        net,
-        get_backend(spec.backend, group.device),
-        blocks,
-        spec.block_size,
-        spec.max_model_len,
-        max_num_seqs=spec.max_num_seqs,
-        enforce_eager=spec.enforce_eager,
-        tp=group,
-    )
+
+    def agree(blocks: int) -> int:
+        group.wait_for_ranks("load its shard", start_timeout())  # a slow rank is named, not a collective timeout
+        return group.agree_min(blocks)
+
+    return load_runner(spec, group.device, group, agree)
 
 
-def engine_runner(spec: RunnerSpec) -> ModelRunner:
-    """Rank 0's runner, its workers started (spawned, or joined under torchrun). On a torchrun rank other than 0
-    this serves rank 0 until it stops and then exits the process (TP-6): it never returns there."""
+def engine_runner(spec: RunnerSpec) -> tuple[ModelRunner, Group]:
+    """Rank 0's runner and group, its workers started (spawned, or joined under torchrun); ``close(group)`` stops
+    them. On a torchrun rank other than 0 this serves rank 0 until it stops and then exits the process (TP-6): it
+    never returns there."""
     rank = torchrun_rank()
     check_before_start(spec)
     group = _join_torchrun(spec, rank) if rank is not None else _spawn(spec)
@@ -199,7 +169,7 @@ def engine_runner(spec: RunnerSpec) -> ModelRunner:
     group.threads_before = torch.get_num_threads()
     torch.set_num_threads(spec.threads)  # TP-10: rank 0 runs on its share of the cores, as every worker does
     try:
-        return build_runner(spec, group)
+        return build_runner(spec, group), group
     except TensorParallelError:
         _restore_threads(group)
         raise
@@ -220,24 +190,22 @@ def _restore_threads(group: Group) -> None:
 def check_before_start(spec: RunnerSpec) -> None:
     """What this rank can refuse alone, refused before any process starts (TP-1): the checkpoint's headers
     (CKPT-2), its piece's fit in memory (CKPT-2, TP-2) and a ``num_kvcache_blocks`` beyond this machine's memory."""
-    from optimized.entry.llm import DTYPES, kv_cache_blocks
     from optimized.models.config import load_config
     from optimized.models.loader import check_checkpoint
 
-    folder, dtype, device = Path(spec.model_dir), DTYPES[spec.dtype], torch.device(spec.device)
+    folder, dtype, device = Path(spec.model), torch_dtype(spec.dtype), torch.device(spec.device)
     c = load_config(folder)
-    shard = Shard(0, spec.size)
+    shard = Shard(0, spec.tensor_parallel_size)
     check_checkpoint(c, folder, dtype, device, shard)
     if spec.num_kvcache_blocks is not None:
-        mine = shard.local_config(c)
-        per_block = 2 * mine.num_layers * spec.block_size * mine.num_kv_heads * mine.head_dim * dtype.itemsize
+        per_block = kv_bytes_per_block(shard.local_config(c), spec.kvcache_block_size, dtype)
         kv_cache_blocks(device, per_block, spec.num_kvcache_blocks, spec.gpu_memory_utilization,
                         spec.cpu_kvcache_gib)
 
 
-def close(runner: ModelRunner) -> None:
-    """Rank 0: tell the workers to stop and wait for them (killed if they do not exit in time). Idempotent."""
-    group = runner.tp
+def close(group: Group | None) -> None:
+    """Rank 0: tell the workers to stop and wait for them (killed if they do not exit in time). Idempotent; None
+    (no tensor parallelism) has nothing to stop."""
     if group is None:
         return
     _restore_threads(group)
@@ -264,13 +232,13 @@ def _spawn(spec: RunnerSpec) -> Group:
     procs: list[BaseProcess] = [
         ctx.Process(target=spawned_worker, args=(spec, rank, str(folder), os.getpid()), daemon=True,
                     name=f"nanoverify-tp-rank{rank}")
-        for rank in range(1, spec.size)
+        for rank in range(1, spec.tensor_parallel_size)
     ]
     try:
         for proc in procs:
             proc.start()
         _wait_joined(store, procs)
-        return Group(store, 0, spec.size, _device(spec, 0), procs, store_folder=folder)
+        return Group(store, 0, spec.tensor_parallel_size, _device(spec, 0), procs, store_folder=folder)
     except BaseException:
         for proc in procs:
             if proc.is_alive():
@@ -308,7 +276,7 @@ def spawned_worker(spec: RunnerSpec, rank: int, folder: str, parent: int) -> Non
     store = open_store(Path(folder))
     try:
         store.set(f"{_JOINED}{rank}", "1")
-        group = Group(store, rank, spec.size, _device(spec, rank))
+        group = Group(store, rank, spec.tensor_parallel_size, _device(spec, rank))
     except BaseException as e:
         _report(store, rank, e)
         os._exit(1)

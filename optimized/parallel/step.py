@@ -9,33 +9,18 @@ the shadow, sampling and detokenization stay on rank 0 (TP-4).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from optimized.parallel.group import Group
+from optimized.engine.model_runner import StepMessage
+
+if TYPE_CHECKING:
+    from optimized.parallel.group import Group
 
 STEP, STOP = 1, 2
 _HEADER = 8  # op, is_prefill, graphed, tokens, seqs, table width, logit rows, spare
-
-I64 = np.ndarray
-
-
-@dataclass
-class StepMessage:
-    """One step as every rank runs it (rank 0's ``optimized.engine.model_runner.StepInputs`` adds the sampling
-    rows)."""
-
-    is_prefill: bool
-    graphed: bool
-    input_ids: I64
-    positions: I64
-    slot_mapping: I64
-    cu_seqlens_q: I64
-    context_lens: I64
-    block_tables: I64
-    logit_rows: I64
 
 
 def _header(op: int, m: StepMessage | None = None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Argument types of the ``nanoverify`` subcommands: every value is refused at parse time unless it is in range.
+"""Argparse types for the ``nanoverify`` commands and ``EngineArgs``' flags: every value is refused at parse time
+unless it is in range.
 
 Each function here is an argparse ``type=``: it returns the parsed value or raises
 ``argparse.ArgumentTypeError`` with a one-line message ("must be an integer in
@@ -98,3 +99,11 @@ def utf8_text(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"must be UTF-8 text, got {_shown(text)} ({byte} at position {e.start})") from None
     return text
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    value = positive_seconds(text)  # a finite number > 0, or its one-line refusal
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {_shown(text)}")
+    return value
