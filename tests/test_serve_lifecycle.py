@@ -839,3 +839,18 @@ def test_the_bench_counts_the_cpu_of_every_process_under_the_server() -> None:
     finally:
         os.killpg(parent.pid, signal.SIGKILL)
         parent.wait()
+
+
+@pytest.mark.clause("ARCH-5")
+def test_the_server_knows_the_engine_only_through_the_llms_read_api() -> None:
+    """ARCH-5: no module of optimized/serve/ reads the engine, its scheduler or its plug-ins through the ``LLM``
+    (``llm.engine.scheduler...``): only ``LLM``'s request and read API (limits, stats, gauges(), trusted,
+    engine_state(), started(), ...)."""
+    import ast
+
+    inside = {"engine", "scheduler", "block_manager", "runner", "shadow", "recorder", "by_arrival", "interrupted"}
+    serve = Path(__file__).resolve().parent.parent / "optimized" / "serve"
+    reached = [f"{path.name}:{node.lineno} .{node.attr}" for path in sorted(serve.glob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+               and node.attr in inside]
+    assert reached == []
