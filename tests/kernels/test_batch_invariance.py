@@ -158,7 +158,7 @@ def test_every_instruction_set_path_gives_the_same_bits(tmp_path: Path) -> None:
 @pytest.mark.parametrize("model", sorted(linear.MODEL_SHAPES))
 def test_error_against_float64_is_within_twice_mkls(model: str) -> None:
     """BI-3: on every linear layer of the default model and Qwen3-0.6B, the kernel's largest error against the
-    float64 layer is at most 2x F.linear's (measured: 0.3x to 1.0x)."""
+    float64 layer is at most 2x F.linear's (measured: 0.3x to 1.1x)."""
     for name, (k, n) in linear.MODEL_SHAPES[model].items():
         m = 2 if n * k > 1 << 26 else 33
         x, w, _ = layer(m, n, k, 7)
