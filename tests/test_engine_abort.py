@@ -72,7 +72,7 @@ def test_add_request_refuses_like_generate_and_changes_nothing() -> None:
     before = (snapshot(llm.engine.scheduler), snapshot(llm.shadow.ref), sorted(llm.engine.live),
               llm._rng.getstate())
     for prompt, params, field in (([], GREEDY, "prompt"), ([1, 300], GREEDY, "vocab_size"),
-                                  ([1] * 95, GREEDY, "max_model_len"),
+                                  ([1] * 60, SamplingParams(temperature=0.0, max_tokens=37), "max_model_len"),
                                   ([1] * 70, SamplingParams(max_tokens=8), "num_kvcache_blocks")):
         with pytest.raises(ValueError, match=field):
             llm.add_request(prompt, params)
