@@ -1,0 +1,158 @@
+"""One ``EngineArgs`` for every engine knob (spec/architecture.md, ARCH-2): ``LLM``'s keywords, every engine
+command's flags and their defaults, the scheduler's config and the tensor-parallel workers' spec all come from its
+fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from optimized.benchmarks import serve as serve_bench
+from optimized.cli import run
+from optimized.cli.command import build_parser
+from optimized.core.config import SchedulerConfig
+from optimized.engine.args import EngineArgs, knob_of
+from optimized.engine.assembly import RunnerSpec
+from optimized.entry.llm import LLM
+from tests.engine_fixtures import checkpoint
+
+pytestmark = pytest.mark.usefixtures("engine_env")
+FIELDS = [f.name for f in dataclasses.fields(EngineArgs)]
+# Every command that builds an engine: what it needs besides engine flags, the defaults it sets itself, and the
+# fields it gives no flag (it sets them itself).
+ENGINE_COMMANDS: dict[str, tuple[list[str], dict[str, Any], tuple[str, ...]]] = {
+    "run": ([], run.ENGINE_DEFAULTS, ()),
+    "generate": (["hi"], {}, ()),
+    "serve": ([], {}, ()),
+    "bench throughput": ([], {}, ("trace", "trace_wall_times")),  # its --trace is a mode of its own
+    "bench serve": ([], {}, serve_bench.NOT_PASSED),
+}
+
+
+def _subparser(command: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = build_parser()
+    for word in command.split():
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = subparsers.choices[word]
+    return parser
+
+
+@pytest.mark.clause("ARCH-2")
+@pytest.mark.parametrize("command", list(ENGINE_COMMANDS))
+def test_every_engine_command_has_a_flag_per_knob_with_its_default(command: str) -> None:
+    """ARCH-2: each engine command has one flag per EngineArgs field (but those it declares it sets itself), each
+    named after the field (or the field's own flag), defaulting to the field's default (or the command's declared
+    own), and saying that default in its help; parsed with no engine flag it gives EngineArgs' defaults."""
+    needed, own, unflagged = ENGINE_COMMANDS[command]
+    args = build_parser().parse_args([*command.split(), *needed])
+    assert set(args.engine_args_fields) == set(FIELDS) - set(unflagged)
+    assert EngineArgs.from_cli_args(args) == dataclasses.replace(EngineArgs(), **own)
+    actions = {a.dest: a for a in _subparser(command)._actions if a.dest in args.engine_args_fields}
+    assert set(actions) == set(args.engine_args_fields)
+    for name, action in actions.items():
+        knob = knob_of(name)
+        default = own.get(name, EngineArgs.__dataclass_fields__[name].default)
+        assert action.default == default, name
+        assert (knob.flag or "--" + name.replace("_", "-")) in action.option_strings, name
+        assert action.help is not None and action.help.endswith(f"(default: {knob.shown(default)})"), action.help
+
+
+@pytest.mark.clause("ARCH-2", "KNOB-2")
+@pytest.mark.parametrize("command", ["run", "generate", "serve", "bench throughput", "bench serve"])
+def test_max_num_batched_tokens_reaches_every_command(command: str) -> None:
+    """ARCH-2: `--max-num-batched-tokens` (missing from run and generate before) sets the knob on every command."""
+    needed = ENGINE_COMMANDS[command][0]
+    args = build_parser().parse_args([*command.split(), *needed, "--max-num-batched-tokens", "40"])
+    assert EngineArgs.from_cli_args(args).max_num_batched_tokens == 40
+
+
+@pytest.mark.clause("ARCH-2")
+def test_llm_takes_exactly_the_fields_and_refuses_a_misspelled_one() -> None:
+    """ARCH-2: LLM(model=None, **kwargs): the model positional or by name, the rest EngineArgs' fields by name;
+    a misspelled keyword is a ValueError naming it (and the field it is nearest to), before anything loads."""
+    params = list(inspect.signature(LLM.__init__).parameters.values())
+    either, rest = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.VAR_KEYWORD
+    assert [(p.name, p.kind) for p in params] == [("self", either), ("model", either), ("kwargs", rest)]
+    assert params[1].default is None and FIELDS[0] == "model" and EngineArgs().model is None
+    with pytest.raises(ValueError, match=r"'max_num_seq' is not an engine argument \(did you mean 'max_num_seqs'\?\)"):
+        LLM(max_num_seq=4)
+    with pytest.raises(ValueError, match="'block_size' is not an engine argument"):
+        LLM(block_size=4)  # the flag's name, not the field's
+
+
+def _every_field_set(tmp_path: Path) -> dict[str, Any]:
+    """A value for every field, none its default."""
+    given: dict[str, Any] = {
+        "model": checkpoint("qwen3"), "dtype": "float64", "device": "cpu", "kvcache_block_size": 4,
+        "num_kvcache_blocks": 24, "max_num_seqs": 3, "max_num_batched_tokens": 40, "max_model_len": 64,
+        "gpu_memory_utilization": 0.5, "cpu_kvcache_gib": 0.25, "enforce_eager": True, "check": True,
+        "attention_backend": "torch", "seed": 7, "tensor_parallel_size": 2, "trace": tmp_path / "run.jsonl",
+        "trace_wall_times": True,
+    }
+    assert list(given) == FIELDS  # a new field gets a value here
+    assert all(value != getattr(EngineArgs(), name) for name, value in given.items())
+    return given
+
+
+@pytest.mark.clause("ARCH-2", "KNOB-2")
+def test_every_field_reaches_the_engine(tmp_path: Path) -> None:
+    """ARCH-2: every field given to LLM is the engine's setting (LLM.settings), and the scheduler's config is
+    derived from them (max_num_batched_tokens from the keyword to the scheduler)."""
+    given = {**_every_field_set(tmp_path), "tensor_parallel_size": 1}
+    llm = LLM(**given)
+    assert llm.settings == EngineArgs(**given)
+    config = llm.engine.scheduler.config
+    assert (config.num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == (24, 4, 3, 40)
+    assert llm.checked and llm.traced and llm.limits.max_model_len == 64
+    llm.close()
+
+
+@pytest.mark.clause("ARCH-2")
+def test_cli_flags_give_another_command_the_same_settings(tmp_path: Path) -> None:
+    """ARCH-2: ``cli_flags`` (how bench serve starts its server) parsed by serve's flags gives the same EngineArgs,
+    every field set."""
+    settings = EngineArgs(**{**_every_field_set(tmp_path), "model": str(checkpoint("qwen3")),
+                             "trace": str(tmp_path / "run.jsonl")})
+    args = build_parser().parse_args(["serve", *settings.cli_flags()])
+    assert EngineArgs.from_cli_args(args) == settings
+    assert EngineArgs().cli_flags() == []
+
+
+BAD: dict[str, object] = {
+    "model": "", "dtype": "int8", "device": "tpu", "kvcache_block_size": 1, "num_kvcache_blocks": 0,
+    "max_num_seqs": 0, "max_num_batched_tokens": True, "max_model_len": 1, "gpu_memory_utilization": 1.5,
+    "cpu_kvcache_gib": math.inf, "enforce_eager": "no", "check": 1, "attention_backend": "flash", "seed": 1.5,
+    "tensor_parallel_size": 0, "trace": "", "trace_wall_times": 1,
+}
+
+
+@pytest.mark.clause("ARCH-2", "KNOB-4")
+@pytest.mark.parametrize("name", FIELDS)
+def test_each_field_refuses_a_bad_value_naming_it(name: str) -> None:
+    """ARCH-2: EngineArgs validates each field once, a bad value a ValueError naming the field; a field's help is
+    set."""
+    assert list(BAD) == FIELDS
+    with pytest.raises(ValueError, match=f"^{name} "):
+        EngineArgs(**{name: BAD[name]})  # type: ignore[arg-type]
+    assert knob_of(name).help
+
+
+@pytest.mark.clause("ARCH-2")
+def test_the_scheduler_config_and_the_workers_spec_derive_from_it(tmp_path: Path) -> None:
+    """ARCH-2: the scheduler's config and the tensor-parallel workers' RunnerSpec are EngineArgs' fields of the
+    same names (the spec only once every None is resolved: a None left is refused by name)."""
+    settings = EngineArgs(**_every_field_set(tmp_path))
+    assert settings.scheduler_config(num_blocks=9, eos=5) == SchedulerConfig(9, 4, 3, 40, 5)
+    spec = RunnerSpec.of(settings, threads=2)
+    for field in dataclasses.fields(RunnerSpec):
+        if field.name != "threads":
+            expected = getattr(settings, field.name)
+            assert getattr(spec, field.name) == (str(expected) if field.name == "model" else expected), field.name
+    with pytest.raises(ValueError, match=r"unresolved engine settings: \['dtype'\]"):
+        RunnerSpec.of(dataclasses.replace(settings, dtype=None), threads=1)
