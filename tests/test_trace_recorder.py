@@ -189,13 +189,13 @@ def test_a_trace_that_cannot_be_written_is_refused_before_the_model_loads(tmp_pa
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """TRACE-1: a trace in a missing folder, a folder, or a file without write permission is a ValueError naming
     it, raised before any model loads."""
-    import optimized.entry.llm as llm_module
+    import optimized.entry.build as build_module
     from optimized import LLM
 
     def no_load(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the model loaded")
 
-    monkeypatch.setattr(llm_module, "load_config", no_load)
+    monkeypatch.setattr(build_module, "load_config", no_load)
     locked = tmp_path / "locked.jsonl"
     locked.write_text("")
     locked.chmod(0o444)

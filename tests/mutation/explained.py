@@ -92,8 +92,10 @@ EXPLAINED: tuple[Explained, ...] = (
     Explained("optimized/core/scheduler.py", "if len(watched) <= 4:", "len(watched) <= 4", "(len(watched) < 4)",
               "equivalent: both branches compute the same mask (a few comparisons or np.isin); the bound picks "
               "the faster"),
-    Explained("optimized/core/scheduler.py", "prefix_hit_tokens: int = 0", "0", "1",
-              "equivalent: both schedule paths pass prefix_hit_tokens; the core never uses the default"),
+    Explained("optimized/core/port.py",
+              "def new_sequence(self, token_ids: list[int], max_tokens: int, ignore_eos: bool = False,", "False",
+              "True", "equivalent: a default in the protocol's signature is never used; each implementation's own "
+              "default applies"),
     Explained("optimized/core/walk_memo.py", "if index < self.cached:", "index < self.cached",
               "(index <= self.cached)",
               "equivalent: cutting at index == cached keeps every hit, and used already equals sum(held)"),

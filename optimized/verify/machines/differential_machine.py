@@ -8,19 +8,20 @@ prompt starts with a drawn prefix or with all or part of an earlier request's
 tokens (prompt and output so far), then goes on, so prompts share and extend
 each other and hit blocks that decode filled; cache hits are freed and walked
 again while a request waits (MUT-7). Rules run steps (the same model tokens,
-EOS now and then, to both), give one request in eight stop tokens that finish
-it beside EOS (OPT-23: the port's ``add`` takes the stop set), and sometimes hand the
-batch back to postprocess as a copy of the list schedule() returned, which
-the optimized scheduler must treat like the list itself. At most MAX_LIVE
+EOS now and then, to both), give one request in eight stop tokens that
+finish it beside EOS (OPT-23: the port's ``add`` takes the stop set), and
+sometimes hand the batch back to postprocess as a copy of the list schedule()
+returned, which the optimized scheduler must treat like the list itself. At most MAX_LIVE
 requests are live at once, and a rule lets the queue drain, so a run is many
 small workloads on one cache. After every schedule() and every
 postprocess() the two must agree on every decision, compared by arrival
 index: batch order, num_scheduled_tokens, block tables, the prefill flag,
 preemptions, finishes, queue orders, every sequence's counters and tokens, and
 the whole block-manager state (free-queue order, ref counts, hashes, prefix
-table). Both must hit the empty decode (the reference's assert, our
-EmptyDecodeError) at the same step, and leave the same state behind it: the
-run goes on after it, so later steps compare too. Beyond the lesson
+table). Both must hit the empty decode (the port's EmptyDecodeError; the
+reference's adapter raises it where the lesson's assert fires) at the same
+step, and leave the same state behind it: the run goes on after it, so later
+steps compare too. Beyond the lesson
 (spec/abort.md), the same live request - waiting, mid-chunk or running - is
 aborted in both now and then (the port's ``abort``), and a step sometimes
 fails after schedule(), its batch aborted in both (``abort_step``); the states

@@ -1,0 +1,279 @@
+"""One suite, run against both schedulers through the scheduler port (ARCH-4), as CPython runs one heapq suite
+against its C and its Python implementation.
+
+Every check is computed from the port's own snapshots, never from an implementation's insides: whom a step
+preempted, what it took from the prefix cache, whom a postprocess finished, and every block the ``BlockReader``
+reads. A port that misreports fails the same checks (``test_the_suite_bites``), so they cannot pass vacuously.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import pytest
+
+import reference
+from invariants import SchedulerState, check_state, seq_view
+from optimized.core.config import SchedulerConfig
+from optimized.core.errors import EmptyDecodeError
+from optimized.core.port import PortFactory, ScheduleOutput, SchedulerPort
+from optimized.core.scheduler import Scheduler
+from optimized.verify.conformance import implementation, parse_workload, replay
+from optimized.verify.reference_port import ReferenceBlocks, ReferencePort
+from tests.optimized_pair import SAMPLES
+
+IMPLEMENTATIONS = ("reference", "optimized")
+Model = Callable[[Any], int]
+
+
+def the_model(seq: Any) -> int:
+    """A token that depends on the sequence, never EOS 0."""
+    return 1 + (len(seq) * 7) % 5
+
+
+def ports(config: SchedulerConfig) -> list[SchedulerPort[Any]]:
+    """Both implementations as ports (mypy checks that each is one)."""
+    return [ReferencePort(config), Scheduler(config)]
+
+
+def blocks_agree(port: SchedulerPort[Any], state: SchedulerState) -> None:
+    """The ``BlockReader`` reads, one block at a time, what a full snapshot holds."""
+    blocks = port.blocks
+    assert (blocks.num_blocks, blocks.num_free) == (state.num_blocks, len(state.free_block_ids))
+    for view in state.blocks:
+        b = view.block_id
+        assert (blocks.is_used(b), blocks.ref_count(b), blocks.block_hash(b), blocks.token_ids_of(b)) == \
+               (b in state.used_block_ids, view.ref_count, view.hash, view.token_ids), f"block {b}"
+
+
+def checked_step(port: SchedulerPort[Any], model: Model = the_model) -> tuple[ScheduleOutput[Any], list[Any]]:
+    """One schedule() and postprocess(), each report checked against the snapshots around it."""
+    before = port.snapshot()
+    out = port.schedule()
+    after = port.snapshot()
+    # Preempted: the running sequences sent back to waiting, in the order preempted (the tail first, PREEMPT-2).
+    waiting_now = {s.seq_id for s in after.waiting}
+    assert [s.seq_id for s in out.preempted] == [s.seq_id for s in reversed(before.running) if s.seq_id in waiting_now]
+    # Prefix hits: the sequences admitted this step (no blocks before it), what they took from the cache.
+    fresh = {s.seq_id for s in before.waiting if not s.block_table}
+    admitted = [s for s in out.batch if s.seq_id in fresh] if out.is_prefill else []
+    assert (out.prefix_hit_tokens, out.prefix_query_tokens) == (sum(s.num_cached_tokens for s in admitted),
+                                                                sum(s.num_tokens for s in admitted))
+    blocks_agree(port, after)
+    ids = [s.seq_id for s in out.batch]
+    finished = port.postprocess(out.batch, [model(s) for s in out.batch], out.is_prefill)
+    end = port.snapshot()
+    live = {s.seq_id for s in (*end.waiting, *end.running)}
+    assert [s.seq_id for s in finished] == [i for i in ids if i not in live]  # in batch order
+    blocks_agree(port, end)
+    assert check_state(end) == []
+    return out, finished
+
+
+def shared_prefix_run(factory: PortFactory) -> list[tuple[ScheduleOutput[Any], list[Any]]]:
+    """Four requests sharing a prefix in a small cache: prefix hits, preemption, finishes (OPT-22's workload)."""
+    port = factory(SchedulerConfig(block_size=2, num_blocks=9, max_num_seqs=4, max_num_batched_tokens=32, eos=0))
+    port.add(port.new_sequence([5, 6, 7, 8, 1], 6))
+    steps = [checked_step(port)]
+    while not port.running:
+        steps.append(checked_step(port))
+    for i in range(3):
+        port.add(port.new_sequence([5, 6, 7, 8, i + 2], 6))
+    while not port.is_finished():
+        steps.append(checked_step(port))
+    return steps
+
+
+@pytest.mark.clause("ARCH-4", "OPT-22")
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_a_step_reports_whom_it_preempted_what_it_hit_and_whom_it_finished(name: str) -> None:
+    """ARCH-4, OPT-22: the typed output and postprocess's return are what the snapshots around them show."""
+    steps = shared_prefix_run(implementation(name))
+    assert any(out.preempted for out, _ in steps)
+    assert any(out.prefix_hit_tokens for out, _ in steps)
+    assert sum(len(finished) for _, finished in steps) == 4
+    batch, is_prefill = steps[0][0]  # the lesson's pair
+    assert (batch, is_prefill) == (steps[0][0].batch, True)
+
+
+@pytest.mark.clause("ARCH-4")
+def test_both_ports_decide_the_same() -> None:
+    """ARCH-4, OPT-1: the same reports, step by step, by arrival order (each numbers its sequences itself)."""
+    def reports(factory: PortFactory) -> list[tuple[Any, ...]]:
+        first: list[int] = []
+
+        def arrival(seq: Any) -> int:
+            if not first:
+                first.append(seq.seq_id)
+            return int(seq.seq_id) - first[0]
+
+        out = []
+        for step, finished in shared_prefix_run(factory):
+            out.append((step.is_prefill, [(arrival(s), s.num_scheduled_tokens, list(s.block_table))
+                                          for s in step.batch],
+                        [arrival(s) for s in step.preempted], step.prefix_hit_tokens, step.prefix_query_tokens,
+                        [arrival(s) for s in finished]))
+        return out
+
+    assert reports(implementation("reference")) == reports(implementation("optimized"))
+
+
+@pytest.mark.clause("ARCH-4", "OPT-9", "EDGE-2", "CONF-4")
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_the_empty_decode_is_the_one_error_and_leaves_the_lessons_state(name: str) -> None:
+    """ARCH-4, OPT-9, EDGE-2: a request that outgrows the cache alone ends in EmptyDecodeError, whichever scheduler:
+    the sequence preempted itself back to the front of waiting, running empty, every block free; the scheduler
+    stays usable (it raises the same again)."""
+    port = implementation(name)(SchedulerConfig(block_size=2, num_blocks=2, max_num_batched_tokens=8, eos=0))
+    seq = port.new_sequence([1, 2, 3], 4)
+    port.add(seq)
+    with pytest.raises(EmptyDecodeError):
+        while True:
+            checked_step(port)
+    state = port.snapshot()
+    assert [s.seq_id for s in state.waiting] == [seq.seq_id] and state.running == []
+    assert seq.block_table == [] and len(state.free_block_ids) == 2 and check_state(state) == []
+    with pytest.raises(EmptyDecodeError):
+        port.schedule()
+
+
+@pytest.mark.clause("ARCH-4", "CONF-4")
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_the_samples_that_end_in_the_empty_decode_replay_through_the_port(name: str) -> None:
+    """ARCH-4, CONF-4: the replay loop catches the port's one error, wherever the implementation raised it."""
+    for sample in SAMPLES:
+        if sample["trace"][-1].get("error"):
+            assert replay(parse_workload(sample["workload"]), implementation(name)) == sample["trace"]
+
+
+class NotTheEmptyDecode(reference.Scheduler):
+    """A lesson whose schedule() fails some other assert while sequences still run."""
+
+    def schedule(self) -> tuple[list[reference.Sequence], bool]:
+        batch, is_prefill = super().schedule()
+        assert not self.running, "another invariant of the lesson"
+        return batch, is_prefill
+
+
+@pytest.mark.clause("ARCH-4")
+def test_the_adapter_maps_only_the_lessons_empty_decode_assert() -> None:
+    """ARCH-4: an AssertionError that does not leave the empty decode's state (running empty, something waiting)
+    propagates as it is: it is a broken lesson, not the EDGE-2 edge."""
+    port = ReferencePort(SchedulerConfig(block_size=2, num_blocks=4), lesson=NotTheEmptyDecode)
+    port.add(port.new_sequence([1, 2], 3))
+    with pytest.raises(AssertionError, match="another invariant") as raised:
+        port.schedule()
+    assert not isinstance(raised.value, EmptyDecodeError)
+
+
+@pytest.mark.clause("ARCH-4", "OPT-23")
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_a_stop_set_given_to_add_finishes_its_sequence(name: str) -> None:
+    """ARCH-4, OPT-23: ``add``'s stop set finishes a sequence that draws one, in prefill and in decode; another
+    sequence that draws the same token goes on."""
+    port = implementation(name)(SchedulerConfig(block_size=2, num_blocks=16, max_num_batched_tokens=16, eos=0))
+    stopped_at_prefill, stopped_later, other = (port.new_sequence([1, 2, 3], 8) for _ in range(3))
+    port.add(stopped_at_prefill, {7})
+    port.add(stopped_later, {9})
+    port.add(other)
+    _, finished = checked_step(port, lambda s: 7)
+    assert finished == [stopped_at_prefill]
+    _, finished = checked_step(port, lambda s: 9 if s is stopped_later else 7)
+    assert finished == [stopped_later]
+    assert [s.seq_id for s in port.running] == [other.seq_id] and other.num_completion_tokens == 2
+
+
+@pytest.mark.clause("ARCH-4", "ABORT-1", "ABORT-4", "FAULT-2")
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_abort_and_a_failed_step_through_the_port(name: str) -> None:
+    """ARCH-4, ABORT-1, ABORT-4, FAULT-2: abort takes a live sequence back between steps and refuses a stranger
+    (ValueError) or a step in flight (RuntimeError); abort_step takes exactly the scheduled batch back."""
+    port = implementation(name)(SchedulerConfig(block_size=2, num_blocks=16, max_num_batched_tokens=16, eos=0))
+    seqs = [port.new_sequence([i + 1] * 3, 8) for i in range(3)]
+    for seq in seqs:
+        port.add(seq)
+    checked_step(port)
+    port.abort(seqs[1])
+    with pytest.raises(ValueError, match="not waiting or running"):
+        port.abort(seqs[1])
+    out = port.schedule()
+    with pytest.raises(RuntimeError, match="only between steps"):
+        port.abort(seqs[0])
+    with pytest.raises(ValueError, match="exactly the sequences"):
+        port.abort_step(out.batch[:-1])
+    port.abort_step(out.batch)
+    state = port.snapshot()
+    assert state.waiting == state.running == [] and state.used_block_ids == set() and check_state(state) == []
+    blocks_agree(port, state)
+
+
+@pytest.mark.clause("ARCH-4")
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_a_new_sequence_is_one_the_port_takes(name: str) -> None:
+    """ARCH-4: ``new_sequence`` makes a waiting sequence of the config's block size with the given parameters."""
+    config = SchedulerConfig(block_size=4, num_blocks=8)
+    port = implementation(name)(config)
+    assert port.config == config
+    seq = port.new_sequence([3, 1, 4, 1, 5], 7, ignore_eos=True, temperature=0.5)
+    assert (seq_view(seq).status, seq.token_ids, seq.max_tokens, seq.ignore_eos, seq.temperature) == \
+           ("WAITING", [3, 1, 4, 1, 5], 7, True, 0.5)
+    port.add(seq)
+    out = port.schedule()
+    assert out.batch == [seq] and seq.block_table == [0, 1] and port.blocks.ref_count(1) == 1
+
+
+class HidesPreemptions(ReferencePort):
+    def schedule(self) -> ScheduleOutput[reference.Sequence]:
+        out = super().schedule()
+        return ScheduleOutput(out.batch, out.is_prefill, (), out.prefix_hit_tokens, out.prefix_query_tokens)
+
+
+class HidesFinishes(ReferencePort):
+    def postprocess(self, seqs: list[reference.Sequence], token_ids: list[int],
+                    is_prefill: bool) -> list[reference.Sequence]:
+        super().postprocess(seqs, token_ids, is_prefill)
+        return []
+
+
+class MiscountsHits(ReferencePort):
+    def schedule(self) -> ScheduleOutput[reference.Sequence]:
+        out = super().schedule()
+        out.prefix_hit_tokens = 0
+        return out
+
+
+class UndercountingBlocks(ReferenceBlocks):
+    def ref_count(self, block_id: int) -> int:
+        return min(super().ref_count(block_id), 1)
+
+
+class MisreadsRefCounts(ReferencePort):
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.blocks = UndercountingBlocks(self.lesson_scheduler.block_manager)
+
+
+@pytest.mark.clause("ARCH-4")
+@pytest.mark.parametrize("broken", [HidesPreemptions, HidesFinishes, MiscountsHits, MisreadsRefCounts,
+                                    partial(ReferencePort, lesson=NotTheEmptyDecode)])
+def test_the_suite_bites(broken: PortFactory) -> None:
+    """ARCH-4: a port that misreports a step or a block fails the suite's checks."""
+    with pytest.raises(AssertionError):
+        shared_prefix_run(broken)
+
+
+@pytest.mark.clause("KNOB-4", "EDGE-1")
+@pytest.mark.parametrize(("field", "value"), [
+    ("block_size", 1), ("block_size", 0), ("num_blocks", 0), ("max_num_seqs", 0),
+    ("max_num_batched_tokens", 0), ("num_blocks", 2.0), ("eos", True), ("max_num_seqs", None),
+])
+def test_the_cores_config_refuses_bad_knobs_naming_the_field(field: str, value: object) -> None:
+    """KNOB-4, EDGE-1: the core's own config validates as the reference's does; the least values pass."""
+    kwargs: dict[str, object] = {"num_blocks": 4, "block_size": 4, field: value}
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**kwargs)  # type: ignore[arg-type]
+    least = SchedulerConfig(num_blocks=1, block_size=2, max_num_seqs=1, max_num_batched_tokens=1, eos=-(1 << 63))
+    assert (least.num_blocks, least.block_size, least.max_num_seqs, least.max_num_batched_tokens) == (1, 2, 1, 1)
+    assert all(isinstance(p, (ReferencePort, Scheduler)) for p in ports(least))
