@@ -35,6 +35,15 @@ from tests.scheduler_fixtures import make_scheduler
 TestReferenceMachine = Machine.TestCase
 
 
+class OptimizedMachine(Machine):
+    """The same users and contracts, on the optimized scheduler through the same port (ARCH-4)."""
+
+    IMPLEMENTATION = "optimized"
+
+
+TestOptimizedUnderTheStepContract = OptimizedMachine.TestCase
+
+
 @dataclasses.dataclass
 class Step:
     before: SchedulerState

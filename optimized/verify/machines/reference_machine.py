@@ -7,8 +7,10 @@ EOS now and then). Prompts share prefixes so the prefix cache hits, and are
 long against the budget and the cache so chunking and preemption happen.
 Beyond the lesson (spec/abort.md), a live request is aborted now and then -
 waiting, mid-chunk or running - and a step sometimes fails after schedule(),
-its batch aborted; both are checked against abort_contract.py. The reference
-is driven through the scheduler port (ARCH-4), by its adapter.
+its batch aborted; both are checked against abort_contract.py. The scheduler
+is driven through the scheduler port (ARCH-4): the reference by its adapter,
+or, in a subclass that names another ``IMPLEMENTATION``, any other one, judged
+by the same contracts.
 Requests obey the admission rule (ADMIT-1) unless a subclass turns it off.
 Every step is checked against the step contract (step_contract.py) and every
 state against ``invariants.check_state``; a failure names the broken clause.
@@ -86,6 +88,7 @@ class Machine(FailureRule):
     """Requests arrive and steps run; the spec's clauses hold after every rule."""
 
     ADMISSION_RULE: ClassVar[bool] = True
+    IMPLEMENTATION: ClassVar[str] = "reference"  # a name ``conformance.implementation`` knows
 
     def __init__(self, stats: Stats | None = None) -> None:
         super().__init__()
@@ -113,7 +116,7 @@ class Machine(FailureRule):
         self.config = config
         self.prefixes = prefixes
         self.request_strategy = requests(config, prefixes, self.ADMISSION_RULE)
-        self._scheduler = implementation("reference")(config)
+        self._scheduler = implementation(self.IMPLEMENTATION)(config)
 
     @rule(data=st.data(), n=st.integers(1, 3))
     def requests_arrive(self, data: st.DataObject, n: int) -> None:
