@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from kernels.backend_names import BACKEND_NAMES
 from optimized.core.errors import strict_int
@@ -58,9 +58,9 @@ class Knob:
             strict_int(value, name, self.least)
         elif self.kind == "seed":
             strict_int(value, name)
-        elif self.kind == "fraction" and not (_number(value) and 0 < value <= 1):  # type: ignore[operator]
+        elif self.kind == "fraction" and not (_number(value) and 0 < value <= 1):
             raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-        elif self.kind == "amount" and not (_number(value) and 0 < value < math.inf):  # type: ignore[operator]
+        elif self.kind == "amount" and not (_number(value) and 0 < value < math.inf):
             raise ValueError(f"{name} must be a positive finite number, got {value!r}")
         elif self.kind == "bool" and not isinstance(value, bool):
             raise ValueError(f"{name} must be a bool, got {value!r}")
@@ -93,7 +93,7 @@ class Knob:
         return str(default)
 
 
-def _number(value: object) -> bool:
+def _number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -139,9 +139,8 @@ class EngineArgs:
         "tokens per KV-cache block", "int", least=2, flag="--block-size"))
     num_kvcache_blocks: int | None = field(default=None, metadata=_knob(
         "KV-cache blocks", "int", unset="what the memory budget holds"))
-    max_num_seqs: int = field(default=256, metadata=_knob("sequences per step (KNOB-1)", "int"))
-    max_num_batched_tokens: int = field(default=8192, metadata=_knob(
-        "prompt tokens per prefill step (KNOB-2; spec/knobs.md says why not the lesson's 16384)", "int"))
+    max_num_seqs: int = field(default=256, metadata=_knob("sequences per step", "int"))
+    max_num_batched_tokens: int = field(default=8192, metadata=_knob("prompt tokens per prefill step", "int"))
     max_model_len: int | None = field(default=None, metadata=_knob(
         "prompt + completion tokens", "int", least=2, unset="the model's"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_knob(
@@ -214,7 +213,8 @@ class EngineArgs:
             if knob.kind == "bool":
                 options["action"] = _Switch
             else:
-                options.update(type=knob.parse(), metavar=knob.metavar)
+                counted = knob.kind in ("int", "seed")
+                options.update(type=knob.parse(), metavar=knob.metavar or ("N" if counted else None))
                 if knob.choices:
                     options.update(choices=knob.choices, metavar=None)
             p.add_argument(knob.flag or _flag(name), **options)
