@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from optimized.core.errors import strict_int
 
-_MINIMUMS = {"num_blocks": 1, "block_size": 2, "max_num_seqs": 1, "max_num_batched_tokens": 1, "eos": None}
+# Each knob's least value (None: any int): the one rule, read by the workload and trace readers too.
+MINIMUMS = {"num_blocks": 1, "block_size": 2, "max_num_seqs": 1, "max_num_batched_tokens": 1, "eos": None}
 
 
 @dataclass(frozen=True)
@@ -26,5 +27,5 @@ class SchedulerConfig:
     eos: int = -1
 
     def __post_init__(self) -> None:
-        for name, minimum in _MINIMUMS.items():
+        for name, minimum in MINIMUMS.items():
             strict_int(getattr(self, name), name, minimum)

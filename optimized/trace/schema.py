@@ -21,6 +21,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from optimized.core.config import MINIMUMS
 from optimized.verify.conformance import CONFIG_FIELDS, Request, bounded_lines
 from optimized.verify.conformance import _json_line as json_line
 
@@ -32,7 +33,7 @@ INT64_MIN = -(1 << 63)
 STEP_KEYS = ("step", "prefill", "batch", "preempted")
 # A trace header's bounds: a workload's (CLI-7) would refuse a GPU run, whose cache has millions of blocks. Block
 # ids are int32 on the device, so no run has 2**31 blocks; a replay builds every block (memory in proportion).
-HEADER_MINIMUMS = {"block_size": 2, "num_blocks": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "eos": INT64_MIN}
+HEADER_MINIMUMS = {**MINIMUMS, "eos": INT64_MIN}  # a header's eos is an int64 too
 HEADER_MAXIMUMS = {"num_blocks": 1 << 31, "block_size": 1 << 16}
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from optimized.core.config import SchedulerConfig
+from optimized.core.config import MINIMUMS, SchedulerConfig
 from optimized.core.errors import WorkloadError, is_strict_int
 from optimized.core.port import EmptyDecodeError, PortFactory, ScheduleOutput, SchedulerPort
 from optimized.core.scheduler import Scheduler
@@ -93,8 +93,7 @@ def parse_workload(obj: Any) -> Workload:
     cfg = _key(obj, "config", "workload")
     if not isinstance(cfg, dict):
         raise WorkloadError("workload.config must be an object")
-    minimums = {"block_size": 2, "num_blocks": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "eos": None}
-    config = {f: _int(_key(cfg, f, "config"), f"config.{f}", minimums[f]) for f in CONFIG_FIELDS}
+    config = {f: _int(_key(cfg, f, "config"), f"config.{f}", MINIMUMS[f]) for f in CONFIG_FIELDS}
     for f, most in MAXIMUMS.items():
         if config[f] > most:
             raise WorkloadError(f"config.{f} must be <= {most}, got {config[f]}")
