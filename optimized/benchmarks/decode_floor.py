@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from optimized.engine.assembly import kv_bytes_per_block
 from optimized.engine.sampling_params import SamplingParams
 from optimized.entry.llm import LLM
 from optimized.models.decoder import CausalLM
@@ -49,9 +50,8 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float
 
 
 def kv_bytes_per_token(model: CausalLM) -> int:
-    """K and V of one token in every layer."""
-    c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.embed_tokens.weight.element_size()
+    """K and V of one token in every layer (the engine's own formula, for blocks of one token)."""
+    return kv_bytes_per_block(model.config, 1, model.embed_tokens.weight.dtype)
 
 
 def weight_bytes(model: CausalLM, batch: int) -> int:
