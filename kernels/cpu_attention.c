@@ -29,8 +29,22 @@ itself (the C way to write a function template); they are GNU C (vector extensio
 /* Elements of type float per 64-byte cache line; prefetching every this many elements of a double row touches
    each line at least once too (twice, harmlessly). */
 #define NV_LINE 16
-/* Prefill takes this many query vectors together: each key and value row read serves them all. */
-#define NV_TILE 8
+/* Prefill scores this many query vectors together against each block of transposed keys, so the block is read
+   from cache once per tile rather than from memory once per vector. */
+#define NV_TILE 16
+/* Bytes per vector of the prefill's key and value tiles: the target's widest (the bits do not depend on it). */
+#if defined(__AVX512F__)
+#define NV_VBYTES 64
+#elif defined(__AVX__)
+#define NV_VBYTES 32
+#else
+#define NV_VBYTES 16
+#endif
+/* The prefill's weighted sum of V keeps NV_VQ query vectors times NV_VCH vectors of output elements in registers. */
+#define NV_VCH 4
+/* The prefill's scores take NV_SQ query vectors against each block of keys together. */
+#define NV_SQ 4
+#define NV_VQ (NV_VBYTES == 64 ? 4 : 2)
 
 #if !defined(__GNUC__)
 #error "cpu_attention.c is written in GNU C (vector extensions, always_inline, prefetch): build it with GCC or Clang"
@@ -124,6 +138,10 @@ static NV_INLINE double nv_exp_f64(double x) {
     memcpy(&two_k, &bits, sizeof two_k);
     return x < -708.0 ? 0.0 : p * two_k;
 }
+
+/* The prefill's vector width in bytes, which names the instruction-set path this build took (64: AVX-512, 32: AVX,
+   16: SSE or none); its bits are the same on each. */
+int64_t nv_attention_vector_bytes(void) { return NV_VBYTES; }
 
 #define NV_T float
 #define NV_NAME(x) x##_f32
@@ -289,68 +307,192 @@ int64_t NV_NAME(nv_paged_decode)(const NV_T *q, int64_t q_row_stride, int64_t q_
     return failed ? -1 : 0;
 }
 
+/* NV_KEYS keys (or output elements) as one vector of the target's widest type (GNU C vector extension): each lane
+   rounds as its scalar would, and every lane is a different key or output element summed in its own fixed order,
+   so the width changes no bit. */
+typedef NV_T NV_NAME(vec) __attribute__((vector_size(NV_VBYTES)));
+enum { NV_NAME(keys) = NV_VBYTES / sizeof(NV_T) };
+#define NV_KEYS ((int64_t)NV_NAME(keys))
+
+static NV_INLINE NV_NAME(vec) NV_NAME(load)(const NV_T *p) {
+    NV_NAME(vec) x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+/* The keys of KV head j of a context of n tokens, transposed in blocks of NV_KEYS keys: element e of key t is
+   kt[(t / NV_KEYS) * d * NV_KEYS + e * NV_KEYS + t % NV_KEYS], zeros past n up to the next whole block. */
+static NV_INLINE void NV_NAME(transpose_keys)(const NV_T *restrict k_cache, const int32_t *table, int64_t n,
+                                             int64_t j, const NV_NAME(dims) *s, NV_T *restrict kt, const int64_t d) {
+    const int64_t bs = s->block_size, token = s->kv_heads * d, padded = (n + NV_KEYS - 1) / NV_KEYS * NV_KEYS;
+    for (int64_t t0 = 0, c = 0; t0 < n; t0 += bs, c++) {
+        const NV_T *block = k_cache + (int64_t)table[c] * bs * token + j * d;
+        const int64_t m = n - t0 < bs ? n - t0 : bs;
+        for (int64_t o = 0; o < m; o++) {
+            const int64_t t = t0 + o;
+            NV_T *to = kt + t / NV_KEYS * d * NV_KEYS + t % NV_KEYS;
+            for (int64_t e = 0; e < d; e++) to[e * NV_KEYS] = block[o * token + e];
+        }
+    }
+    for (int64_t t = n; t < padded; t++)
+        for (int64_t e = 0; e < d; e++) kt[t / NV_KEYS * d * NV_KEYS + e * NV_KEYS + t % NV_KEYS] = 0;
+}
+
+/* scores[v][k] = dot(q[v], key k) * scale, the decode's dot product, for NV_SQ query vectors and the NV_KEYS keys
+   of one transposed block: lane l of key k sums q[i] * key[i] over i = l, l + NV_LANES, ... in that order, held as
+   one vector across the keys (lanes l and l + 8 together, each key block row loaded once for all NV_SQ vectors),
+   then the same halving tree, one vector add per step, so every key gets exactly dot()'s additions. */
+static NV_INLINE void NV_NAME(dot_keys)(const NV_T *const *q, const NV_T *restrict kt, NV_T scale,
+                                       NV_T *const *scores, const int64_t d) {
+    const int64_t whole = d / NV_LANES * NV_LANES;
+    NV_NAME(vec) half[NV_SQ][8];
+    for (int l = 0; l < 8; l++) {
+        NV_NAME(vec) lo[NV_SQ], hi[NV_SQ];
+        for (int v = 0; v < NV_SQ; v++) lo[v] = hi[v] = (NV_NAME(vec)){0};
+        for (int64_t i = 0; i < whole; i += NV_LANES) {
+            const NV_NAME(vec) klo = NV_NAME(load)(kt + (i + l) * NV_KEYS);
+            const NV_NAME(vec) khi = NV_NAME(load)(kt + (i + l + 8) * NV_KEYS);
+            for (int v = 0; v < NV_SQ; v++) {
+                lo[v] += q[v][i + l] * klo;
+                hi[v] += q[v][i + l + 8] * khi;
+            }
+        }
+        if (whole + l < d) {
+            const NV_NAME(vec) klo = NV_NAME(load)(kt + (whole + l) * NV_KEYS);
+            for (int v = 0; v < NV_SQ; v++) lo[v] += q[v][whole + l] * klo;
+        }
+        if (whole + l + 8 < d) {
+            const NV_NAME(vec) khi = NV_NAME(load)(kt + (whole + l + 8) * NV_KEYS);
+            for (int v = 0; v < NV_SQ; v++) hi[v] += q[v][whole + l + 8] * khi;
+        }
+        for (int v = 0; v < NV_SQ; v++) half[v][l] = lo[v] + hi[v];
+    }
+    for (int v = 0; v < NV_SQ; v++) {
+        NV_NAME(vec) *lane = half[v];
+        for (int l = 0; l < 4; l++) lane[l] += lane[l + 4];
+        for (int l = 0; l < 2; l++) lane[l] += lane[l + 2];
+        const NV_NAME(vec) scaled = (lane[0] + lane[1]) * scale;
+        memcpy(scores[v], &scaled, sizeof scaled);
+    }
+}
+
+/* os[q][e] = sum over keys t < seen[q], in token order, of w[q][t] * V[t][e] (the decode's order: a sum from +0,
+   one key after another) for the elements e0 .. e0 + chunks * NV_KEYS - 1 of NV_VQ query vectors together, held in
+   registers while V is read in place once for all of them; only the first `vecs` are written. seen[] is
+   nondecreasing: the keys all of them see are taken together, then each one's own last few. */
+static NV_INLINE void NV_NAME(weigh_span)(const NV_T *restrict v_cache, const int32_t *table, int64_t j,
+                                         const NV_NAME(dims) *s, NV_T *const *w, NV_T *const *os,
+                                         const int64_t *seen, int64_t vecs, int64_t e0, const int chunks,
+                                         const int64_t d) {
+    const int64_t bs = s->block_size, token = s->kv_heads * d, common = seen[0];
+    NV_NAME(vec) acc[NV_VQ][NV_VCH];
+    for (int q = 0; q < NV_VQ; q++)
+        for (int c = 0; c < chunks; c++) acc[q][c] = (NV_NAME(vec)){0};
+    for (int64_t t0 = 0, b = 0; t0 < common; t0 += bs, b++) {
+        const NV_T *block = v_cache + (int64_t)table[b] * bs * token + j * d + e0;
+        const int64_t m = common - t0 < bs ? common - t0 : bs;
+        for (int64_t o = 0; o < m; o++) {
+            NV_NAME(vec) x[NV_VCH];
+            for (int c = 0; c < chunks; c++) x[c] = NV_NAME(load)(block + o * token + c * NV_KEYS);
+            for (int q = 0; q < NV_VQ; q++) {
+                const NV_T weight = w[q][t0 + o];
+                for (int c = 0; c < chunks; c++) acc[q][c] += weight * x[c];
+            }
+        }
+    }
+    for (int q = 0; q < NV_VQ; q++) {
+        for (int64_t t = common; t < seen[q]; t++) {
+            const NV_T *row = v_cache + ((int64_t)table[t / bs] * bs + t % bs) * token + j * d + e0;
+            for (int c = 0; c < chunks; c++) acc[q][c] += w[q][t] * NV_NAME(load)(row + c * NV_KEYS);
+        }
+        if (q < vecs)
+            for (int c = 0; c < chunks; c++) memcpy(os[q] + e0 + c * NV_KEYS, &acc[q][c], sizeof acc[q][c]);
+    }
+}
+
+/* weigh_span over all d elements: NV_VCH vectors at a time, then one, then the last few elements one by one (the
+   same sum, per element). */
+static NV_INLINE void NV_NAME(weigh_values)(const NV_T *restrict v_cache, const int32_t *table, int64_t j,
+                                           const NV_NAME(dims) *s, NV_T *const *w, NV_T *const *os,
+                                           const int64_t *seen, int64_t vecs, const int64_t d) {
+    const int64_t bs = s->block_size, token = s->kv_heads * d;
+    int64_t e0 = 0;
+    for (; e0 + NV_VCH * NV_KEYS <= d; e0 += NV_VCH * NV_KEYS)
+        NV_NAME(weigh_span)(v_cache, table, j, s, w, os, seen, vecs, e0, NV_VCH, d);
+    for (; e0 + NV_KEYS <= d; e0 += NV_KEYS) NV_NAME(weigh_span)(v_cache, table, j, s, w, os, seen, vecs, e0, 1, d);
+    for (int q = 0; q < vecs; q++)
+        for (int64_t e = e0; e < d; e++) {
+            NV_T sum = 0;
+            for (int64_t t = 0; t < seen[q]; t++)
+                sum += w[q][t] * v_cache[((int64_t)table[t / bs] * bs + t % bs) * token + j * d + e];
+            os[q][e] = sum;
+        }
+}
+
 /* Causal attention of the queries of KV head j of one sequence (context n, the last qlen positions; vector
-   v = i * rep + r is query i's head j * rep + r and sees keys 0 .. n - qlen + i), NV_TILE vectors at a time: each
-   one's scores against its own visible keys, read in place, each the decode's dot product (so a query's output is
-   decode's for the same query and keys, bit for bit: spec/batch-invariance.md BI-4), a softmax over them, then the
-   weighted sum of V read in place, all the tile's vectors together (the weights of keys only a later vector of the
-   tile sees are 0, and adding 0 * v to a sum that started at +0 changes no bit). q points at the sequence's first
-   query row, out at its first output row ([qlen, h, d] contiguous); scores holds NV_TILE * n values. */
+   v = i * rep + r is query i's head j * rep + r and sees keys 0 .. n - qlen + i), NV_TILE vectors at a time: their
+   scores against each block of NV_KEYS transposed keys (the block stays in cache while the tile reads it), each
+   the decode's dot product (dot_keys), a softmax over exactly the vector's visible keys, then the weighted sum of V
+   read in place, in the decode's order. So a query's output is the decode's for the same query and keys, bit for
+   bit (spec/batch-invariance.md BI-4). q points at the sequence's first query row, out at its first output row
+   ([qlen, h, d] contiguous); kt holds d * stride values and scores NV_TILE * stride, stride being n rounded up to
+   whole blocks of NV_KEYS. */
 static NV_INLINE void NV_NAME(prefill_head_d)(const NV_T *restrict q, const NV_T *restrict k_cache,
                                              const NV_T *restrict v_cache, const int32_t *table, int64_t n,
                                              int64_t qlen, int64_t j, const NV_NAME(dims) *s, int64_t q_row_stride,
-                                             NV_T scale, NV_T *restrict scores, NV_T *restrict out, const int64_t d) {
-    const int64_t bs = s->block_size, rep = s->heads / s->kv_heads, token = s->kv_heads * d;
-    const int64_t count = qlen * rep;
+                                             NV_T scale, NV_T *restrict kt, NV_T *restrict scores,
+                                             NV_T *restrict out, const int64_t d) {
+    const int64_t rep = s->heads / s->kv_heads, count = qlen * rep;
+    const int64_t stride = (n + NV_KEYS - 1) / NV_KEYS * NV_KEYS;
+    NV_NAME(transpose_keys)(k_cache, table, n, j, s, kt, d);
     for (int64_t v0 = 0; v0 < count; v0 += NV_TILE) {
         const int64_t tile = count - v0 < NV_TILE ? count - v0 : NV_TILE;
         const NV_T *qs[NV_TILE];
-        NV_T *os[NV_TILE];
-        int64_t seen[NV_TILE];
-        for (int64_t v = 0; v < tile; v++) {
-            const int64_t vec = v0 + v, i = vec / rep, r = vec % rep;
-            qs[v] = q + i * q_row_stride + (j * rep + r) * s->q_head_stride;
+        NV_T *os[NV_TILE + NV_VQ], *ws[NV_TILE + NV_VQ];
+        int64_t seen[NV_TILE + NV_VQ];
+        for (int64_t v = 0; v < NV_TILE + NV_VQ; v++) {
+            /* Past the tile's end the last vector stands in, so that weigh_values always takes NV_VQ vectors
+               (it writes only the real ones). */
+            const int64_t vec = v0 + (v < tile ? v : tile - 1), i = vec / rep, r = vec % rep;
+            if (v < NV_TILE) qs[v] = q + i * q_row_stride + (j * rep + r) * s->q_head_stride;
             os[v] = out + (i * s->heads + j * rep + r) * d;
+            ws[v] = scores + (v < tile ? v : tile - 1) * stride;
             seen[v] = n - qlen + i + 1;
         }
         const int64_t reach = seen[tile - 1];
-        for (int64_t t0 = 0, c = 0; t0 < reach; t0 += bs, c++) {
-            const NV_T *block = k_cache + (int64_t)table[c] * bs * token + j * d;
-            const int64_t m = reach - t0 < bs ? reach - t0 : bs;
-            for (int64_t o = 0; o < m; o++)
-                for (int64_t v = 0; v < tile; v++)
-                    if (t0 + o < seen[v])
-                        scores[v * n + t0 + o] = NV_NAME(dot)(qs[v], block + o * token, d) * scale;
-        }
-        for (int64_t v = 0; v < tile; v++) {
-            NV_NAME(softmax)(scores + v * n, seen[v]);
-            for (int64_t t = seen[v]; t < reach; t++) scores[v * n + t] = 0;
-            for (int64_t e = 0; e < d; e++) os[v][e] = 0;
-        }
-        for (int64_t t0 = 0, c = 0; t0 < reach; t0 += bs, c++) {
-            const NV_T *block = v_cache + (int64_t)table[c] * bs * token + j * d;
-            const int64_t m = reach - t0 < bs ? reach - t0 : bs;
-            for (int64_t o = 0; o < m; o++)
-                for (int64_t v = 0; v < tile; v++) {
-                    const NV_T w = scores[v * n + t0 + o];
-                    for (int64_t e = 0; e < d; e++) os[v][e] += w * block[o * token + e];
+        for (int64_t t0 = 0, first = 0; t0 < reach; t0 += NV_KEYS) {
+            while (seen[first] <= t0) first++; /* the vectors from first on see this block */
+            for (int64_t v = first; v < tile; v += NV_SQ) {
+                /* Past the tile's end the last vector stands in (its scores written twice, the same bits). */
+                const NV_T *group[NV_SQ];
+                NV_T *into[NV_SQ];
+                for (int g = 0; g < NV_SQ; g++) {
+                    const int64_t u = v + g < tile ? v + g : tile - 1;
+                    group[g] = qs[u];
+                    into[g] = ws[u] + t0;
                 }
+                NV_NAME(dot_keys)(group, kt + t0 * d, scale, into, d);
+            }
         }
+        for (int64_t v = 0; v < tile; v++) NV_NAME(softmax)(ws[v], seen[v]);
+        for (int64_t v = 0; v < tile; v += NV_VQ)
+            NV_NAME(weigh_values)(v_cache, table, j, s, ws + v, os + v, seen + v,
+                                  tile - v < NV_VQ ? tile - v : NV_VQ, d);
     }
 }
 
 static void NV_NAME(prefill_head)(const NV_T *q, const NV_T *k_cache, const NV_T *v_cache, const int32_t *table,
                                   int64_t n, int64_t qlen, int64_t j, const NV_NAME(dims) *s, int64_t q_row_stride,
-                                  NV_T scale, NV_T *scores, NV_T *out) {
+                                  NV_T scale, NV_T *kt, NV_T *scores, NV_T *out) {
     switch (s->head_dim) {
     case 64:
-        NV_NAME(prefill_head_d)(q, k_cache, v_cache, table, n, qlen, j, s, q_row_stride, scale, scores, out, 64);
+        NV_NAME(prefill_head_d)(q, k_cache, v_cache, table, n, qlen, j, s, q_row_stride, scale, kt, scores, out, 64);
         break;
     case 128:
-        NV_NAME(prefill_head_d)(q, k_cache, v_cache, table, n, qlen, j, s, q_row_stride, scale, scores, out, 128);
+        NV_NAME(prefill_head_d)(q, k_cache, v_cache, table, n, qlen, j, s, q_row_stride, scale, kt, scores, out, 128);
         break;
     default:
-        NV_NAME(prefill_head_d)(q, k_cache, v_cache, table, n, qlen, j, s, q_row_stride, scale, scores, out,
+        NV_NAME(prefill_head_d)(q, k_cache, v_cache, table, n, qlen, j, s, q_row_stride, scale, kt, scores, out,
                                 s->head_dim);
     }
 }
@@ -369,27 +511,33 @@ int64_t NV_NAME(nv_paged_prefill)(const NV_T *q, int64_t q_row_stride, int64_t q
     if (bad != 0 || batch == 0) return bad;
     const NV_NAME(dims) dims = {heads, kv_heads, head_dim, block_size, q_head_stride};
     const int64_t units = batch * kv_heads;
+    const int64_t stride = (max_len + NV_KEYS - 1) / NV_KEYS * NV_KEYS;
     const int team = (int)(threads < 1 ? 1 : threads < units ? threads : units);
     int failed = 0;
 #pragma omp parallel num_threads(team)
     {
-        NV_T *scores = malloc(sizeof(NV_T) * (size_t)(NV_TILE * max_len + 1));
+        /* Whole vectors, so that the transposed keys' blocks are aligned to their size. */
+        NV_T *kt = aligned_alloc(NV_VBYTES, sizeof(NV_T) * (size_t)(head_dim * stride + NV_KEYS));
+        NV_T *scores = malloc(sizeof(NV_T) * (size_t)(NV_TILE * stride + 1));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < units; u++) {
             const int64_t b = u / kv_heads, j = u % kv_heads;
             const int64_t first = cu_seqlens[b], qlen = (int64_t)cu_seqlens[b + 1] - first;
-            if (scores == NULL) {
+            if (kt == NULL || scores == NULL) {
 #pragma omp atomic write
                 failed = 1;
             } else if (qlen > 0) {
                 NV_NAME(prefill_head)(q + first * q_row_stride, k_cache, v_cache, block_tables + b * width,
-                                      context_lens[b], qlen, j, &dims, q_row_stride, (NV_T)scale, scores,
+                                      context_lens[b], qlen, j, &dims, q_row_stride, (NV_T)scale, kt, scores,
                                       out + first * heads * head_dim);
             }
         }
         free(scores);
+        free(kt);
     }
     return failed ? -1 : 0;
 }
+
+#undef NV_KEYS
 
 #endif
