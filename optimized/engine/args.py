@@ -20,14 +20,12 @@ import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import Any, TypeGuard
 
 from kernels.backend_names import BACKEND_NAMES
+from optimized.core.config import MINIMUMS, SchedulerConfig
 from optimized.core.errors import strict_int
 from optimized.engine import arg_types
-
-if TYPE_CHECKING:
-    from optimized.core.config import SchedulerConfig
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
 _FLAGGED = "engine_args_fields"  # the namespace attribute listing the fields a parser has flags for
@@ -37,7 +35,7 @@ _FLAGGED = "engine_args_fields"  # the namespace attribute listing the fields a 
 class Knob:
     """One field's rule, help and flag.
 
-    ``kind``: "int" (an integer >= ``least``), "seed" (any integer), "fraction" (a number in (0, 1]), "amount" (a
+    ``kind``: "int" (an integer >= ``least``; any integer when None), "fraction" (a number in (0, 1]), "amount" (a
     positive finite number), "bool", "choice" (one of ``choices``), "folder" (an existing folder), "file" (a path)
     or "device" ("cpu", "cuda" or "cuda:N"). A field whose default is None may also be None, which ``unset`` says
     the meaning of.
@@ -45,7 +43,7 @@ class Knob:
 
     help: str
     kind: str
-    least: int = 1
+    least: int | None = 1
     choices: tuple[str, ...] = ()
     unset: str = ""
     flag: str | None = None  # when not "--" + the field's name with dashes
@@ -56,8 +54,6 @@ class Knob:
             return
         if self.kind == "int":
             strict_int(value, name, self.least)
-        elif self.kind == "seed":
-            strict_int(value, name)
         elif self.kind == "fraction" and not (_number(value) and 0 < value <= 1):
             raise ValueError(f"{name} must be in (0, 1], got {value!r}")
         elif self.kind == "amount" and not (_number(value) and 0 < value < math.inf):
@@ -76,8 +72,7 @@ class Knob:
     def parse(self) -> Callable[[str], Any]:
         """The argparse type of the flag: the same rule, refused at parse time (CLI-2)."""
         parsers: dict[str, Callable[[str], Any]] = {
-            "int": arg_types.bounded_int(self.least),
-            "seed": arg_types.any_int,
+            "int": arg_types.any_int if self.least is None else arg_types.bounded_int(self.least),
             "fraction": arg_types.fraction,
             "amount": arg_types.positive_seconds,
             "folder": arg_types.checkpoint_folder,
@@ -136,11 +131,12 @@ class EngineArgs:
     device: str | None = field(default=None, metadata=_knob(
         "cuda, cuda:N or cpu", "device", unset="cuda when available"))
     kvcache_block_size: int = field(default=16, metadata=_knob(
-        "tokens per KV-cache block", "int", least=2, flag="--block-size"))
+        "tokens per KV-cache block", "int", least=MINIMUMS["block_size"], flag="--block-size"))
     num_kvcache_blocks: int | None = field(default=None, metadata=_knob(
-        "KV-cache blocks", "int", unset="what the memory budget holds"))
-    max_num_seqs: int = field(default=256, metadata=_knob("sequences per step", "int"))
-    max_num_batched_tokens: int = field(default=8192, metadata=_knob("prompt tokens per prefill step", "int"))
+        "KV-cache blocks", "int", least=MINIMUMS["num_blocks"], unset="what the memory budget holds"))
+    max_num_seqs: int = field(default=256, metadata=_knob("sequences per step", "int", least=MINIMUMS["max_num_seqs"]))
+    max_num_batched_tokens: int = field(default=8192, metadata=_knob(
+        "prompt tokens per prefill step", "int", least=MINIMUMS["max_num_batched_tokens"]))
     max_model_len: int | None = field(default=None, metadata=_knob(
         "prompt + completion tokens", "int", least=2, unset="the model's"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_knob(
@@ -155,7 +151,7 @@ class EngineArgs:
     attention_backend: str | None = field(default=None, metadata=_knob(
         "the attention kernels", "choice", choices=BACKEND_NAMES,
         unset="flash-attn or triton on CUDA, the C kernels (cpu) or torch on the CPU"))
-    seed: int = field(default=0, metadata=_knob("seed of the seeds unseeded requests draw", "seed"))
+    seed: int = field(default=0, metadata=_knob("seed of the seeds unseeded requests draw", "int", least=None))
     tensor_parallel_size: int = field(default=1, metadata=_knob(
         "split the model over this many processes (spec/parallel.md; under torchrun: its WORLD_SIZE)", "int"))
     trace: str | Path | None = field(default=None, metadata=_knob(
@@ -187,8 +183,6 @@ class EngineArgs:
 
     def scheduler_config(self, num_blocks: int, eos: int) -> SchedulerConfig:
         """The scheduler's knobs (spec/knobs.md): these, with the KV blocks the memory budget gave."""
-        from optimized.core.config import SchedulerConfig
-
         return SchedulerConfig(num_blocks=num_blocks, block_size=self.kvcache_block_size,
                                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                eos=eos)
@@ -213,8 +207,7 @@ class EngineArgs:
             if knob.kind == "bool":
                 options["action"] = _Switch
             else:
-                counted = knob.kind in ("int", "seed")
-                options.update(type=knob.parse(), metavar=knob.metavar or ("N" if counted else None))
+                options.update(type=knob.parse(), metavar=knob.metavar or ("N" if knob.kind == "int" else None))
                 if knob.choices:
                     options.update(choices=knob.choices, metavar=None)
             p.add_argument(knob.flag or _flag(name), **options)
