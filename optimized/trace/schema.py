@@ -33,7 +33,7 @@ INT64_MIN = -(1 << 63)
 STEP_KEYS = ("step", "prefill", "batch", "preempted")
 # A trace header's bounds: a workload's (CLI-7) would refuse a GPU run, whose cache has millions of blocks. Block
 # ids are int32 on the device, so no run has 2**31 blocks; a replay builds every block (memory in proportion).
-HEADER_MINIMUMS = {**MINIMUMS, "eos": INT64_MIN}  # a header's eos is an int64 too
+HEADER_MINIMUMS = {name: INT64_MIN if least is None else least for name, least in MINIMUMS.items()}  # int64 fields
 HEADER_MAXIMUMS = {"num_blocks": 1 << 31, "block_size": 1 << 16}
 
 
