@@ -168,6 +168,29 @@ def test_the_adapter_maps_only_the_lessons_empty_decode_assert() -> None:
     assert not isinstance(raised.value, EmptyDecodeError)
 
 
+@pytest.mark.clause("ARCH-4", "EDGE-2")
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_an_empty_scheduler_asked_to_schedule_raises_the_one_error(name: str) -> None:
+    """ARCH-4, EDGE-2: with nothing queued the lesson's ``assert scheduled_seqs`` fires too (nothing waits, nothing
+    runs): both ports raise EmptyDecodeError, so a trace whose idle step records it replays on either."""
+    port = implementation(name)(SchedulerConfig(block_size=2, num_blocks=4))
+    with pytest.raises(EmptyDecodeError):
+        port.schedule()
+
+
+@pytest.mark.clause("ARCH-4")
+def test_the_block_managers_own_assert_is_not_the_empty_decode() -> None:
+    """ARCH-4: an assert of the lesson's block manager, fired in a prefill with nothing running (a corrupted free
+    block), propagates as the AssertionError it is: only ``schedule()``'s own assert is the empty decode."""
+    port = ReferencePort(SchedulerConfig(block_size=2, num_blocks=4))
+    free = port.lesson_scheduler.block_manager.free_block_ids[0]
+    port.lesson_scheduler.block_manager.blocks[free].ref_count = 1  # corrupt: a free block still referenced
+    port.add(port.new_sequence([1, 2, 3], 2))
+    with pytest.raises(AssertionError) as raised:
+        port.schedule()
+    assert not isinstance(raised.value, EmptyDecodeError)
+
+
 @pytest.mark.clause("ARCH-4", "OPT-23")
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 def test_a_stop_set_given_to_add_finishes_its_sequence(name: str) -> None:

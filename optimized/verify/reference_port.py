@@ -7,12 +7,13 @@ return, read off its queues: whom a step preempted (the running sequences
 that are waiting after it, the queue's tail first, as the lesson pops them),
 its prefix-cache hits, whom a postprocess finished. The lesson's ``assert
 scheduled_seqs`` becomes the port's one ``EmptyDecodeError``, and only that
-assert: an ``AssertionError`` that leaves anything but the empty decode's state
-(``running`` empty, something waiting) propagates as it is.
+assert: an ``AssertionError`` raised anywhere but in ``schedule()`` itself (the
+block manager's), or leaving anything running, propagates as it is.
 """
 
 from __future__ import annotations
 
+import traceback
 from collections import deque
 from collections.abc import Collection
 
@@ -24,6 +25,13 @@ from reference import extensions
 
 WAITING = reference.SequenceStatus.WAITING
 FINISHED = reference.SequenceStatus.FINISHED
+
+
+def _is_empty_decode(error: AssertionError, lesson: reference.Scheduler) -> bool:
+    """The assert ``schedule()`` itself raised (not one of the block manager's), leaving ``running`` empty: the
+    lesson's ``assert scheduled_seqs``, whether it fired after preempting everyone or on an empty scheduler."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].name == "schedule" and not lesson.running
 
 
 class ReferenceBlocks:
@@ -98,8 +106,8 @@ class ReferencePort:
         holding = waiting[0] if waiting and waiting[0].block_table else None  # only waiting[0] holds (INV-20)
         try:
             batch, is_prefill = lesson.schedule()
-        except AssertionError:
-            if lesson.running or not lesson.waiting:  # not ``assert scheduled_seqs``: some other assert
+        except AssertionError as e:
+            if not _is_empty_decode(e, lesson):
                 raise
             raise EmptyDecodeError("schedule(): nothing fits and nothing is running (the lesson's assert "
                                    "scheduled_seqs)") from None
