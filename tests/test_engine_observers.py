@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -133,18 +134,77 @@ def test_the_trace_is_told_first_so_a_divergent_step_is_still_on_disk(tmp_path: 
         assert len(steps) == (1 if recorder_first else 0), recorder_first
 
 
+class Slow(Log):
+    """A Log whose every hook it writes down takes ``PAUSE`` seconds (not ``before_change``, which the engine calls
+    before every change, however many: the floor below counts the hooks written down)."""
+
+    PAUSE = 0.002
+
+    def __getattribute__(self, name: str) -> Any:
+        attribute = super().__getattribute__(name)
+        if name in StepObserver.__dict__ and name != "before_change" and callable(attribute):
+            def slowly(*args: Any) -> Any:
+                time.sleep(Slow.PAUSE)
+                return attribute(*args)
+
+            return slowly
+        return attribute
+
+
 @pytest.mark.clause("ARCH-3", "TRACE-12")
 def test_tracing_is_timed_by_wrapping_its_observer(tmp_path: Path) -> None:
-    """ARCH-3, TRACE-12: the recorder's observer wrapped in a ``TimedObserver`` is driven by the engine like any
-    other, and its time counts every call the engine made into it."""
+    """ARCH-3, TRACE-12: an observer wrapped in a ``TimedObserver`` is driven by the engine like any other, and the
+    time counted is that of every call the engine made into it (each hook of ``Slow`` sleeps a fixed time, so the
+    count has a floor); the recorder's observer, wrapped so, still writes the whole trace."""
     llm = make_llm(num_kvcache_blocks=32, trace=str(tmp_path / "t.jsonl"))
-    traced = llm.engine.observers[0]
-    watch = TimedObserver(traced)
-    llm.engine.observers[0] = watch
+    inner = Slow()
+    watch = TimedObserver(inner)
+    llm.engine.observers[0] = TimedObserver(llm.engine.observers[0])
+    llm.engine.observers.append(watch)
     llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
-    assert watch.seconds > 0
+    calls = len(inner.seen)
+    assert calls == 8  # check_add, added, then 3 x (scheduled, stepped)
+    assert watch.seconds >= calls * Slow.PAUSE
     llm.close()
     assert sum('"step"' in line for line in (tmp_path / "t.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.clause("ARCH-3", "TRACE-4")
+def test_engine_add_asks_every_observer_before_the_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ARCH-3, TRACE-4: ``Engine.add`` (below ``LLM``) asks the observers' ``check_add`` before the add begins: a
+    request whose add record the trace reader would refuse is refused, and the engine is unchanged and trusted."""
+    import optimized.trace.recorder as recorder_module
+
+    llm = make_llm(num_kvcache_blocks=64, trace=str(tmp_path / "t.jsonl"))
+    monkeypatch.setattr(recorder_module, "MAX_LINE_BYTES", 80)
+    with pytest.raises(ValueError, match="line limit"):
+        llm.engine.add(list(range(1, 40)), GREEDY, 0)
+    assert llm.engine.trusted and llm.engine.live == {} and llm.engine.scheduler.is_finished()
+
+
+@pytest.mark.clause("ARCH-3", "FAULT-5")
+def test_an_observer_failing_on_a_fault_never_replaces_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ARCH-3, FAULT-5: an observer whose ``step_failed`` raises is noted on the model's fault, which propagates as
+    itself; the batch is still withdrawn and the engine stays trusted (FAULT-1)."""
+    llm = make_llm(num_kvcache_blocks=32)
+
+    class Failing(Log):
+        def step_failed(self, fault: BaseException, start: float) -> None:
+            raise OSError("the observer broke too")
+
+    after = Log()
+    llm.engine.observers += [Failing(), after]
+    llm.add_request([1, 2, 3], GREEDY)
+
+    def fail(*args: Any) -> Any:
+        raise RuntimeError("injected model fault")
+
+    monkeypatch.setattr(llm.engine.runner, "run", fail)
+    with pytest.raises(RuntimeError, match="injected model fault") as raised:
+        llm.step()
+    assert any("the observer broke too" in note for note in getattr(raised.value, "__notes__", []))
+    assert ("step_failed", ()) in after.seen and ("batch_withdrawn", (0,)) in after.seen
+    assert llm.engine.trusted and llm.engine.live == {}
 
 
 @pytest.mark.clause("ARCH-3")

@@ -57,7 +57,7 @@ class Scheduler:
         self._last_batch: list[Sequence] | None = None
         self._packers: dict[int, struct.Struct] = {}  # by batch size, for _as_int64
 
-    # --- the reference's API ------------------------------------------------------------------
+    # --- the scheduler port (ARCH-4): the lesson's API and more ---------------------------------
     @property
     def waiting(self) -> deque[Sequence]:
         """The waiting queue, front first (read it; do not modify it)."""

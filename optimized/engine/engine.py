@@ -35,7 +35,7 @@ import numpy as np
 
 from optimized.core.errors import is_strict_int
 
-# The one import point of the scheduler the engine drives (reference.* has the same API).
+# The one import point of the scheduler the engine drives (it satisfies the scheduler port, ARCH-4).
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
 from optimized.engine.model_runner import DrawParams, ModelRunner
 from optimized.engine.observer import StepObserver
@@ -82,6 +82,16 @@ def describe(error: BaseException) -> str:
     except Exception:  # a broken __str__ must not replace the exception being described
         text = []
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def _tell_step_failed(observers: Seq[StepObserver], fault: BaseException, start: float) -> None:
+    """Every observer hears of the model's fault; one that raises is noted on ``fault``, never replaces it
+    (FAULT-5), and the batch is still withdrawn."""
+    for observer in observers:
+        try:
+            observer.step_failed(fault, start)
+        except Exception as error:
+            fault.add_note(f"{type(observer).__name__}.step_failed then raised {describe(error)}")
 
 
 class _Change:
@@ -149,12 +159,17 @@ class Engine:
             observer.before_change()
 
     def add(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
+        """Validate and queue one request; refused by the limits or by an observer (the trace's line limit),
+        nothing changes."""
         self.require_trusted()
         ids = validate_request(token_ids, params, self.limits)
+        for observer in self.observers:
+            observer.check_add(ids, params)
         return self.add_validated(ids, params, seed)
 
     def add_validated(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
-        """``add`` for a request the caller has already passed through ``validate_request``."""
+        """``add`` for a request the caller has already passed through ``validate_request`` and every observer's
+        ``check_add`` (``LLM`` does both when it validates)."""
         self.require_trusted()
         request = self._request(token_ids, params, seed)
         with self._adding:
@@ -232,8 +247,7 @@ class Engine:
         try:
             tokens = self.runner.run(seqs, is_prefill, [r.draw for r in requests])
         except BaseException as fault:
-            for observer in observers:
-                observer.step_failed(fault, start)
+            _tell_step_failed(observers, fault, start)
             self._fail_batch_under(fault, seqs, requests)
             raise
         self._count(out, time.perf_counter() - start)
