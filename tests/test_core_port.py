@@ -168,6 +168,22 @@ def test_the_adapter_maps_only_the_lessons_empty_decode_assert() -> None:
     assert not isinstance(raised.value, EmptyDecodeError)
 
 
+@pytest.mark.clause("ARCH-4")
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_add_refuses_the_same_things_on_both_and_changes_nothing(name: str) -> None:
+    """ARCH-4: a sequence added twice, ``max_tokens`` 0, a stop id that is not an int: a ValueError from either
+    port, and the queues and blocks are as they were."""
+    port = implementation(name)(SchedulerConfig(block_size=2, num_blocks=8))
+    seq = port.new_sequence([1, 2, 3], 2)
+    port.add(seq)
+    before = port.snapshot()
+    for bad, stops, what in ((seq, (), "already added"), (port.new_sequence([1], 0), (), "max_tokens"),
+                             (port.new_sequence([1], 2), ("x",), "stop_token_ids")):
+        with pytest.raises(ValueError, match=what):
+            port.add(bad, stops)
+        assert port.snapshot() == before
+
+
 @pytest.mark.clause("ARCH-4", "EDGE-2")
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 def test_an_empty_scheduler_asked_to_schedule_raises_the_one_error(name: str) -> None:

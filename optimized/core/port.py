@@ -108,7 +108,9 @@ class BlockReader(Protocol):
 class SchedulerPort(Protocol[S]):
     """A scheduler as its consumers drive it.
 
-    ``new_sequence`` makes a sequence this scheduler takes; ``add`` queues it with its stop set (OPT-23);
+    ``new_sequence`` makes a sequence this scheduler takes; ``add`` queues it with its stop set (OPT-23), and
+    refuses with a ValueError, changing nothing, a sequence added before, ``max_tokens`` below 1 or a stop id
+    that is not an int;
     ``schedule`` raises ``EmptyDecodeError`` where the lesson's ``assert scheduled_seqs`` fires (EDGE-2), leaving
     the state the lesson leaves; ``postprocess`` returns the sequences it finished, in batch order; ``abort``
     and ``abort_step`` are spec/abort.md's; ``waiting`` and ``running`` are read-only, front first.

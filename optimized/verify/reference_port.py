@@ -20,6 +20,7 @@ from collections.abc import Collection
 import reference
 from invariants import SchedulerState, snapshot
 from optimized.core.config import SchedulerConfig
+from optimized.core.errors import is_strict_int, strict_int
 from optimized.core.port import EmptyDecodeError, ScheduleOutput
 from reference import extensions
 
@@ -76,6 +77,7 @@ class ReferencePort:
             max_num_batched_tokens=config.max_num_batched_tokens, eos=config.eos))
         self.blocks = ReferenceBlocks(self.lesson_scheduler.block_manager)
         self._stops: dict[int, frozenset[int]] = {}  # seq_id -> its stop set, for the sequences that have one
+        self._added: set[int] = set()  # the seq_ids ever added: a second add is refused, as the optimized one does
 
     @property
     def waiting(self) -> deque[reference.Sequence]:
@@ -94,10 +96,19 @@ class ReferencePort:
         return self.lesson_scheduler.is_finished()
 
     def add(self, seq: reference.Sequence, stop_token_ids: Collection[int] = ()) -> None:
-        """The lesson's add; a stop set is honoured by ``extensions.postprocess_with_stops`` (OPT-23)."""
+        """The lesson's add; a stop set is honoured by ``extensions.postprocess_with_stops`` (OPT-23). The port's
+        refusals first (the lesson takes anything): a sequence added before, ``max_tokens`` below 1, a stop id
+        that is not an int."""
+        if seq.seq_id in self._added:
+            raise ValueError(f"sequence {seq.seq_id} was already added to a scheduler")
+        strict_int(seq.max_tokens, "max_tokens", 1)
+        stops = frozenset(stop_token_ids)
+        if not all(map(is_strict_int, stops)):
+            raise ValueError(f"stop_token_ids must be integers, got {sorted(stops, key=repr)!r}")
         self.lesson_scheduler.add(seq)
-        if stop_token_ids:
-            self._stops[seq.seq_id] = frozenset(stop_token_ids)
+        self._added.add(seq.seq_id)
+        if stops:
+            self._stops[seq.seq_id] = stops
 
     def schedule(self) -> ScheduleOutput[reference.Sequence]:
         lesson = self.lesson_scheduler
