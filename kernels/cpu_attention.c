@@ -1,5 +1,6 @@
-/* Paged attention on the CPU, reading K and V in place from the paged cache: decode (spec/kernels.md KERN-22) and
-causal prefill (KERN-27).
+/* Paged attention on the CPU, reading the paged cache in place: decode (spec/kernels.md KERN-22) and causal prefill
+(KERN-27, which copies one sequence's keys of one KV head at a time into a transposed per-thread buffer). A prefill
+query's row is the decode's for the same query and keys, bit for bit (spec/batch-invariance.md BI-4).
 
 Invariants: the caches are [num_blocks, block_size, kvh, d] and contiguous; q is [rows, h, d] with any row and head
 strides but unit stride inside a head; out is [rows, h, d] and contiguous. Sequence b's context is the first
@@ -32,7 +33,8 @@ itself (the C way to write a function template); they are GNU C (vector extensio
 /* Prefill scores this many query vectors together against each block of transposed keys, so the block is read
    from cache once per tile rather than from memory once per vector. */
 #define NV_TILE 16
-/* Bytes per vector of the prefill's key and value tiles: the target's widest (the bits do not depend on it). */
+/* Bytes per vector of the prefill's key and value tiles: the target's widest. No bit depends on it (each lane is
+   another key or output element), which tests check by building the file for each. */
 #if defined(__AVX512F__)
 #define NV_VBYTES 64
 #elif defined(__AVX__)
@@ -40,11 +42,12 @@ itself (the C way to write a function template); they are GNU C (vector extensio
 #else
 #define NV_VBYTES 16
 #endif
-/* The prefill's weighted sum of V keeps NV_VQ query vectors times NV_VCH vectors of output elements in registers. */
-#define NV_VCH 4
-/* The prefill's scores take NV_SQ query vectors against each block of keys together. */
+/* Register blocking of the prefill: NV_SQ query vectors score a block of keys together (each key row loaded once
+   for all), and NV_VQ vectors times NV_VCH vectors of output elements sum V in registers (fewer vectors where the
+   target has 16 vector registers rather than 32). */
 #define NV_SQ 4
 #define NV_VQ (NV_VBYTES == 64 ? 4 : 2)
+#define NV_VCH 4
 
 #if !defined(__GNUC__)
 #error "cpu_attention.c is written in GNU C (vector extensions, always_inline, prefetch): build it with GCC or Clang"

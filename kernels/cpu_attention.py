@@ -2,8 +2,9 @@
 
 Invariants: ``paged_decode`` and ``paged_prefill`` take the torch implementations' arguments and compute the same
 attention (spec KERN-22, KERN-27) for float32 and float64 tensors on the CPU whose caches are contiguous and whose query
-heads have unit stride (``supports``); they never copy the cache, nor the queries when their heads are strided views of
-a packed projection. Every tensor they hand to C is a CPU tensor (anything else is a ValueError naming it, since C would
+heads have unit stride (``supports``); they never copy the cache (prefill copies each sequence's keys of one KV head
+at a time, transposed, into a per-thread buffer), nor the queries when their heads are strided views of a packed
+projection. Every tensor they hand to C is a CPU tensor (anything else is a ValueError naming it, since C would
 read another device's pointer as host memory), and the output is allocated on ``q``'s device, never on torch's default
 one. Tables, lengths and query offsets must hold integers that int32 holds: they are converted only then, never
 truncated. They run on ``torch.get_num_threads()`` threads, so ``torch.set_num_threads`` governs them. The kernels check
@@ -57,8 +58,8 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
 
 
 @functools.cache
-def _kernel(kind: str, dtype: torch.dtype) -> Callable[..., int]:
-    fn = getattr(load_library(), f"nv_paged_{kind}_{_SUFFIXES[dtype]}")
+def _kernel(kind: str, dtype: torch.dtype, library: ctypes.CDLL | None = None) -> Callable[..., int]:
+    fn = getattr(load_library() if library is None else library, f"nv_paged_{kind}_{_SUFFIXES[dtype]}")
     fn.argtypes = [*_ARGTYPES[kind], ctypes.c_double, _I64]
     fn.restype = _I64
     call: Callable[..., int] = fn
@@ -113,8 +114,11 @@ def paged_decode(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    *,
+    library: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
-    """One query per sequence (``q[B,h,d]``) over its paged context, read in place (KERN-22)."""
+    """One query per sequence (``q[B,h,d]``) over its paged context, read in place (KERN-22). ``library``: another
+    build of ``cpu_attention.c`` (a test's), instead of this machine's."""
     _shapes(q, k_cache, v_cache)
     batch, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
@@ -125,7 +129,7 @@ def paged_decode(
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     # Named for torch.profiler, which does not see into a ctypes call (nearly free when no profiler runs).
     with torch.profiler.record_function("nanoverify::cpu_paged_decode"):
-        code = _kernel("decode", q.dtype)(
+        code = _kernel("decode", q.dtype, library)(
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size,
             lens.data_ptr(), tables.data_ptr(), tables.shape[1], out.data_ptr(), batch, heads, kv_heads, dim,
             scale, torch.get_num_threads(),
@@ -149,9 +153,11 @@ def paged_prefill(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    *,
+    library: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the packed queries ``q[N,h,d]`` over each sequence's paged context, read in place
-    (KERN-27)."""
+    """Causal attention of the packed queries ``q[N,h,d]`` over each sequence's paged context (KERN-27); ``library``
+    as for ``paged_decode``."""
     _shapes(q, k_cache, v_cache)
     rows, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
@@ -167,7 +173,7 @@ def paged_prefill(
         raise ValueError(f"cu_seqlens_q ends at {int(cu[-1])}, but q has {rows} rows")
     out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
     with torch.profiler.record_function("nanoverify::cpu_paged_prefill"):
-        code = _kernel("prefill", q.dtype)(
+        code = _kernel("prefill", q.dtype, library)(
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size,
             cu.data_ptr(), lens.data_ptr(), tables.data_ptr(), tables.shape[1], out.data_ptr(), batch, heads,
             kv_heads, dim, scale, torch.get_num_threads(),

@@ -236,3 +236,71 @@ def test_decode_row_equals_prefill_row(
     lens = torch.arange(n - qlen + 1, n + 1, dtype=torch.int32)
     decode = cpu_attention.paged_decode(q, k_cache, v_cache, lens, table.expand(qlen, -1).contiguous(), scale)
     assert torch.equal(decode, prefill)
+
+
+def decode_and_prefill(
+    case: tuple[torch.Tensor, ...], n: int, library: ctypes.CDLL | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C decode of each query of ``case`` (the last qlen positions of an n-token context) with its own context
+    length, and the C prefill of them all."""
+    q, k_cache, v_cache, table = case
+    qlen, scale = q.shape[0], q.shape[2] ** -0.5
+    cu, lens = torch.tensor([0, qlen], dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
+    prefill = cpu_attention.paged_prefill(q, k_cache, v_cache, cu, lens, table, scale, library=library)
+    own = torch.arange(n - qlen + 1, n + 1, dtype=torch.int32)
+    rows = table.expand(qlen, -1).contiguous()
+    return cpu_attention.paged_decode(q, k_cache, v_cache, own, rows, scale, library=library), prefill
+
+
+# (n, GQA, head dim, block size): prompts of many KV blocks, n a multiple of neither 16 nor the block size; the
+# default model's and Qwen3-0.6B's heads, and a head dim the prefill's vector loops do not divide.
+LONG_PROMPTS = [(301, (4, 2), 64, 16), (200, (16, 8), 128, 7), (151, (6, 2), 72, 5)]
+
+
+@pytest.mark.clause("BI-4")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("n", "gqa", "d", "block"), LONG_PROMPTS)
+def test_decode_row_equals_prefill_row_at_every_position(
+    n: int, gqa: tuple[int, int], d: int, block: int, dtype: torch.dtype
+) -> None:
+    """BI-4: at every position of a long prompt, and of a later chunk of it, the C decode's row is the C prefill's,
+    bit for bit, across KV block boundaries, at 1 and 2 threads."""
+    for qlen in (n, n // 3 + 1):
+        case = attention_case(n + qlen, n, qlen, *gqa, d, block, dtype)
+        for threads in (1, 2):
+            with at_threads(threads):
+                decode, prefill = decode_and_prefill(case, n)
+            differ = (decode != prefill).any(dim=2).any(dim=1).nonzero().flatten().tolist()
+            assert differ == [], (qlen, threads, f"positions {[n - qlen + i for i in differ][:8]}")
+
+
+# Builds of cpu_attention.c for the machines without AVX-512 (AVX2) and without AVX at all, with the prefill's
+# vector width in bytes that each must report.
+ATTENTION_PATHS = {"avx2": (("-mno-avx512f",), 32), "sse": (("-mno-avx512f", "-mno-avx"), 16)}
+
+
+@pytest.mark.clause("BI-4")
+def test_every_instruction_set_path_gives_the_same_attention_bits(tmp_path: Path) -> None:
+    """BI-4: cpu_attention.c built for AVX2 and for SSE alone (the prefill's vectors a half and a quarter of AVX-512's)
+    gives this machine's decode bits, from its decode and from its prefill alike."""
+    compiler = cpu_build.find_compiler()
+    assert compiler is not None
+    cases = [
+        (attention_case(seed, n, qlen, *gqa, d, block, dtype), n)
+        for seed, (n, gqa, d, block) in enumerate([(75, (4, 2), 64, 16), (40, (2, 1), 128, 3), (29, (3, 1), 20, 4)])
+        for qlen in (n, 9)
+        for dtype in (torch.float32, torch.float64)
+    ]
+    expected = [decode_and_prefill(case, n)[0] for case, n in cases]
+    for path, (extra, vector_bytes) in ATTENTION_PATHS.items():
+        out = tmp_path / f"attention-{path}.so"
+        cmd = [compiler, *cpu_build.FLAGS, *extra, "-o", str(out), str(cpu_build.SOURCE)]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=cpu_build.BUILD_TIMEOUT_S)
+        library = ctypes.CDLL(str(out))
+        width = library.nv_attention_vector_bytes
+        width.restype = ctypes.c_int64
+        assert width() == vector_bytes, path
+        for (case, n), want in zip(cases, expected, strict=True):
+            decode, prefill = decode_and_prefill(case, n, library)
+            assert torch.equal(decode, want), (path, "decode", case[0].shape, case[0].dtype)
+            assert torch.equal(prefill, want), (path, "prefill", case[0].shape, case[0].dtype)

@@ -372,7 +372,7 @@ def test_c_kernels_refuse_tables_that_do_not_convert_to_int32_exactly() -> None:
     with pytest.raises(ValueError, match=f"^context_lens row 1 holds {2**32 + 9}"):
         cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, long_lens, case.block_tables, 0.3)
     for name, bad in (("context_lens", case.context_lens.float()), ("block_tables", case.block_tables.double())):
-        args = {"context_lens": case.context_lens, "block_tables": case.block_tables, name: bad}
+        args: dict[str, Any] = {"context_lens": case.context_lens, "block_tables": case.block_tables, name: bad}
         with pytest.raises(ValueError, match=rf"^{name} is torch\.float"):
             cpu_attention.paged_decode(case.q, case.k_cache, case.v_cache, **args, scale=0.3)
     with pytest.raises(ValueError, match=r"^block_tables is torch\.bool"):
@@ -440,7 +440,10 @@ def test_c_kernels_take_cpu_tensors_only_and_answer_on_qs_device() -> None:
     meta = torch.device("meta")
     decode_names = ("q", "k_cache", "v_cache", "context_lens", "block_tables")
     for name, tensor in zip(decode_names, decode_args(decode_case), strict=True):
-        moved = {**dict(zip(decode_names, decode_args(decode_case), strict=True)), name: tensor.to(meta)}
+        moved: dict[str, Any] = {
+            **dict(zip(decode_names, decode_args(decode_case), strict=True)),
+            name: tensor.to(meta),
+        }
         with pytest.raises(ValueError, match=f"^{name} is on meta"):
             cpu_attention.paged_decode(**moved, scale=0.3)
     prefill_names = ("q", "k_cache", "v_cache", "cu_seqlens_q", "context_lens", "block_tables")
