@@ -177,8 +177,9 @@ def test_add_refuses_the_same_things_on_both_and_changes_nothing(name: str) -> N
     seq = port.new_sequence([1, 2, 3], 2)
     port.add(seq)
     before = port.snapshot()
-    for bad, stops, what in ((seq, (), "already added"), (port.new_sequence([1], 0), (), "max_tokens"),
-                             (port.new_sequence([1], 2), ("x",), "stop_token_ids")):
+    cases: list[tuple[Any, Any, str]] = [(seq, (), "already added"), (port.new_sequence([1], 0), (), "max_tokens"),
+                                          (port.new_sequence([1], 2), ("x",), "stop_token_ids")]
+    for bad, stops, what in cases:
         with pytest.raises(ValueError, match=what):
             port.add(bad, stops)
         assert port.snapshot() == before
