@@ -91,22 +91,76 @@ def test_a_planted_import_breaks_its_contract(tmp_path: Path, planted: tuple[str
 
 # ARCH-5 ------------------------------------------------------------------------------------------------------------
 
-_ENGINE_INSIDES = {"engine", "shadow", "recorder", "_group"}  # what LLM holds beyond its read API
+def _is_llm(annotation: ast.expr | None) -> bool:
+    return (isinstance(annotation, ast.Name) and annotation.id == "LLM") or (
+        isinstance(annotation, ast.Constant) and annotation.value == "LLM")
 
 
-def reaches_through(source: str) -> list[str]:
-    """The attribute reads of ``source`` that go past an LLM's read API (``x.engine``, ``x.shadow``, ...)."""
-    return [f"line {node.lineno}: .{node.attr}" for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.Attribute) and node.attr in _ENGINE_INSIDES]
+def _makes_llm(value: ast.expr | None) -> bool:
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "LLM"
+
+
+def llm_reads(source: str) -> list[tuple[int, str]]:
+    """Every attribute ``source`` reads on an LLM: on a name bound to ``LLM(...)`` (assigned, or ``with ... as``),
+    on a parameter annotated ``LLM``, or on ``self.X`` where X was assigned one of those."""
+    tree = ast.parse(source)
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and _is_llm(node.annotation):
+            names.add(node.arg)
+        elif isinstance(node, ast.Assign) and _makes_llm(node.value):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and (
+                _is_llm(node.annotation) or _makes_llm(node.value)):
+            names.add(node.target.id)
+        elif isinstance(node, ast.withitem) and _makes_llm(node.context_expr) and isinstance(
+                node.optional_vars, ast.Name):
+            names.add(node.optional_vars.id)
+    held = {target.attr for node in ast.walk(tree) if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Name) and node.value.id in names
+            for target in node.targets if isinstance(target, ast.Attribute)
+            and isinstance(target.value, ast.Name) and target.value.id == "self"}
+
+    def is_llm(value: ast.expr) -> bool:
+        return (isinstance(value, ast.Name) and value.id in names) or (
+            isinstance(value, ast.Attribute) and value.attr in held and isinstance(value.value, ast.Name)
+            and value.value.id == "self")
+
+    return sorted((node.lineno, node.attr) for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and is_llm(node.value))
+
+
+def past_the_api(source: str) -> list[str]:
+    """The LLM attribute reads of ``source`` outside ``LLM.REQUEST_API`` and ``LLM.READ_API``."""
+    from optimized.entry.llm import LLM
+
+    allowed = set(LLM.REQUEST_API) | set(LLM.READ_API)
+    return [f"line {line}: .{attr}" for line, attr in llm_reads(source) if attr not in allowed]
 
 
 @pytest.mark.clause("ARCH-5")
-def test_cli_and_benchmarks_know_the_engine_only_through_the_read_api() -> None:
-    """ARCH-5: no module of cli/ or benchmarks/ reads an LLM's engine, shadow, recorder or tensor-parallel group
-    (the check itself finds `llm.engine.stats`, as run.py read it before)."""
-    assert reaches_through("st = llm.engine.stats\nif llm.shadow is None: pass") == ["line 1: .engine",
-                                                                                      "line 2: .shadow"]
-    found = {str(path.relative_to(ROOT)): reaches_through(path.read_text(encoding="utf-8"))
-             for room in ("cli", "benchmarks") for path in sorted((ROOT / "optimized" / room).glob("*.py"))}
+def test_serve_cli_and_benchmarks_know_the_engine_only_through_the_read_api() -> None:
+    """ARCH-5: every attribute that serve/, cli/ and benchmarks/ read on an LLM is in its declared request or read
+    API (``LLM.REQUEST_API``, ``LLM.READ_API``), each of which exists, and ARCH-5 names every one of them. The
+    check finds reads past the API however they are reached: a planted ``llm._lock``, ``self.llm.tokenizer``
+    through an attribute, and the ``llm.engine.stats`` run.py once read."""
+    from optimized.entry.llm import LLM
+
+    planted = ("def f(llm: LLM) -> None:\n    with llm._lock:\n        llm.step()\n"
+               "class Loop:\n    def __init__(self, llm: LLM) -> None:\n        self.llm = llm\n"
+               "    def g(self) -> None:\n        self.llm.tokenizer.encode('x')\n        self.llm.stats\n"
+               "one = LLM()\nst = one.engine.stats\nwith LLM() as many:\n    many._stepped.clear()\n")
+    assert past_the_api(planted) == ["line 2: ._lock", "line 8: .tokenizer", "line 11: .engine",
+                                     "line 13: ._stepped"]
+    found = {str(path.relative_to(ROOT)): past_the_api(path.read_text(encoding="utf-8"))
+             for room in ("serve", "cli", "benchmarks") for path in sorted((ROOT / "optimized" / room).glob("*.py"))}
     assert not {path: lines for path, lines in found.items() if lines}
+    assert sum(len(llm_reads(path.read_text(encoding="utf-8"))) for room in ("serve", "cli", "benchmarks")
+               for path in (ROOT / "optimized" / room).glob("*.py")) > 30  # the reads are found at all
+    init = ast.unparse(ast.parse((ROOT / "optimized" / "entry" / "llm.py").read_text(encoding="utf-8")))
+    for name in LLM.REQUEST_API + LLM.READ_API:
+        assert hasattr(LLM, name) or f"self.{name} = " in init, name
+    spec = (ROOT / "spec" / "architecture.md").read_text(encoding="utf-8")
+    arch5 = spec[spec.index("**ARCH-5**"):spec.index("**ARCH-6**")]
+    assert {name for name in LLM.REQUEST_API + LLM.READ_API if f"`{name}" not in arch5} == set()
 

@@ -242,9 +242,46 @@ def test_sampling_params_list_elements_must_be_sampling_params(params: list[Any]
     llm = make()
     before = state(llm)
     index = len(params) - 1
-    with pytest.raises(ValueError, match=rf"sampling_params\[{index}\] must be a SamplingParams, got {shown}"):
+    with pytest.raises(RequestRefused, match=rf"sampling_params\[{index}\] must be a SamplingParams, got {shown}") as e:
         llm.generate([GOOD] * len(params), params, use_tqdm=False)
+    assert e.value.field == "sampling_params" and e.value.code is None
     assert state(llm) == before and llm.engine._arrivals == 0
+
+
+@pytest.mark.clause("ENG-9", "ARCH-6")
+def test_generate_and_add_request_refuse_a_wrong_sampling_params_alike() -> None:
+    """ENG-9, ARCH-6: a sampling_params that is no SamplingParams is a RequestRefused naming ``sampling_params``
+    from generate (the whole argument, an element, a count that does not match) as from add_request."""
+    llm = make()
+    for bad in ({"max_tokens": 4}, [GREEDY, GREEDY]):
+        with pytest.raises(RequestRefused, match="sampling_params") as refused:
+            llm.generate([GOOD], bad, use_tqdm=False)  # type: ignore[arg-type]
+        assert refused.value.field == "sampling_params"
+    with pytest.raises(RequestRefused, match="sampling_params") as refused:
+        llm.add_request(GOOD, {"max_tokens": 4})  # type: ignore[arg-type]
+    assert refused.value.field == "sampling_params"
+    assert not llm.has_unfinished_requests()
+
+
+@pytest.mark.clause("ENG-9")
+def test_numpy_numbers_are_taken_as_the_plain_ones() -> None:
+    """ENG-9: numpy integers are taken wherever an integer is (max_tokens, top_k, seed, as token ids were) and numpy
+    floats wherever a number is (temperature, top_p), stored as plain ints and floats; a numpy bool is no number,
+    and a non-integral float is no integer."""
+    params = SamplingParams(temperature=np.float32(0.5), max_tokens=np.int64(8), top_k=np.int32(3),  # type: ignore[arg-type]
+                            top_p=np.float64(0.75), seed=np.uint16(7))  # type: ignore[arg-type]
+    assert params == SamplingParams(temperature=0.5, max_tokens=8, top_k=3, top_p=0.75, seed=7)
+    assert [type(v) for v in (params.temperature, params.max_tokens, params.top_k, params.top_p, params.seed)] == [
+        float, int, int, float, int]
+    out = make().generate([GOOD], SamplingParams(temperature=np.float32(0), max_tokens=np.int64(4)),  # type: ignore[arg-type]
+                          use_tqdm=False)[0]
+    assert len(out.token_ids) == 4
+    for field, value in (("max_tokens", np.True_), ("top_k", np.float64(2.0)), ("seed", np.float32(1)),
+                         ("temperature", np.True_), ("max_tokens", np.int64(0))):
+        kwargs: dict[str, Any] = {field: value}
+        with pytest.raises(RequestRefused, match=field) as refused:
+            SamplingParams(**kwargs)
+        assert refused.value.field == field
 
 
 def word_level_tokenizer(folder: Path) -> Path:

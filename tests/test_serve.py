@@ -311,15 +311,15 @@ BAD: list[tuple[str, str, dict[str, Any] | bytes, int, str | None, str]] = [
     ("max_tokens a string", "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": "5"}, 400,
      "max_tokens", "integer"),
     ("max_tokens 0", "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 0}, 400, "max_tokens",
-     "max_tokens must be an integer >= 1"),
+     "max_tokens: must be an integer >= 1"),
     ("max_model_len", "/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 5000}, 400,
-     "max_tokens", "max_model_len=4096"),
+     "max_tokens", "max_tokens: is too large: 5000 + 1 prompt tokens exceeds max_model_len=4096"),
     ("never fits the cache", "/v1/completions", {"model": "default", "prompt": "xy", "max_tokens": 3000}, 400,
      "max_tokens", "num_kvcache_blocks=128"),
     ("temperature a bool", "/v1/completions", {"model": "default", "prompt": "x", "temperature": True}, 400,
      "temperature", "number"),
     ("temperature 3", "/v1/completions", {"model": "default", "prompt": "x", "temperature": 3}, 400,
-     "temperature", "temperature must be in [0, 2]"),
+     "temperature", "temperature: must be in [0, 2]"),
     ("top_p 0", "/v1/completions", {"model": "default", "prompt": "x", "top_p": 0}, 400, "top_p", "in (0, 1]"),
     ("top_k -2", "/v1/completions", {"model": "default", "prompt": "x", "top_k": -2}, 400, "top_k",
      "-1 or 0 (off) or a positive integer"),
@@ -344,9 +344,9 @@ BAD: list[tuple[str, str, dict[str, Any] | bytes, int, str | None, str]] = [
      "not valid Unicode"),
     ("lone surrogate message", "/v1/chat/completions",
      b'{"model": "default", "messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages",
-     "not valid Unicode"),
+     "messages: text is not valid Unicode"),
     ("prompt past max_model_len", "/v1/completions", {"model": "default", "prompt": "x" * 4100}, 400, "prompt",
-     "prompt is too long: prompt (4100 tokens) + one completion token exceeds max_model_len=4096"),
+     "prompt: is too long: 4100 tokens + one completion token exceeds max_model_len=4096"),
     ("prompt past the cache", "/v1/completions", {"model": "default", "prompt": "x" * 2100, "max_tokens": 1}, 400,
      "prompt", "num_kvcache_blocks=128"),
     ("messages past the cache, max_tokens defaulted", "/v1/chat/completions",
@@ -375,7 +375,17 @@ BAD: list[tuple[str, str, dict[str, Any] | bytes, int, str | None, str]] = [
      "content": "x"}], "response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
     ("max_completion_tokens -1", "/v1/chat/completions",
      {"model": "default", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, 400,
-     "max_completion_tokens", "max_tokens must be an integer >= 1"),
+     "max_completion_tokens", "max_completion_tokens: must be an integer >= 1"),
+    ("max_completion_tokens past max_model_len", "/v1/chat/completions",
+     {"model": "default", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000}, 400,
+     "max_completion_tokens", "max_completion_tokens: is too large: 5000 + "),
+    ("max_tokens -1 beside max_completion_tokens", "/v1/chat/completions",
+     {"model": "default", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1,
+      "max_completion_tokens": 2}, 400, "max_tokens", "set one of max_tokens and max_completion_tokens"),
+    ("a bool among the prompt's ids", "/v1/completions", {"model": "default", "prompt": [True]}, 400, "prompt",
+     "prompt.0: "),
+    ("a bool among the stop ids", "/v1/completions", {"model": "default", "prompt": "x", "stop_token_ids": [True]},
+     400, "stop_token_ids", "stop_token_ids.0: "),
 ]
 
 
@@ -414,6 +424,8 @@ RULES: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("an empty prompt", {"prompt": []}, "prompt", None),
     ("a prompt id past the vocabulary", {"prompt": [1, 999]}, "prompt", None),
     ("a negative prompt id", {"prompt": [1, -2]}, "prompt", None),
+    ("a bool among the prompt's ids", {"prompt": [True]}, "prompt", None),
+    ("a bool among the stop ids", {"stop_token_ids": [True]}, "stop_token_ids", None),
     ("past max_model_len by max_tokens", {"max_tokens": 5000}, "max_tokens", "context_length_exceeded"),
     ("past the cache by max_tokens", {"prompt": "xy", "max_tokens": 3000}, "max_tokens", "context_length_exceeded"),
     ("a prompt past max_model_len", {"prompt": "x" * 4100}, "prompt", "context_length_exceeded"),
@@ -437,6 +449,21 @@ def test_http_and_python_refuse_alike(server: Served, offline: LLM, name: str, f
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error"), error
+
+
+@pytest.mark.clause("SERVE-8")
+def test_a_chat_sets_one_of_max_tokens_and_max_completion_tokens(server: Served) -> None:
+    """SERVE-8: a chat that sets both limits must set them alike (else max_tokens would be dropped unchecked: a
+    -1 beside a good max_completion_tokens was a 200); equal, they are one limit."""
+    chat = server.client.chat.completions
+    messages: Any = [{"role": "user", "content": "x"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat.create(model="default", messages=messages, max_tokens=-1, max_completion_tokens=2)
+    assert refused.value.param == "max_tokens" and "set one of max_tokens and max_completion_tokens" in str(
+        refused.value), refused.value
+    same = chat.create(model="default", messages=messages, max_tokens=3, max_completion_tokens=3, temperature=0,
+                       extra_body={"ignore_eos": True})
+    assert same.usage is not None and same.usage.completion_tokens == 3
 
 
 @pytest.mark.clause("ARCH-6", "ENG-9", "SERVE-1")

@@ -282,7 +282,8 @@ def test_a_request_the_trace_cannot_record_is_a_400_before_its_stream_starts(ser
                                   headers={"content-type": "application/json"})
             assert response.status_code == 400, response.text[:300]
             error = response.json()["error"]
-            assert error["param"] == "prompt" and error["message"].startswith("prompt: the trace's add record")
+            assert error["param"] == "prompt" and error["message"].startswith(
+                "prompt: is too long for the trace: the trace's add record")
             assert "line limit" in error["message"]
         ok = httpx.post(served.url + "/v1/completions", timeout=60,
                         json={"model": folder.name, "prompt": [1, 2], "max_tokens": 2})
@@ -415,6 +416,29 @@ def test_a_command_the_server_cannot_send_ends_trust_but_not_the_shutdown() -> N
         engine.stop(timeout=5)
 
 
+@pytest.mark.clause("SERVE-11", "SERVE-7")
+def test_a_command_the_engine_process_does_not_know_fails_what_is_in_flight_with_a_500() -> None:
+    """SERVE-11, SERVE-7: a command the engine process cannot carry out (a defect of ours: here the old
+    string-tagged tuple) ends trust: the request in flight fails with a 500 naming the command's type, never a
+    clean finish_reason "abort" (which SERVE-7 keeps for shutdown), even though the engine process's stop then
+    aborts it; nothing more is admitted and stopping still ends at once."""
+    folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
+    engine = _engine(folder)
+    try:
+        engine.start()
+        event = last_event(engine, lambda: engine._outbox.put(("cancel", 1)))  # type: ignore[arg-type]
+        assert isinstance(event, FailEvent), event
+        assert event.status == 500 and "tuple" in event.message and "no longer trusted" in event.message
+        assert engine.failure is not None and "tuple" in engine.failure
+        with pytest.raises(Unavailable):
+            engine.submit(Stream([1], SamplingParams()))
+        started = time.monotonic()
+        engine.stop()
+        assert time.monotonic() - started < 20 and not engine.process.is_alive()
+    finally:
+        engine.stop(timeout=5)
+
+
 @pytest.mark.clause("SERVE-2", "TP-6")
 def test_served_under_torchrun_as_in_one_process_and_ctrl_c_leaves_nothing(serve_cache: Path) -> None:
     """SERVE-2, TP-6: ``torchrun --nproc-per-node 2 -m optimized.cli serve --tensor-parallel-size 2``: the engine
@@ -471,7 +495,7 @@ def pipe_messages() -> list[Any]:
         Submit(1, [1, 2], params), Cancel(1), ReadState(2), AbortAll(), Stop(),
         Ready(EngineInfo(EngineLimits(256, 4096, 128, 16, (0,)), Path("/m"), True)),
         Events([(1, TokenEvent([3], 1.5, 1.25)), (1, FinishEvent(output, 2.0)),
-                (2, FailEvent(400, "too long", "prompt", "context_length_exceeded"))]),
+                (2, FailEvent(500, "why"))]),
         StateAnswer(2, EngineState(128, 120, 3, 1, 2, ["a violation"], 9)), StateAnswer(3, None, "stopped"),
         Failed("why"), Admitted(5), Generated(6), Finished("length"), Diverged(),
         AfterStep(EngineStats(steps=3, preemptions=2), Gauges(1, 2, 96, 128)),
@@ -494,10 +518,11 @@ def test_every_pipe_message_is_a_frozen_dataclass_that_crosses_a_real_pipe_whole
             sending.send(message)
             got = receiving.recv()
             assert type(got) is type(message) and got == message
-        sending.send(NotBuilt(RequestRefused("too long", "prompt", "context_length_exceeded")))
+        sending.send(NotBuilt(RequestRefused("prompt", "is too long", "context_length_exceeded", "in words")))
         refusal = receiving.recv().error
         assert isinstance(refusal, RequestRefused)
-        assert (str(refusal), refusal.field, refusal.code) == ("too long", "prompt", "context_length_exceeded")
+        assert (str(refusal), refusal.field, refusal.reason, refusal.code) == (
+            "in words", "prompt", "is too long", "context_length_exceeded")
     finally:
         sending.close()
         receiving.close()

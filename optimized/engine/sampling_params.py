@@ -8,8 +8,9 @@ ids below the vocabulary, the context length) are checked where the request
 meets the model (``validation.validate_request``). The rules are the server's
 too (ARCH-6): temperature in [0, 2] and at most 4 stop strings (OpenAI's
 bounds), top_k 0 or -1 for off (vLLM's; 0 is stored as -1).
-Token ids (here the stop ids) are ints: any integer type, a numpy integer too, is
-stored as a plain int; a bool, a float or a list is refused (``token_id``).
+Integers (token ids, max_tokens, top_k, seed) may be of any integer type, a numpy
+integer too, and are stored as plain ints; numbers (temperature, top_p) may be
+any real type, a numpy float too, and are stored as floats; a bool is neither.
 A temperature below ``GREEDY_BELOW`` (1e-5, vLLM's threshold too) means greedy:
 dividing float32 logits by a tinier one overflows to inf. ``seed`` makes the draw
 a pure function of (seed, position): the same tokens alone or batched, chunked or
@@ -18,6 +19,7 @@ preempted.
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -31,36 +33,49 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 
 class RequestRefused(ValueError):
     """ARCH-6: a request the engine will not take. ``field`` is the request field at fault (``prompt``,
-    ``max_tokens``, ``temperature``...); ``code`` is OpenAI's error code where it has one
-    (``context_length_exceeded``), else None. Callers act on these two, never on the message."""
+    ``max_tokens``, ``temperature``...); ``reason`` says what is wrong with it without naming it (the server puts
+    the body's name for the field before it); ``code`` is OpenAI's error code where it has one
+    (``context_length_exceeded``), else None. Callers act on these, never on the message, which is
+    ``message`` when given (a Python caller's own context) and else ``f"{field} {reason}"``."""
 
-    def __init__(self, message: str, field: str, code: str | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, field: str, reason: str, code: str | None = None, message: str | None = None) -> None:
+        super().__init__(f"{field} {reason}" if message is None else message)
         self.field = field
+        self.reason = reason
         self.code = code
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (str(self), self.field, self.code)
+        return type(self), (self.field, self.reason, self.code, str(self))
 
 
-def token_id(value: object, what: str = "prompt token ids", field: str = "prompt") -> int:
+def token_id(value: object, field: str = "prompt", what: str = "token ids must be ints") -> int:
     """ENG-9: a token id as a plain int; any integer type (a numpy integer too), never a bool, float or list."""
     if type(value) is int:
         return value
-    if isinstance(value, SupportsIndex) and not isinstance(value, bool):
-        try:
-            return operator.index(value)
-        except TypeError:  # an array of more than one element, say
-            pass
-    raise RequestRefused(f"{what} must be ints, got {value!r} ({type(value).__name__})", field)
+    as_int = _as_int(value)
+    if as_int is None:
+        raise RequestRefused(field, f"{what}, got {value!r} ({type(value).__name__})")
+    return as_int
 
 
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _as_int(value: object) -> int | None:
+    """``value`` as a plain int if it is an integer of any type (``operator.index``), never a bool; else None."""
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:  # an array of more than one element, a numpy bool
+        return None
 
 
-def _integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _as_real(value: object) -> float | None:
+    """``value`` if it is an int or a float, else as a float if it is a real number of another type (a numpy float);
+    never a bool; else None."""
+    if isinstance(value, bool):
+        return None
+    if type(value) is int or type(value) is float:
+        return value
+    return float(value) if isinstance(value, numbers.Real) else None
 
 
 @dataclass(frozen=True)
@@ -83,28 +98,33 @@ class SamplingParams:
         self._normalized()
 
     def _normalized(self) -> dict[str, Any]:
-        """The fields that are stored in a normal form, each value checked first (``RequestRefused``)."""
-        t = self.temperature
-        if not _number(t):
-            raise RequestRefused(f"temperature must be a number, got {t!r}", "temperature")
+        """The fields in their stored form (plain ints and floats, ``top_k`` 0 as -1, tuples), each value checked
+        first (``RequestRefused``)."""
+        t = _as_real(self.temperature)
+        if t is None:
+            raise RequestRefused("temperature", f"must be a number, got {self.temperature!r}")
         if not 0 <= t <= MAX_TEMPERATURE:  # NaN too
-            raise RequestRefused(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t}", "temperature")
-        if not _integer(self.max_tokens) or self.max_tokens < 1:
-            raise RequestRefused(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+            raise RequestRefused("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {t}")
+        max_tokens = _as_int(self.max_tokens)
+        if max_tokens is None or max_tokens < 1:
+            raise RequestRefused("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
-            raise RequestRefused(f"ignore_eos must be a bool, got {self.ignore_eos!r}", "ignore_eos")
-        if not _integer(self.top_k) or self.top_k < -1:
-            raise RequestRefused(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}", "top_k")
-        if self.top_k > INT64_MAX:
-            raise RequestRefused(f"top_k must be at most {INT64_MAX}, got {self.top_k}", "top_k")
-        if not _number(self.top_p):
-            raise RequestRefused(f"top_p must be a number in (0, 1], got {self.top_p!r}", "top_p")
-        if not (0.0 < self.top_p <= 1.0):  # NaN too
-            raise RequestRefused(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.seed is not None and not _integer(self.seed):
-            raise RequestRefused(f"seed must be an integer or None, got {self.seed!r}", "seed")
-        return {"top_k": -1 if self.top_k == 0 else self.top_k, "stop_token_ids": _stop_ids(self.stop_token_ids),
-                "stop": stop_strings(self.stop)}
+            raise RequestRefused("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
+        top_k = _as_int(self.top_k)
+        if top_k is None or top_k < -1:
+            raise RequestRefused("top_k", f"must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
+        if top_k > INT64_MAX:
+            raise RequestRefused("top_k", f"must be at most {INT64_MAX}, got {top_k}")
+        top_p = _as_real(self.top_p)
+        if top_p is None:
+            raise RequestRefused("top_p", f"must be a number in (0, 1], got {self.top_p!r}")
+        if not (0.0 < top_p <= 1.0):  # NaN too
+            raise RequestRefused("top_p", f"must be in (0, 1], got {top_p}")
+        seed = None if self.seed is None else _as_int(self.seed)
+        if self.seed is not None and seed is None:
+            raise RequestRefused("seed", f"must be an integer or None, got {self.seed!r}")
+        return {"temperature": t, "max_tokens": max_tokens, "top_k": -1 if top_k == 0 else top_k, "top_p": top_p,
+                "seed": seed, "stop_token_ids": _stop_ids(self.stop_token_ids), "stop": stop_strings(self.stop)}
 
     @property
     def greedy(self) -> bool:
@@ -113,11 +133,11 @@ class SamplingParams:
 
 def _stop_ids(value: object) -> tuple[int, ...]:
     if not isinstance(value, Iterable):
-        raise RequestRefused(f"stop_token_ids must be a sequence of token ids, got {value!r}", "stop_token_ids")
-    ids = tuple(token_id(t, "stop_token_ids", "stop_token_ids") for t in value)
+        raise RequestRefused("stop_token_ids", f"must be a sequence of token ids, got {value!r}")
+    ids = tuple(token_id(t, "stop_token_ids", "must be ints") for t in value)
     for t in ids:
         if t < 0:
-            raise RequestRefused(f"stop_token_ids must hold non-negative integers, got {t!r}", "stop_token_ids")
+            raise RequestRefused("stop_token_ids", f"must hold non-negative integers, got {t!r}")
     return ids
 
 
@@ -127,14 +147,14 @@ def stop_strings(value: object) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
     if not isinstance(value, (list, tuple)):
-        raise RequestRefused(f"stop must be a string or a sequence of strings, got {type(value).__name__}", "stop")
+        raise RequestRefused("stop", f"must be a string or a sequence of strings, got {type(value).__name__}")
     if len(value) > MAX_STOP_STRINGS:
-        raise RequestRefused(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(value)}", "stop")
+        raise RequestRefused("stop", f"must hold at most {MAX_STOP_STRINGS} strings, got {len(value)}")
     for s in value:
         if not isinstance(s, str) or not s:
-            raise RequestRefused(f"stop must hold non-empty strings, got {s!r}", "stop")
+            raise RequestRefused("stop", f"must hold non-empty strings, got {s!r}")
         try:
             s.encode("utf-8")
         except UnicodeEncodeError:
-            raise RequestRefused(f"stop strings must be valid Unicode, got {s!r}", "stop") from None
+            raise RequestRefused("stop", f"strings must be valid Unicode, got {s!r}") from None
     return tuple(value)

@@ -3,8 +3,9 @@
 Invariant: it changes nothing, and it refuses with a ``RequestRefused`` (a
 ValueError) carrying the field at fault and, for the context limits, OpenAI's
 code ``context_length_exceeded``; a request it passes is never refused by the
-scheduler. ``LLM`` and the server's HTTP side call the same functions with the
-engine's fixed ``EngineLimits``, so the two agree on every rule.
+scheduler. ``LLM`` and the server's HTTP side call them through one
+composition (``entry.requests.validated_request``) with the engine's fixed
+``EngineLimits``, so the two agree on every rule.
 """
 
 from __future__ import annotations
@@ -51,14 +52,14 @@ def prompt_ids(prompt: object, tokenizer: Tokenizer) -> list[int]:
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise RequestRefused(f"prompt text is not valid Unicode: {e.reason} at index {e.start} "
-                                 f"({prompt[e.start:e.end]!r})", "prompt") from None
+            raise RequestRefused("prompt", f"text is not valid Unicode: {e.reason} at index {e.start} "
+                                 f"({prompt[e.start:e.end]!r})") from None
         try:
             return tokenizer.encode(prompt)
         except ValueError as e:  # a checkpoint without a tokenizer (ENG-11)
-            raise RequestRefused(str(e), "prompt") from None
+            raise RequestRefused("prompt", f"text cannot be encoded: {e}") from None
     if not isinstance(prompt, list):
-        raise RequestRefused(f"prompts must be strings or lists of token ids, got {type(prompt).__name__}", "prompt")
+        raise RequestRefused("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
     return prompt
 
 
@@ -72,36 +73,37 @@ def _past_limit(prompt_len: int, max_tokens: int, limits: EngineLimits) -> str |
     return None
 
 
-def validate_request(token_ids: Seq[int], params: SamplingParams, limits: EngineLimits) -> list[int]:
+def validate_request(token_ids: Seq[int], params: SamplingParams, limits: EngineLimits,
+                     recheck: bool = True) -> list[int]:
     """The prompt as plain ints, or a ``RequestRefused`` when the engine must refuse it (ENG-9). Changes nothing.
 
     A request past a context limit names ``prompt`` when the prompt with one completion token cannot fit, else
-    ``max_tokens``.
+    ``max_tokens``. ``recheck`` False: the caller made ``params`` just now (its values were checked then), so they
+    are not checked again; a params object a user handed in may have been changed since it was made.
     """
     if not isinstance(params, SamplingParams):
-        raise RequestRefused(f"sampling_params must be optimized.SamplingParams, got {type(params).__name__}",
-                             "sampling_params")
-    params.check()  # a params object mutated after it was made
+        raise RequestRefused("sampling_params", f"must be optimized.SamplingParams, got {type(params).__name__}")
+    if recheck:
+        params.check()
     ids = [token_id(t) for t in token_ids]
     n = len(ids)
     if n == 0:
-        raise RequestRefused("prompt must hold at least one token", "prompt")
+        raise RequestRefused("prompt", "must hold at least one token")
     bad = [t for t in ids if not 0 <= t < limits.vocab_size]
     if bad:
-        raise RequestRefused(f"prompt token ids must be in [0, vocab_size={limits.vocab_size}), got {bad[0]!r}",
-                             "prompt")
+        raise RequestRefused("prompt", f"token ids must be in [0, vocab_size={limits.vocab_size}), got {bad[0]!r}")
     # SamplingParams refused negative and non-integer stop ids when made; only the model knows the upper bound,
     # and an id past it can never be drawn, so the stop would silently never happen.
     unreachable = [t for t in params.stop_token_ids if t >= limits.vocab_size]
     if unreachable:
-        raise RequestRefused(f"stop_token_ids must be in [0, vocab_size={limits.vocab_size}), "
-                             f"got {unreachable[0]!r}", "stop_token_ids")
+        raise RequestRefused("stop_token_ids", f"must be in [0, vocab_size={limits.vocab_size}), "
+                             f"got {unreachable[0]!r}")
     alone = _past_limit(n, 1, limits)
     if alone is not None:
-        raise RequestRefused(f"the prompt is too long: prompt ({n} tokens) + one completion token {alone}", "prompt",
+        raise RequestRefused("prompt", f"is too long: {n} tokens + one completion token {alone}",
                              CONTEXT_LENGTH_EXCEEDED)
     past = _past_limit(n, params.max_tokens, limits)
     if past is not None:
-        raise RequestRefused(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) {past}", "max_tokens",
+        raise RequestRefused("max_tokens", f"is too large: {params.max_tokens} + {n} prompt tokens {past}",
                              CONTEXT_LENGTH_EXCEEDED)
     return ids

@@ -45,8 +45,9 @@ from optimized.engine.args import EngineArgs
 from optimized.engine.detokenizer import IncrementalDetokenizer
 from optimized.engine.engine import Engine, EngineStats, Request, describe
 from optimized.engine.sampling_params import SamplingParams
-from optimized.engine.validation import EngineLimits, RequestRefused, prompt_ids, validate_request
+from optimized.engine.validation import EngineLimits, RequestRefused
 from optimized.entry.build import build_engine
+from optimized.entry.requests import validated_request
 from optimized.trace.recorder import Recorder, TraceObserver, trace_file
 from optimized.verify.shadow import Shadow
 
@@ -121,6 +122,13 @@ class _Bookkeeping:
 
 
 class LLM:
+    # ARCH-5: all that serve/, cli/ and benchmarks/ may use of an LLM (tests/test_architecture.py holds them to it)
+    REQUEST_API = ("generate", "add_request", "add_validated", "step", "has_unfinished_requests", "abort",
+                   "completion_tokens", "close")
+    READ_API = ("limits", "stats", "checked", "traced", "trusted", "engine_state", "started", "gauges",
+                "comm_stats", "reset_comm_stats", "settings", "enforce_eager", "model_dir", "device", "network",
+                "decode_graphs")
+
     def __init__(self, model: str | Path | None = None, **kwargs: Any) -> None:
         """Load ``model`` (a checkpoint folder; None: the embedded default model) and size the KV cache.
 
@@ -264,16 +272,13 @@ class LLM:
         self.close()
 
     def _validated(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
-        """ENG-9, ARCH-6: the prompt's token ids and its params, or a RequestRefused (nothing changed)."""
-        ids = validate_request(prompt_ids(prompt, self.tokenizer), params, self.engine.limits)
-        for observer in self.engine.observers:  # TRACE-4: nor an add record the trace reader would refuse
-            try:
-                observer.check_add(ids, params)
-            except RequestRefused:
-                raise
-            except ValueError as e:  # the trace's line limit: the prompt's length is at fault
-                raise RequestRefused(str(e), "prompt") from None
-        return ids, params
+        """ENG-9, ARCH-6: the prompt's token ids and its params, or a RequestRefused (nothing changed); every
+        observer is asked last (TRACE-4: the trace's add record)."""
+        return validated_request(prompt, params, self.engine.limits, self.tokenizer, self._ask_observers)
+
+    def _ask_observers(self, ids: list[int], params: SamplingParams) -> None:
+        for observer in self.engine.observers:
+            observer.check_add(ids, params)
 
     def _add(self, ids: list[int], params: SamplingParams) -> Request:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -299,6 +304,15 @@ class LLM:
         with self._lock, _Bookkeeping(self, "an add_request"):
             request = self._add(ids, params)
             self._stepped[request.arrival] = prompt if isinstance(prompt, str) else None
+        return request.arrival
+
+    def add_validated(self, prompt_ids: list[int], sampling_params: SamplingParams) -> int:
+        """``add_request`` for a caller that ran the one validator (``entry.requests.validated_request``) with this
+        LLM's limits and ``trace_check(self.traced)``, as the server's HTTP side does: only trust and the trace's
+        writability are checked again (ENG-24, TRACE-1). Its request_id; its output has no prompt text."""
+        with self._lock, _Bookkeeping(self, "an add_request"):
+            request = self._add(prompt_ids, sampling_params)
+            self._stepped[request.arrival] = None
         return request.arrival
 
     def _require_trusted(self) -> None:
@@ -406,7 +420,7 @@ class LLM:
             try:
                 validated.append(self._validated(prompts[i], sp))
             except RequestRefused as e:
-                raise RequestRefused(f"prompt {i}: {e}", e.field, e.code) from None
+                raise RequestRefused(e.field, e.reason, e.code, f"prompt {i}: {e}") from None
         requests: list[Request] = []
         try:
             with self._lock, _Bookkeeping(self, "a generate call's adds"):
@@ -426,13 +440,16 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
         if not isinstance(sampling_params, (list, tuple)):
-            raise ValueError("sampling_params must be a SamplingParams or a list of them, "
-                             f"got {type(sampling_params).__name__}")
+            raise RequestRefused("sampling_params", "must be a SamplingParams or a list of them, "
+                                 f"got {type(sampling_params).__name__}")
         for i, sp in enumerate(sampling_params):
             if not isinstance(sp, SamplingParams):
-                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
+                got = f"must be a SamplingParams, got {type(sp).__name__}"
+                raise RequestRefused("sampling_params", f"element {i} {got}", None, f"sampling_params[{i}] {got}")
         if len(sampling_params) != count:
-            raise ValueError(f"sampling_params: {len(sampling_params)} given for {count} prompts")
+            n = len(sampling_params)
+            raise RequestRefused("sampling_params", f"holds {n} for {count} prompts", None,
+                                 f"sampling_params: {n} given for {count} prompts")
         return list(sampling_params)
 
     def _abort_after(self, error: BaseException, requests: list[Request]) -> None:

@@ -2,13 +2,14 @@
 
 Invariants: the key is checked first, for every /v1 path (``KeyCheck``,
 SERVE-10); a handler checks the body's shape (protocol.py), then the request in
-full with the one validator (``SamplingParams``, ``validate_request``: the
-rules ``LLM`` applies, ARCH-6), builds its ``SamplingParams`` once and submits
+full with the one validator (``entry.requests.validated_request``: the rules
+``LLM`` applies, ARCH-6), builds its ``SamplingParams`` once and submits
 nothing before (SERVE-8), so a refused request changes nothing; a
-``RequestRefused`` becomes a 400 by its ``field`` and ``code``, never by its
-text. Every error is OpenAI's JSON with a status that says whose fault it is
-(400 bad input, 401 key, 404 model or path, 413 body, 503 not admitting, 500
-engine failure). Text
+``RequestRefused`` becomes a 400 by its ``field``, ``reason`` and ``code``
+(``param: reason``, ``param`` the body's name for the field), never by its
+text; the engine process takes the request as validated. Every error is
+OpenAI's JSON with a status that says whose fault it is (400 bad input, 401
+key, 404 model or path, 413 body, 503 not admitting, 500 engine failure). Text
 reaches the client only through ``IncrementalDetokenizer`` (whole characters,
 never a possible stop string's beginning), and the streamed pieces add up to
 the non-streamed text. A handler that ends before its request finished (the
@@ -35,7 +36,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from optimized.engine.detokenizer import IncrementalDetokenizer
 from optimized.engine.sampling_params import SamplingParams
-from optimized.engine.validation import RequestRefused, prompt_ids, validate_request
+from optimized.engine.validation import RequestRefused
+from optimized.entry.requests import trace_check, validated_request
 from optimized.models.tokenizer import load_tokenizer
 from optimized.serve.chat import ChatTemplate
 from optimized.serve.loop import (
@@ -50,7 +52,6 @@ from optimized.serve.loop import (
 )
 from optimized.serve.metrics import Metrics
 from optimized.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse_request
-from optimized.trace.recorder import check_add_record
 
 MAX_BODY_BYTES = 1 << 20  # SERVE-8: 1 MiB holds a 4096-token prompt as ids many times over
 
@@ -177,7 +178,7 @@ class _Handlers:
     def __init__(self, info: EngineInfo, loop: EngineHandle, metrics: Metrics, template: ChatTemplate,
                  options: ServerOptions, life: Lifecycle) -> None:
         self.limits = info.limits
-        self.traced = info.traced
+        self.check_add = trace_check(info.traced)
         self.tokenizer = load_tokenizer(info.model_dir)
         self.loop = loop
         self.metrics = metrics
@@ -229,6 +230,9 @@ class _Handlers:
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         given = body.max_completion_tokens is not None
+        if given and body.max_tokens is not None and body.max_tokens != body.max_completion_tokens:
+            raise ApiError(400, f"max_tokens: set one of max_tokens and max_completion_tokens (here "
+                                f"{body.max_tokens} and {body.max_completion_tokens})", param="max_tokens")
         limit_field = "max_completion_tokens" if given else "max_tokens"
         call = _Call("chat.completion", body.stream, body, "messages", limit_field)
         return await self._generate(request, call, text, body.max_completion_tokens if given else body.max_tokens)
@@ -247,19 +251,16 @@ class _Handlers:
                    max_tokens: int | None) -> tuple[list[int], SamplingParams]:
         """SERVE-8, ARCH-6: the prompt's ids and the request's ``SamplingParams``, or the one validator's refusal
         as a 400. A max_tokens left to the server is all the room the limits leave."""
+        sampling = _sampling(call.body)
+
+        def params(prompt_len: int) -> SamplingParams:
+            return SamplingParams(**sampling, max_tokens=self.limits.room(prompt_len) if max_tokens is None
+                                  else max_tokens)
+
         try:
-            ids = prompt_ids(prompt, self.tokenizer)
-            params = SamplingParams(**_sampling(call.body),
-                                    max_tokens=self.limits.room(len(ids)) if max_tokens is None else max_tokens)
-            ids = validate_request(ids, params, self.limits)
-            if self.traced:  # TRACE-4: the trace must be able to record the request's arrival
-                try:
-                    check_add_record(ids, params.max_tokens, params.ignore_eos)
-                except ValueError as e:  # the prompt is too long for the trace's line
-                    raise RequestRefused(str(e), "prompt") from None
+            return validated_request(prompt, params, self.limits, self.tokenizer, self.check_add)
         except RequestRefused as refusal:
-            raise call.refused(refusal.field, str(refusal), refusal.code) from None
-        return ids, params
+            raise call.refused(refusal) from None
 
     async def _generate(self, request: Request, call: _Call, prompt: str | list[int],
                         max_tokens: int | None) -> Response:
@@ -297,7 +298,7 @@ class _Handlers:
                 waiter.cancel()
                 self.loop.cancel(stream)
         if isinstance(event, FailEvent):
-            raise _failure(event, call)
+            raise _failure(event)
         output = event.output
         if output.finish_reason == "error":
             raise ApiError(500, "the model failed during this request's step", kind="server_error")
@@ -346,7 +347,7 @@ class _Handlers:
                     continue
                 ended = True
                 if isinstance(event, FailEvent):
-                    yield _sse_data(_failure(event, call).body())
+                    yield _sse_data(_failure(event).body())
                 elif event.output.finish_reason == "error":
                     yield _sse_data(ApiError(500, "the model failed during this request's step",
                                              kind="server_error").body())
@@ -368,11 +369,8 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _failure(event: FailEvent, call: _Call) -> ApiError:
-    """The loop's failure as an error whose type follows its status: a refusal at admission (its field set) is
-    the request's fault, answered as the HTTP side's own refusals are."""
-    if event.field is not None:
-        return call.refused(event.field, event.message, event.code)
+def _failure(event: FailEvent) -> ApiError:
+    """The loop's failure as an error whose type follows its status."""
     return ApiError(event.status, event.message,
                     kind="server_error" if event.status >= 500 else "invalid_request_error")
 
@@ -431,10 +429,10 @@ class _Call:
         self.prompt_tokens = 0
         self.prompt_ids: list[int] = []
 
-    def refused(self, field: str, message: str, code: str | None) -> ApiError:
-        """ARCH-6: a refusal of ``field`` as a 400 whose ``param`` is the body's name for it."""
-        param = self.wire_names.get(field, field)
-        return ApiError(400, f"{param}: {message}", param=param, code=code)
+    def refused(self, refusal: RequestRefused) -> ApiError:
+        """ARCH-6: a refusal as a 400 whose ``param`` is the body's name for its field, said before its reason."""
+        param = self.wire_names.get(refusal.field, refusal.field)
+        return ApiError(400, f"{param}: {refusal.reason}", param=param, code=refusal.code)
 
     def _usage(self, completion_tokens: int) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,

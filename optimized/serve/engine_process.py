@@ -16,9 +16,10 @@ reading because a write is blocked: neither side can wait on the other in a
 circle. The engine process ignores SIGINT and SIGTERM (the HTTP side drains,
 SERVE-7, then says stop) and stops when the pipe closes: a server killed
 outright leaves no engine behind. If the engine process ends without being
-told to stop, or a message cannot cross the pipe (a defect of ours), every
-open stream fails with a 500 and ``failure`` says why, as when the loop fails
-(SERVE-11).
+told to stop, or a message cannot cross the pipe or be carried out (a defect of
+ours: the engine process sends ``Failed`` before it stops, so its stop's aborts
+are never taken for a clean end), every open stream fails with a 500 and
+``failure`` says why, as when the loop fails (SERVE-11).
 """
 
 from __future__ import annotations
@@ -398,6 +399,10 @@ def engine_main(conn: Connection, llm_kwargs: dict[str, Any]) -> None:
         send(Ready(EngineInfo.of(llm)))
         loop.start()
         _obey(conn, loop, send, streams, lock)
+    except BaseException as error:  # SERVE-11: the server fails what is in flight (500) before the stop aborts it
+        send(Failed(f"the engine process could not carry out the server's commands ({type(error).__name__}: "
+                    f"{error}); the engine is no longer trusted"))
+        raise
     finally:
         loop.stop(timeout=_STOP_SECONDS)
         llm.close()  # a trace flushed, tensor-parallel workers stopped
@@ -416,7 +421,8 @@ def _portable(error: Exception) -> Exception:
 def _obey(conn: Connection, loop: EngineLoop, send: Callable[[Report], None], streams: dict[int, Stream],
           lock: threading.Lock) -> None:
     """Carry out the server's commands until ``Stop`` or the pipe's end; a message of no known type is a
-    TypeError (a defect of ours), which ends the engine process: the server then fails what is in flight."""
+    TypeError (a defect of ours), which ends the engine process after telling the server (``Failed``), which fails
+    what is in flight with a 500."""
     while True:
         try:
             command = conn.recv()

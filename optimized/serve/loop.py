@@ -16,9 +16,9 @@ divergence), fails every stream with a 500 that says so and stops: nothing is
 admitted after (SERVE-11), no probe is taken, and every probe not answered
 fails when the loop ends. The metrics' gauges are published after every step
 and every turn that admitted or aborted (SERVE-12). The loop knows the engine
-only through ``LLM``'s request and read API (ARCH-5); it admits with
-``LLM.add_request``, whose checks are the HTTP side's (ARCH-6), so a refusal
-there goes back typed (its field and code) as the handler's own would.
+only through ``LLM``'s request and read API (ARCH-5). A request is validated
+once, by its handler (ARCH-6): the loop admits it with ``LLM.add_validated``,
+which checks only trust and the trace's writability.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from optimized.engine.sampling_params import SamplingParams
-from optimized.engine.validation import EngineLimits, RequestRefused
+from optimized.engine.validation import EngineLimits
 from optimized.entry.llm import LLM, EngineState, RequestOutput
 from optimized.serve.metrics import EngineMetrics
 from optimized.verify.shadow import ShadowDivergence
@@ -62,8 +62,6 @@ class FinishEvent:
 class FailEvent:
     status: int
     message: str
-    field: str | None = None  # a refusal at admission (ARCH-6): the request field at fault, and its code
-    code: str | None = None
 
 
 Event = TokenEvent | FinishEvent | FailEvent
@@ -304,12 +302,7 @@ class EngineLoop:
     def _admit(self, stream: Stream) -> None:
         if stream.cancelled:
             return
-        try:
-            stream.request_id = self.llm.add_request(stream.prompt_ids, stream.params)
-        except RequestRefused as e:  # the handler's checks are the same: the engine's word is final all the same
-            stream.done = True
-            self.outlet.send([(stream, FailEvent(400, str(e), e.field, e.code))])
-            return
+        stream.request_id = self.llm.add_validated(stream.prompt_ids, stream.params)  # SERVE-8 checked it
         self._live[stream.request_id] = stream
         self._unscheduled.append(stream)
         self.metrics.admitted(len(stream.prompt_ids))

@@ -7,8 +7,8 @@ for a bool), require what OpenAI requires and ignore unknown fields, as OpenAI
 does; OpenAI fields that would change the answer and are not implemented
 (``echo``, ``logprobs``, ``n`` but 1...) are refused unless they hold the value
 that changes nothing. Values (ranges, limits) are not checked here: the one
-validator does that for HTTP and Python alike (``SamplingParams`` and
-``validate_request``, ARCH-6), and app.py answers its ``RequestRefused``.
+validator does that for HTTP and Python alike (``entry.requests.validated_request``,
+ARCH-6), and app.py answers its ``RequestRefused``.
 """
 
 from __future__ import annotations
@@ -138,16 +138,20 @@ def _refuse_unsupported(data: dict[str, Any]) -> None:
 
 
 def from_validation(error: ValidationError) -> ApiError:
-    """The most telling error of ``error`` as a 400 whose param is the field's dotted path.
+    """The most telling error of ``error`` as a 400 whose message names the field's dotted path and whose param
+    is that path without a trailing list index: an element of a list (``prompt: [true]``) is its list's fault,
+    as the one validator names it in Python too (ARCH-6).
 
     For a union (``prompt``: text or token ids) the member that got furthest explains best: the deepest
     location wins, then a range error over a type error.
     """
     first = max(error.errors(include_url=False),
                 key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
-    path = [str(p) for p in first["loc"] if not _is_union_tag(p)]
-    param = ".".join(path) or None
-    return ApiError(400, f"{param or 'body'}: {first['msg']}", param=param)
+    path = [p for p in first["loc"] if not _is_union_tag(p)]
+    where = ".".join(map(str, path)) or "body"
+    while path and isinstance(path[-1], int):
+        path.pop()
+    return ApiError(400, f"{where}: {first['msg']}", param=".".join(map(str, path)) or None)
 
 
 def _is_union_tag(part: object) -> bool:
