@@ -216,3 +216,73 @@ void nv_linear_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, con
         if (m1 - m == 1) nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 1, 16);
     }
 }
+
+/* float64: the same rule in double (16 lanes of fused multiply-adds over k = l, l + 16, ... from +0, the halving
+   tree, then + bias[n]), each lane written as C's fma(), which the compiler turns into vector fused multiply-adds
+   where the target has them (one rounding each, as the standard requires, so any width gives the same bits). MKL's
+   dgemm is M-dependent as its sgemm is (spec/batch-invariance.md, BI-6). */
+
+NVL_INLINE void nvl_tile_f64(const double *x, int64_t ldx, const double *w, int64_t ldw, const double *bias,
+                             double *y, int64_t ldy, int64_t K, const int R, const int C) {
+    double acc[4][4][NVL_LANES];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < C; j++)
+            for (int l = 0; l < NVL_LANES; l++) acc[i][j][l] = 0.0;
+    int64_t k = 0;
+    for (; k + NVL_LANES <= K; k += NVL_LANES)
+        for (int i = 0; i < R; i++)
+            for (int j = 0; j < C; j++)
+                for (int l = 0; l < NVL_LANES; l++)
+                    acc[i][j][l] = fma(x[i * ldx + k + l], w[j * ldw + k + l], acc[i][j][l]);
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < C; j++) {
+            double *a = acc[i][j];
+            for (int l = 0; l < K - k; l++) a[l] = fma(x[i * ldx + k + l], w[j * ldw + k + l], a[l]);
+            for (int width = NVL_LANES / 2; width > 0; width /= 2)
+                for (int l = 0; l < width; l++) a[l] = a[l] + a[l + width];
+            y[i * ldy + j] = bias != NULL ? a[0] + bias[j] : a[0];
+        }
+}
+
+static void nvl_tile_any_f64(const double *x, int64_t ldx, const double *w, int64_t ldw, const double *bias,
+                             double *y, int64_t ldy, int64_t K, int r, int c) {
+#define NVL_CASE64(a, b)                                                                                              \
+    case (a) * 8 + (b):                                                                                               \
+        nvl_tile_f64(x, ldx, w, ldw, bias, y, ldy, K, a, b);                                                         \
+        break;
+    switch (r * 8 + c) {
+        NVL_CASE64(1, 1) NVL_CASE64(1, 2) NVL_CASE64(1, 3) NVL_CASE64(1, 4)
+        NVL_CASE64(2, 1) NVL_CASE64(2, 2) NVL_CASE64(2, 3) NVL_CASE64(2, 4)
+    default:
+        break;
+    }
+#undef NVL_CASE64
+}
+
+/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) in float64: tiles of 2 rows by 4 columns, blocks split as above. */
+void nv_linear_f64(const double *x, int64_t ldx, const double *w, int64_t ldw, const double *bias, double *y,
+                   int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t threads) {
+    if (M <= 0 || N <= 0) return;
+    const int64_t row_blocks = (M + NVL_ROW_BLOCK - 1) / NVL_ROW_BLOCK;
+    const int64_t col_blocks = (N + NVL_COL_BLOCK - 1) / NVL_COL_BLOCK;
+    const int64_t units = row_blocks * col_blocks;
+    int64_t team = threads < 1 ? 1 : threads < units ? threads : units;
+    if (M * N * K < NVL_SERIAL_WORK) team = 1;
+#pragma omp parallel for schedule(static) num_threads((int)team)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t n0 = u / row_blocks * NVL_COL_BLOCK, m0 = u % row_blocks * NVL_ROW_BLOCK;
+        const int64_t n1 = n0 + NVL_COL_BLOCK < N ? n0 + NVL_COL_BLOCK : N;
+        const int64_t m1 = m0 + NVL_ROW_BLOCK < M ? m0 + NVL_ROW_BLOCK : M;
+        for (int64_t m = m0; m < m1; m += 2) {
+            const int r = m1 - m < 2 ? 1 : 2;
+            for (int64_t n = n0; n < n1; n += 4) {
+                const int c = (int)(n1 - n < 4 ? n1 - n : 4);
+                const double *b = bias != NULL ? bias + n : NULL;
+                if (r == 2 && c == 4)
+                    nvl_tile_f64(x + m * ldx, ldx, w + n * ldw, ldw, b, y + m * ldy + n, ldy, K, 2, 4);
+                else
+                    nvl_tile_any_f64(x + m * ldx, ldx, w + n * ldw, ldw, b, y + m * ldy + n, ldy, K, r, c);
+            }
+        }
+    }
+}

@@ -1,12 +1,15 @@
 """A batch-invariant linear layer: ``invariant_linear(x, weight, bias)`` is ``F.linear`` whose every output row is
-the same bits whatever else is in the batch, whatever the thread count (spec/batch-invariance.md, BI-1 to BI-3).
+the same bits whatever else is in the batch, whatever the thread count (spec/batch-invariance.md, BI-1 to BI-3, and
+BI-6 for float64).
 
 Invariant: output ``y[m, n]`` is one fixed sequence of float32 roundings that depends on K alone (``cpu_linear.c``
 states it): 16 lanes, lane ``l`` a chain of fused multiply-adds over ``k = l, l + 16, ...`` from +0, the lanes added
 in a fixed halving tree, then the bias. The compiled kernel computes it; ``fixed_order_linear`` computes the very same
 roundings with torch alone (each fused multiply-add emulated exactly in float64), the oracle that pins the kernel to
 that order and the stand-in where no C compiler is found. Neither ever falls back to MKL: with neither at hand a call
-raises ``CpuKernelUnavailable``. ``float64_linear`` is the error reference.
+raises ``CpuKernelUnavailable``. float64 follows the same rule in double (``nv_linear_f64``), compiled only: it has
+no emulation. ``BoundLinear`` is the engine's hot path: one layer's weight checked and bound once.
+``float64_linear`` is the error reference.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from kernels.cpu_build import CpuKernelUnavailable, load_library, unavailable_reason
 
 __all__ = [
+    "BoundLinear",
     "CpuKernelUnavailable",
     "bind",
     "compiled_linear",
@@ -41,14 +45,17 @@ _ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = [_PTR, _I64, _PTR, _I64, _PTR,
 _EMULATION_ELEMENTS = 1 << 23
 
 
+_SUFFIXES = {torch.float32: "f32", torch.float64: "f64"}
+
+
 def linear_refusal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     """Why these tensors cannot go through the invariant linear, naming the first one at fault; None when they can."""
     named = [("x", x), ("weight", weight)] + ([("bias", bias)] if bias is not None else [])
     for name, t in named:
         if not t.is_cpu:
             return f"{name} is on {t.device}: the invariant linear runs on the CPU only"
-        if t.dtype != torch.float32:
-            return f"{name} is {t.dtype}: the invariant linear takes float32"
+        if t.dtype not in _SUFFIXES or t.dtype != x.dtype:
+            return f"{name} is {t.dtype}: the invariant linear takes float32 or float64, the same for every tensor"
     if x.dim() < 1:
         return "x is a scalar: it needs a last dimension of in_features"
     if weight.dim() != 2:
@@ -67,8 +74,8 @@ def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 
 
 @functools.cache
-def _kernel() -> Callable[..., None]:
-    return bind(load_library())
+def _kernel(dtype: torch.dtype = torch.float32) -> Callable[..., None]:
+    return bind(load_library(), dtype)
 
 
 def compiled_path() -> str:
@@ -86,9 +93,10 @@ def _unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 or rows.shape[-1] <= 1 else rows.contiguous()
 
 
-def bind(library: ctypes.CDLL) -> Callable[..., None]:
-    """``nv_linear_f32`` of a loaded library, typed (a test binds builds for other instruction sets too)."""
-    fn = library.nv_linear_f32
+def bind(library: ctypes.CDLL, dtype: torch.dtype = torch.float32) -> Callable[..., None]:
+    """``nv_linear_f32`` (or ``_f64``) of a loaded library, typed (a test binds builds for other instruction sets
+    too)."""
+    fn = getattr(library, f"nv_linear_{_SUFFIXES[dtype]}")
     fn.argtypes = [*_ARGTYPES]
     fn.restype = None
     call: Callable[..., None] = fn
@@ -99,12 +107,12 @@ def compiled_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Callable[..., None] | None = None
 ) -> torch.Tensor:
     """The compiled kernel on checked tensors (``kernel``: another build's ``bind``, for tests)."""
-    kernel = kernel or _kernel()
+    kernel = kernel or _kernel(x.dtype)
     rows, w = _unit_stride_rows(x), _unit_stride_rows(weight)
     b = bias.contiguous() if bias is not None else None
     m, k = rows.shape
     n = w.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
+    y = torch.empty(m, n, dtype=x.dtype)
     kernel(
         rows.data_ptr(), rows.stride(0), w.data_ptr(), w.stride(0), None if b is None else b.data_ptr(),
         y.data_ptr(), n, m, n, k, torch.get_num_threads(),
@@ -113,13 +121,48 @@ def compiled_linear(
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for float32 CPU tensors, each output row a function of its own input row alone
-    (BI-1): the compiled kernel, or its torch emulation (the same bits, far slower) where the library does not
-    build. Bad tensors are a ValueError naming the one at fault."""
+    """``F.linear(x, weight, bias)`` for float32 or float64 CPU tensors, each output row a function of its own input
+    row alone (BI-1, BI-6): the compiled kernel, or in float32 its torch emulation (the same bits, far slower) where
+    the library does not build; float64 then raises ``CpuKernelUnavailable``. Bad tensors are a ValueError naming
+    the one at fault."""
     _checked(x, weight, bias)
-    if unavailable_reason() is None:
+    reason = unavailable_reason()
+    if reason is None:
         return compiled_linear(x, weight, bias)
+    if x.dtype == torch.float64:
+        raise CpuKernelUnavailable(f"the float64 invariant linear is compiled only: {reason}")
     return fixed_order_linear(x, weight, bias)
+
+
+class BoundLinear:
+    """``invariant_linear(x, weight, bias)`` with ``weight`` and ``bias`` checked and bound once (the engine's layers
+    call it every step, so the per-call work is a shape check, one ``torch.empty`` and the C call). It holds the
+    tensors, so the pointers it bound stay valid; a layer whose weight is replaced must be bound again. Needs the
+    compiled library (``CpuKernelUnavailable`` otherwise)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        _checked(torch.empty(0, weight.shape[-1] if weight.dim() else 0, dtype=weight.dtype), weight, bias)
+        self.weight = weight.contiguous()
+        self.bias = None if bias is None else bias.contiguous()
+        self.dtype = weight.dtype
+        self.out_features, self.in_features = self.weight.shape
+        self._call = _kernel(self.dtype)
+        self._w = self.weight.data_ptr()
+        self._b = None if self.bias is None else self.bias.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        k, n = self.in_features, self.out_features
+        if x.dtype != self.dtype or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != k:
+            raise ValueError(f"x {x.dtype} {tuple(x.shape)} on {x.device} does not fit this layer's "
+                             f"[*, {k}] {self.dtype} on the CPU")  # fmt: skip
+        rows = x.reshape(-1, k)
+        if rows.stride(-1) != 1 and k > 1:
+            rows = rows.contiguous()
+        m = rows.shape[0]
+        y = torch.empty(m, n, dtype=self.dtype)
+        self._call(rows.data_ptr(), rows.stride(0), self._w, k, self._b, y.data_ptr(), n, m, n, k,
+                   torch.get_num_threads())  # fmt: skip
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 
 def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -143,8 +186,10 @@ def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def fixed_order_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel's roundings (BI-2) with torch alone: the oracle of ``cpu_linear.c`` and its stand-in."""
+    """The kernel's float32 roundings (BI-2) with torch alone: the oracle of ``cpu_linear.c`` and its stand-in."""
     _checked(x, weight, bias)
+    if x.dtype != torch.float32:
+        raise ValueError(f"x is {x.dtype}: fixed_order_linear emulates the float32 kernel only")
     rows, n, k = x.reshape(-1, x.shape[-1]), weight.shape[0], weight.shape[1]
     chunks = -(-k // LANES)
     pad = chunks * LANES - k

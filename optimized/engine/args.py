@@ -151,6 +151,10 @@ class EngineArgs:
     attention_backend: str | None = field(default=None, metadata=_knob(
         "the attention kernels", "choice", choices=BACKEND_NAMES,
         unset="flash-attn or triton on CUDA, the C kernels (cpu) or torch on the CPU"))
+    batch_invariant: bool | None = field(default=None, metadata=_knob(
+        "batch-invariant kernels: a request's tokens and logits the same bits whatever the batch, chunking, "
+        "preemption, prefix cache or thread count (spec/batch-invariance.md; CPU, float32 or float64, the 'cpu' "
+        "attention backend, 1 or 2 tensor-parallel ranks)", "bool", unset="off"))
     seed: int = field(default=0, metadata=_knob("seed of the seeds unseeded requests draw", "int", least=None))
     tensor_parallel_size: int = field(default=1, metadata=_knob(
         "split the model over this many processes (spec/parallel.md; under torchrun: its WORLD_SIZE)", "int"))

@@ -40,6 +40,7 @@ class RunnerSpec:
     enforce_eager: bool
     tensor_parallel_size: int
     threads: int
+    batch_invariant: bool = False  # resolved: on or off (last, with a default, so older positional callers hold)
 
     @classmethod
     def of(cls, settings: EngineArgs, threads: int) -> RunnerSpec:
@@ -58,6 +59,30 @@ def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a name in ``DTYPE_NAMES``."""
     dtype: torch.dtype = _TORCH_DTYPES[name]
     return dtype
+
+
+def batch_invariant_refusal(
+    device: torch.device, dtype: str, attention_backend: str, tensor_parallel_size: int
+) -> str | None:
+    """Why the batch-invariant mode cannot hold for these settings (BI-7), naming the one at fault; None when it
+    can. It needs every kernel of the forward pass invariant: the C linear and the C attention (BI-1, BI-4)."""
+    from kernels import cpu_build
+
+    if device.type != "cpu":
+        return f"device {device}: there are batch-invariant kernels for the CPU only"
+    if dtype not in ("float32", "float64"):
+        return f"dtype {dtype}: the invariant kernels take float32 or float64"
+    reason = cpu_build.unavailable_reason()
+    if reason is not None:
+        return (f"the C kernels are unavailable ({reason}): the invariant linear would run as its torch emulation, "
+                "orders of magnitude slower, and attention as torch's, which is not invariant")
+    if attention_backend != "cpu":
+        return (f"attention backend {attention_backend!r}: its prefill and decode sum a query's keys in different "
+                "orders, so preemption and prefix-cache hits would change bits; the 'cpu' backend is invariant (BI-4)")
+    if tensor_parallel_size > 2:
+        return (f"tensor_parallel_size {tensor_parallel_size}: gloo's all-reduce over 3 or more ranks adds in an "
+                "order that depends on the tensor's size; 1 or 2 ranks add each element once")
+    return None
 
 
 def kv_bytes_per_block(c: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -109,6 +134,8 @@ def load_runner(
 
     dtype = torch_dtype(spec.dtype)
     net = load_model(Path(spec.model), dtype, device, group)
+    if spec.batch_invariant:
+        net.set_batch_invariant(True)  # bound to the loaded weights
     per_block = kv_bytes_per_block(net.local_config, spec.kvcache_block_size, dtype)
     blocks = kv_cache_blocks(device, per_block, spec.num_kvcache_blocks, spec.gpu_memory_utilization,
                              spec.cpu_kvcache_gib)

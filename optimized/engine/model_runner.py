@@ -26,7 +26,7 @@ step's inputs to the workers, whose runners call ``forward`` with them; only ran
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,7 +44,8 @@ from optimized.models.decoder import AttentionContext, CausalLM, TensorParallel
 PLACEHOLDER = -1  # the token handed to postprocess for an unfinished prefill chunk
 # On the CPU a step of more tokens than this runs its row-wise work (norms, projections, rotary, MLP) in slices of
 # this many rows, whose intermediates stay in cache (measured: the MLP of an 8094-token prefill, 111 ms whole,
-# 96 ms in slices of 256 rows; matrix products give the same values per row either way).
+# 96 ms in slices of 256 rows). MKL's products of a row differ in the last bits with the slice's row count; the
+# batch-invariant mode's do not (BI-9).
 CPU_ROW_CHUNK = 256
 
 
@@ -196,6 +197,8 @@ class ModelRunner:
         self.cos_sin = rotary_cos_sin(c.head_dim, max_model_len, c.rope_theta, self.dtype, self.device)
         self.graph_steps = 0  # decode steps served by the graph runner
         self.row_chunk = CPU_ROW_CHUNK
+        # Told each step's sampled sequences and their logits rows (float32, one row each), before the draw.
+        self.logits_observer: Callable[[list[ScheduledSeq], torch.Tensor], None] | None = None
         self.graphs: GraphRunner | None = None
         if not enforce_eager:
             self.graphs = self._graph_runner(max_num_seqs, blocks_for(max_model_len, block_size), graph_factory)
@@ -258,6 +261,8 @@ class ModelRunner:
         tokens = [PLACEHOLDER] * len(seqs)
         if logits is None:
             return tokens
+        if self.logits_observer is not None:
+            self.logits_observer([seqs[i] for i in inp.sample_rows.tolist()], logits.float())
         drawn = self._sample(logits.float(), [draws[i] for i in inp.sample_rows], inp.context_lens[inp.sample_rows])
         for i, t in zip(inp.sample_rows.tolist(), drawn, strict=True):
             tokens[i] = t

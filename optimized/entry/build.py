@@ -2,9 +2,9 @@
 request limits derived from them (spec/architecture.md, ARCH-2).
 
 Invariant: what can be refused without loading weights is refused first (the device, the attention backend and
-eager mode, the tensor-parallel plan, ``max_model_len`` against the model); then the runner is built by
-optimized/engine/assembly.py's one sequence, in this process or, for ``tensor_parallel_size`` > 1, on every rank
-(optimized/parallel/launch.py) from the same ``RunnerSpec``.
+eager mode, the tensor-parallel plan, ``max_model_len`` against the model, the batch-invariant mode where it cannot
+hold); then the runner is built by optimized/engine/assembly.py's one sequence, in this process or, for
+``tensor_parallel_size`` > 1, on every rank (optimized/parallel/launch.py) from the same ``RunnerSpec``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from optimized.core.config import SchedulerConfig
 from optimized.core.errors import strict_int
 from optimized.engine import cpu_defaults
 from optimized.engine.args import EngineArgs
-from optimized.engine.assembly import RunnerSpec, load_runner
+from optimized.engine.assembly import RunnerSpec, batch_invariant_refusal, load_runner
 from optimized.engine.model_runner import ModelRunner
 from optimized.engine.validation import EngineLimits
 from optimized.models.config import ModelConfig, load_config
@@ -77,6 +77,9 @@ def build_engine(args: EngineArgs) -> EngineParts:
         raise ValueError(f"attention_backend: {e}") from None
     if args.enforce_eager is False and dev.type == "cuda" and not backend.capturable:
         raise ValueError("enforce_eager=False on CUDA needs attention_backend 'triton' or 'flash-attn'")
+    refusal = batch_invariant_refusal(dev, dtype, backend.name, args.tensor_parallel_size)
+    if args.batch_invariant and refusal is not None:
+        raise ValueError(f"batch_invariant cannot hold: {refusal}")
     c = load_config(model_dir)
     launch.check_plan(args.tensor_parallel_size, c, dev)  # TP-1: refused before any process starts
     max_model_len = strict_int(c.max_position_embeddings if args.max_model_len is None else args.max_model_len,
@@ -84,8 +87,9 @@ def build_engine(args: EngineArgs) -> EngineParts:
     if max_model_len > c.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's {c.max_position_embeddings}")
     enforce_eager = dev.type != "cuda" or not backend.capturable if args.enforce_eager is None else args.enforce_eager
+    batch_invariant = bool(args.batch_invariant)  # None: off (BI-7 says why it is opt-in)
     settings = replace(args, model=model_dir, dtype=dtype, device=str(dev), attention_backend=backend.name,
-                       max_model_len=max_model_len, enforce_eager=enforce_eager)
+                       max_model_len=max_model_len, enforce_eager=enforce_eager, batch_invariant=batch_invariant)
     tokenizer = load_tokenizer(model_dir)
     size = args.tensor_parallel_size
     spec = RunnerSpec.of(settings, threads=max(1, torch.get_num_threads() // size))

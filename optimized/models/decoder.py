@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.backend import AttentionBackend, DecodePlan
+from kernels.linear import BoundLinear
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.rotary import rotary_rows, rotate
 from optimized.models.config import ModelConfig
@@ -65,17 +66,39 @@ class TensorParallel(Protocol):
         ...
 
 
-class RowParallelLinear(nn.Linear):
+class Linear(nn.Linear):
+    """``nn.Linear`` whose product is MKL's or, once ``bind_invariant(True)``, the batch-invariant kernel bound to
+    this layer's weight (bind again after replacing the weight)."""
+
+    invariant: BoundLinear | None = None
+
+    def bind_invariant(self, on: bool) -> None:
+        self.invariant = BoundLinear(self.weight.detach(), self._fused_bias()) if on else None
+
+    def _fused_bias(self) -> torch.Tensor | None:
+        """The bias the kernel adds itself."""
+        return None if self.bias is None else self.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.invariant(x)
+
+
+class RowParallelLinear(Linear):
     """A linear layer over this rank's input columns: partial sums all-reduced, then the (whole) bias added."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
 
+    def _fused_bias(self) -> torch.Tensor | None:
+        return super()._fused_bias() if self.tp is None else None  # added after the all-reduce
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return super().forward(x)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(F.linear(x, self.weight) if self.invariant is None else self.invariant(x))
         return out if self.bias is None else out + self.bias
 
 
@@ -126,7 +149,7 @@ class Attention(nn.Module):
         self.kv_size = c.num_kv_heads * c.head_dim
         self.scale = c.head_dim**-0.5
         self.eps = c.rms_norm_eps
-        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
+        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, c.hidden_size, c.o_bias, tp)
         self.q_norm: nn.Parameter | None = None
         self.k_norm: nn.Parameter | None = None
@@ -175,12 +198,14 @@ class MLP(nn.Module):
     def __init__(self, c: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.intermediate_size = c.intermediate_size
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
+        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, c.mlp_bias, tp)
+        self.batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        act = gate / (1 + torch.exp(-gate)) if self.batch_invariant else F.silu(gate)
+        out: torch.Tensor = self.down_proj(act * up)
         return out
 
 
@@ -237,9 +262,20 @@ class CausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(local.vocab_size, c.hidden_size, held, tp)
         self.layers = nn.ModuleList([DecoderLayer(local, tp) for _ in range(c.num_layers)])
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.lm_head = nn.Linear(c.hidden_size, local.vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, local.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.batch_invariant = False
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Every linear layer and the LM head on the invariant kernel (bound to the weights as they are now, so
+        after loading them), and the MLPs' SiLU on its invariant form; or all back to MKL and ``F.silu`` (BI-7)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.bind_invariant(on)
+            elif isinstance(module, MLP):
+                module.batch_invariant = on
+        self.batch_invariant = on
 
     def forward(
         self,

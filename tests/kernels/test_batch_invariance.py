@@ -173,8 +173,10 @@ def test_refusals_name_the_tensor() -> None:
     """BI-5: a tensor the invariant linear cannot take is a ValueError naming it, never a silent F.linear."""
     x, w, b = layer(2, 3, 4, 0)
     assert b is not None
-    with pytest.raises(ValueError, match=r"x is torch\.float64"):
+    with pytest.raises(ValueError, match=r"weight is torch\.float32: the invariant linear takes float32 or float64"):
         linear.invariant_linear(x.double(), w, b)
+    with pytest.raises(ValueError, match=r"x is torch\.bfloat16"):
+        linear.invariant_linear(x.bfloat16(), w.bfloat16(), b.bfloat16())
     with pytest.raises(ValueError, match="x's last dimension 5 is not weight's in_features 4"):
         linear.invariant_linear(torch.zeros(2, 5), w, b)
     with pytest.raises(ValueError, match=r"bias \(2,\) is not \[out_features\]"):
