@@ -65,3 +65,36 @@ def sample(
     greedy = logits.argmax(dim=-1)
     drawn = race(filtered_probs(logits, temperature, top_k, top_p), seeds, positions)
     return torch.where(temperature > 0, drawn, greedy)
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """The raw distribution's log probabilities, row by row (ENG-29): ``log_softmax`` over the vocabulary in
+    float32, or float64 for float64 logits. torch computes each row alone (its max, then its sum of exp, in one
+    vector order per row; threads split rows, never a row), so a row's bits do not depend on its batch."""
+    wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return torch.log_softmax(logits.to(wide).contiguous(), dim=-1)
+
+
+def top_logprobs(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64[R,k] token ids and their [R,k] log probabilities: each row's k most likely tokens by descending
+    logprob, ties (the boundary's too) by ascending token id (ENG-29). ``k`` is at most the vocabulary."""
+    rows = lp.shape[0]
+    if k == 0:
+        return torch.zeros(rows, 0, dtype=torch.int64), lp[:, :0]
+    kth = torch.topk(lp, k, dim=-1).values[:, -1:]  # the k-th largest value; its ties are resolved by id below
+    above = lp > kth
+    tied = lp == kth
+    room = k - above.sum(dim=-1, keepdim=True)
+    keep = above | (tied & (torch.cumsum(tied, dim=-1) <= room))  # exactly k per row: the lowest tied ids
+    ids = keep.nonzero()[:, 1].reshape(rows, k)  # ascending ids within each row
+    values = lp.gather(-1, ids)
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices  # stable: ties keep id order
+    return ids.gather(-1, order), values.gather(-1, order)
+
+
+def token_ranks(lp: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``tokens`` logprob and its 1-based rank in that row (ties by token id, as ``top_logprobs``)."""
+    chosen = lp.gather(-1, tokens[:, None])
+    ids = torch.arange(lp.shape[-1], device=lp.device)
+    ahead = (lp > chosen) | ((lp == chosen) & (ids[None, :] < tokens[:, None]))
+    return chosen[:, 0], ahead.sum(dim=-1) + 1

@@ -39,7 +39,8 @@ from optimized.core.errors import is_strict_int
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
 from optimized.engine.model_runner import DrawParams, ModelRunner
 from optimized.engine.observer import StepObserver
-from optimized.engine.sampling_params import SamplingParams
+from optimized.engine.logprobs import keep
+from optimized.engine.sampling_params import Logprob, SamplingParams
 from optimized.engine.validation import EngineLimits, validate_request
 
 __all__ = ["Engine", "EngineLimits", "EngineStats", "Request", "SchedulerConfig", "describe", "validate_request"]
@@ -55,6 +56,9 @@ class Request:
     draw: DrawParams
     stop_ids: frozenset[int]
     finish_reason: str | None = None
+    # ENG-28: when asked, one dict per generated token, and one per prompt token (the first's None)
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -191,8 +195,12 @@ class Engine:
         # ENG-25: a tiny temperature is greedy, and top_k at or past the vocabulary keeps every token (off).
         temperature = 0.0 if params.greedy else params.temperature
         top_k = -1 if params.top_k >= self.limits.vocab_size else params.top_k
-        draw = DrawParams(temperature, top_k, params.top_p, seed % (1 << 63))
-        return Request(self._arrivals, seq, params, draw, frozenset(stops))
+        prompt_logprobs = -1 if params.prompt_logprobs is None or len(token_ids) < 2 else params.prompt_logprobs
+        draw = DrawParams(temperature, top_k, params.top_p, seed % (1 << 63),
+                          -1 if params.logprobs is None else params.logprobs, prompt_logprobs)
+        return Request(self._arrivals, seq, params, draw, frozenset(stops),
+                       logprobs=None if params.logprobs is None else [],
+                       prompt_logprobs=None if params.prompt_logprobs is None else [None])
 
     def abort(self, arrival: int, reason: str = "abort") -> Request | None:
         """ABORT-8: abort a live request between steps; None when it has already finished (nothing changes).
@@ -250,6 +258,11 @@ class Engine:
             _tell_step_failed(observers, fault, start)
             self._fail_batch_under(fault, seqs, requests)
             raise
+        got = self.runner.take_logprobs()
+        if got:  # ENG-29: only when a request of the step asked
+            for s, r in zip(seqs, requests, strict=True):
+                if s.seq_id in got:
+                    r.draw = keep(got[s.seq_id], r.logprobs, r.prompt_logprobs, r.draw, s.num_prompt_tokens)
         self._count(out, time.perf_counter() - start)
         finished = [live[s.seq_id] for s in self.scheduler.postprocess(seqs, tokens, is_prefill)]
         for r in finished:

@@ -27,7 +27,7 @@ step's inputs to the workers, whose runners call ``forward`` with them; only ran
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -39,6 +39,7 @@ from kernels.backend import AttentionBackend
 from kernels.rotary import rotary_cos_sin
 from kernels.sampling import sample
 from optimized.engine.graph_runner import DecodeMetadata, GraphFactory, GraphRunner, cuda_graph_factory
+from optimized.engine.logprobs import SeqLogprobs, asked, prompt_plan, step_logprobs
 from optimized.models.decoder import AttentionContext, CausalLM, TensorParallel
 
 PLACEHOLDER = -1  # the token handed to postprocess for an unfinished prefill chunk
@@ -63,16 +64,25 @@ class ScheduledSeq(Protocol):
     def block_table(self) -> list[int]: ...
     @property
     def last_token(self) -> int: ...
+    @property
+    def seq_id(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True)
 class DrawParams:
-    """How one request's tokens are drawn; ``seed`` is always set (the engine draws one if the user did not)."""
+    """How one request's tokens are drawn; ``seed`` is always set (the engine draws one if the user did not).
+    ``logprobs``, ``prompt_logprobs``: the top alternatives its request wants with each drawn token's and each
+    prompt token's logprob, -1 for none; ``prompt_from``: the first prompt position not yet covered (ENG-30)."""
 
     temperature: float
     top_k: int
     top_p: float
     seed: int
+    logprobs: int = -1
+    prompt_logprobs: int = -1
+    prompt_from: int = 0
 
 
 I64 = npt.NDArray[np.int64]
@@ -199,6 +209,7 @@ class ModelRunner:
         self.row_chunk = CPU_ROW_CHUNK
         # Told each step's sampled sequences and their logits rows (float32, one row each), before the draw.
         self.logits_observer: Callable[[list[ScheduledSeq], torch.Tensor], None] | None = None
+        self.step_logprobs: dict[int, SeqLogprobs] = {}  # the last step's, by seq_id, for requests that asked
         self.graphs: GraphRunner | None = None
         if not enforce_eager:
             self.graphs = self._graph_runner(max_num_seqs, blocks_for(max_model_len, block_size), graph_factory)
@@ -257,16 +268,34 @@ class ModelRunner:
     ) -> list[int]:
         """One forward, rows in the order given; ``graphed`` decode steps run through the graph runner."""
         inp = prepare(seqs, is_prefill, self.block_size, graphed)
-        logits = self.forward(inp) if self.tp is None else self._forward_everywhere(self.tp, inp)
+        wants = asked(draws)  # ENG-29: a step nobody asked logprobs of does none of their work
+        plan = prompt_plan(seqs, draws, inp.cu_seqlens_q, inp.context_lens) if wants and is_prefill else None
+        step = inp if plan is None else replace(inp, logit_rows=np.concatenate([inp.logit_rows, plan.rows]))
+        logits = self.forward(step) if self.tp is None else self._forward_everywhere(self.tp, step)
         tokens = [PLACEHOLDER] * len(seqs)
         if logits is None:
             return tokens
-        if self.logits_observer is not None:
+        prompt_logits = None
+        if plan is not None:  # the prompt rows after the sampled ones, then the cached positions recomputed
+            logits, prompt_logits = logits[: len(inp.logit_rows)], logits[len(inp.logit_rows) :]
+            if plan.side is not None:
+                side = StepMessage(is_prefill=True, graphed=False, **plan.side)
+                cached = self.forward(side) if self.tp is None else self._forward_everywhere(self.tp, side)
+                assert cached is not None
+                prompt_logits = torch.cat([prompt_logits, cached])
+        if self.logits_observer is not None and len(inp.sample_rows):
             self.logits_observer([seqs[i] for i in inp.sample_rows.tolist()], logits.float())
         drawn = self._sample(logits.float(), [draws[i] for i in inp.sample_rows], inp.context_lens[inp.sample_rows])
         for i, t in zip(inp.sample_rows.tolist(), drawn, strict=True):
             tokens[i] = t
+        if wants:
+            self.step_logprobs = step_logprobs(seqs, draws, inp.sample_rows, drawn, logits, plan, prompt_logits)
         return tokens
+
+    def take_logprobs(self) -> dict[int, SeqLogprobs]:
+        """The last step's logprobs by seq_id (ENG-29), once; empty when no request of it asked."""
+        got, self.step_logprobs = self.step_logprobs, {}
+        return got
 
     def _forward_everywhere(self, tp: StepBroadcast, step: StepMessage) -> torch.Tensor | None:
         """Rank 0 under tensor parallelism: the step to the workers, then its own forward (TP-5). An exception of

@@ -7,7 +7,8 @@ reaches the scheduler is well-formed; the bounds that depend on the model (stop
 ids below the vocabulary, the context length) are checked where the request
 meets the model (``validation.validate_request``). The rules are the server's
 too (ARCH-6): temperature in [0, 2] and at most 4 stop strings (OpenAI's
-bounds), top_k 0 or -1 for off (vLLM's; 0 is stored as -1).
+bounds), top_k 0 or -1 for off (vLLM's; 0 is stored as -1), ``logprobs`` and ``prompt_logprobs`` None or 0..20
+(OpenAI's ``top_logprobs`` bound, vLLM's default ``max_logprobs``; ENG-28).
 Integers (token ids, max_tokens, top_k, seed) may be of any integer type, a numpy
 integer too, and are stored as plain ints; numbers (temperature, top_p) may be
 any real type, a numpy float too, and are stored as floats; a bool is neither.
@@ -29,6 +30,7 @@ GREEDY_BELOW = 1e-5
 INT64_MAX = (1 << 63) - 1
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound, vLLM's default max_logprobs (ENG-28)
 
 
 class RequestRefused(ValueError):
@@ -88,6 +90,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (SERVE-5); one str means (str,)
+    logprobs: int | None = None  # ENG-28: each generated token's logprob and this many top alternatives
+    prompt_logprobs: int | None = None  # ENG-28: the same for every prompt token but the first
 
     def __post_init__(self) -> None:
         for name, value in self._normalized().items():
@@ -124,11 +128,32 @@ class SamplingParams:
         if self.seed is not None and seed is None:
             raise RequestRefused("seed", f"must be an integer or None, got {self.seed!r}")
         return {"temperature": t, "max_tokens": max_tokens, "top_k": -1 if top_k == 0 else top_k, "top_p": top_p,
-                "seed": seed, "stop_token_ids": _stop_ids(self.stop_token_ids), "stop": stop_strings(self.stop)}
+                "seed": seed, "stop_token_ids": _stop_ids(self.stop_token_ids), "stop": stop_strings(self.stop),
+                "logprobs": _logprob_count("logprobs", self.logprobs),
+                "prompt_logprobs": _logprob_count("prompt_logprobs", self.prompt_logprobs)}
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+def _logprob_count(name: str, value: object) -> int | None:
+    """ENG-28: None (none asked) or how many top alternatives, 0..``MAX_LOGPROBS``, as a plain int."""
+    if value is None:
+        return None
+    count = _as_int(value)
+    if count is None or not 0 <= count <= MAX_LOGPROBS:
+        raise RequestRefused(name, f"must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+    return count
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """ENG-28: a token's log probability under the model's raw distribution (``log_softmax`` of its logits, before
+    temperature, top-k and top-p) and its rank there: 1 for the most likely token, ties ranked by token id."""
+
+    logprob: float
+    rank: int
 
 
 def _stop_ids(value: object) -> tuple[int, ...]:

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from optimized.engine.args import EngineArgs
 from optimized.engine.detokenizer import IncrementalDetokenizer
 from optimized.engine.engine import Engine, EngineStats, Request, describe
-from optimized.engine.sampling_params import SamplingParams
+from optimized.engine.sampling_params import Logprob, SamplingParams
 from optimized.engine.validation import EngineLimits, RequestRefused
 from optimized.entry.build import build_engine
 from optimized.entry.requests import validated_request
@@ -65,6 +65,11 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" (eos or a stop token), "length", "abort" (ABORT-8) or "error" (FAULT-1)
+    # ENG-28: asked with SamplingParams.logprobs, one dict per generated token (token id -> Logprob: the top
+    # alternatives by rank, then the drawn token if not among them); prompt_logprobs likewise per prompt token,
+    # None for the first. None when not asked.
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,7 @@ class _Bookkeeping:
 class LLM:
     # ARCH-5: all that serve/, cli/ and benchmarks/ may use of an LLM (tests/test_architecture.py holds them to it)
     REQUEST_API = ("generate", "add_request", "add_validated", "step", "has_unfinished_requests", "abort",
-                   "completion_tokens", "close")
+                   "completion_tokens", "completion_logprobs", "close")
     READ_API = ("limits", "stats", "checked", "traced", "trusted", "engine_state", "started", "gauges",
                 "comm_stats", "reset_comm_stats", "settings", "enforce_eager", "model_dir", "device", "network",
                 "decode_graphs")
@@ -145,7 +150,7 @@ class LLM:
         from optimized.parallel import launch
 
         args = EngineArgs.of(model=model, **kwargs)
-        trace_path = trace_file(args.trace, args.trace_wall_times)
+        trace_path = trace_file(args.trace)
         parts = build_engine(args)
         if parts.group is not None:  # TP-9: an LLM dropped unclosed still stops its workers
             weakref.finalize(self, launch.close, parts.group)
@@ -295,6 +300,15 @@ class LLM:
             if request is None:
                 return None
             return _completion_since(request, start)
+
+    def completion_logprobs(self, request_id: int, start: int = 0) -> list[dict[int, Logprob]] | None:
+        """SERVE-3, ENG-28: a live request's generated tokens' logprobs so far, from ``start``; None once it has
+        finished or when it did not ask. Between steps only."""
+        with self._lock:
+            request = self.engine.by_arrival.get(request_id)
+            if request is None or request.logprobs is None:
+                return None
+            return request.logprobs[start:]
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
         """ABORT-7: validate and queue one request (as generate would); its request_id. Refused: RequestRefused
@@ -498,4 +512,6 @@ class LLM:
             token_ids=completion,
             text=self._stop_text.pop(r.arrival) if r.arrival in self._stop_text else self.tokenizer.decode(completion),
             finish_reason=r.finish_reason,
+            logprobs=None if r.logprobs is None else list(r.logprobs),
+            prompt_logprobs=None if r.prompt_logprobs is None else list(r.prompt_logprobs),
         )
