@@ -17,6 +17,11 @@ With ``--tensor-parallel-size N`` (N > 1) the two sides are the engine at TP=1 a
 TP-10): TP=1 with the run's thread count, each of the N ranks with that count divided by N (at least one), so both
 use the same cores; the TP=N line adds rank 0's communication per step (all-reduces, their bytes and time).
 
+With ``--compare-batch-invariant`` the two sides are the engine with the batch-invariant mode off and on
+(spec/batch-invariance.md, BI-10): two engines of the same settings, each warmed, then timed in alternation
+(off, on, off, on, ...; ``INVARIANT_ROUNDS`` each) so that a neighbour's load falls on both; each round's wall and
+CPU seconds are printed, then both medians and their ratio, and how many requests got the same tokens from both.
+
 The engine's settings are ``EngineArgs`` (every engine flag; its seed seeds the workload too); the workload's are
 the command's own flags, ``DEFAULTS`` filling those not given.
 """
@@ -203,6 +208,46 @@ def compare_tensor_parallel(args: argparse.Namespace, engine: EngineArgs, thread
     return 0
 
 
+INVARIANT_ROUNDS = 3
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def compare_batch_invariant(args: argparse.Namespace, engine: EngineArgs, threads: int) -> int:
+    """BI-10: the engine with the batch-invariant mode off and on, on one workload, alternating."""
+    num, max_in, max_out = (_arg(args, k) for k in ("num_requests", "max_input_len", "max_output_len"))
+    sides = {on: LLM(**replace(engine, batch_invariant=on).as_kwargs()) for on in (False, True)}
+    off = sides[False]
+    _check_lengths(off, max_in, max_out)
+    w = make_workload(num, max_in, max_out, off.limits.vocab_size, engine.seed)
+    warmup = make_workload(4, max_in, 4, off.limits.vocab_size, engine.seed + 1)
+    print(f"workload: {num} requests, prompts 1..{max_in}, outputs 1..{max_out} tokens ({w.output_tokens} output "
+          f"tokens, greedy, eos ignored), model {off.model_dir}, {off.settings.dtype} on {off.settings.device}, "
+          f"{threads} torch threads, {off.settings.attention_backend} attention backend; batch-invariant mode off "
+          f"and on, alternating, {INVARIANT_ROUNDS} timed rounds each after an untimed warm-up")
+    times: dict[bool, list[Timing]] = {False: [], True: []}
+    outputs: dict[bool, list[list[int]]] = {}
+    for llm in sides.values():
+        llm.generate(warmup.prompts, _params(warmup), use_tqdm=False)
+    for r in range(INVARIANT_ROUNDS):
+        for on, llm in sides.items():
+            timing, outputs[on] = run_engine(llm, w, Workload([], []))
+            times[on].append(timing)
+            print(f"round {r + 1}, mode {'on ' if on else 'off'}: {w.output_tokens / timing.wall:10.1f} output tok/s "
+                  f"({timing.wall:.2f} s, {timing.cpu:.2f} CPU s)")
+    wall = {on: _median([t.wall for t in ts]) for on, ts in times.items()}
+    cpu = {on: _median([t.cpu for t in ts]) for on, ts in times.items()}
+    for on in (False, True):
+        print(f"batch-invariant {'on ' if on else 'off'} (median): {w.output_tokens / wall[on]:10.1f} output tok/s "
+              f"({wall[on]:.2f} s, {cpu[on]:.2f} CPU s)")
+    same = sum(a == b for a, b in zip(outputs[False], outputs[True], strict=True))
+    print(f"requests with identical tokens in both modes: {same}/{len(w.prompts)}")
+    print(f"ratio (on / off time): wall {wall[True] / wall[False]:.3f}, CPU {cpu[True] / cpu[False]:.3f}")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     """The command: the workload's flags in ``args``, and the engine's (EngineArgs.add_cli_args)."""
     return run(args, EngineArgs.from_cli_args(args))
@@ -216,6 +261,11 @@ def run(args: argparse.Namespace, engine: EngineArgs) -> int:
     size = engine.tensor_parallel_size
     if size > 1 and getattr(args, "trace", False):
         raise ValueError("--trace and --tensor-parallel-size each replace the transformers side: give one at a time")
+    if getattr(args, "compare_batch_invariant", False):
+        if size > 1 or getattr(args, "trace", False):
+            raise ValueError("--compare-batch-invariant replaces the transformers side: give it without "
+                             "--trace or --tensor-parallel-size")
+        return compare_batch_invariant(args, engine, threads)
     if size > 1:
         return compare_tensor_parallel(args, engine, threads)
     hf_batch_size = int(_arg(args, "hf_batch_size"))
@@ -259,4 +309,4 @@ def run(args: argparse.Namespace, engine: EngineArgs) -> int:
     return 0
 
 
-__all__ = ["DEFAULTS", "main", "make_workload", "run"]
+__all__ = ["DEFAULTS", "INVARIANT_ROUNDS", "compare_batch_invariant", "main", "make_workload", "run"]

@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(tp, exclude=("trace", "trace_wall_times"))
     tp.add_argument("--trace", action="store_true", help="instead of transformers: the engine with and without "
                     "a trace (spec/trace.md), alternating, and the cost")
+    tp.add_argument("--compare-batch-invariant", action="store_true", help="instead of transformers: the engine "
+                    "with the batch-invariant mode off and on (spec/batch-invariance.md), alternating, and the ratio")
     threads = sub.add_parser("threads", help="the engine under each thread count and OpenMP wait policy, "
                              "idle and with another process spinning on one core")
     from optimized.benchmarks import busy_core
