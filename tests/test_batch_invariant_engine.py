@@ -49,7 +49,7 @@ def at_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-def make(on: bool = True, **overrides: Any) -> LLM:
+def make(on: bool | None = True, **overrides: Any) -> LLM:
     args: dict[str, Any] = {"dtype": "float32", "batch_invariant": on, "kvcache_block_size": 4,
                             "num_kvcache_blocks": 256, **overrides}
     return LLM(str(checkpoint("qwen3")), **args)
