@@ -289,15 +289,10 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
-def trace_file(path: object, wall_times: object) -> Path | None:
-    """``LLM(trace=..., trace_wall_times=...)`` checked before anything loads: a path or None, and a bool."""
-    if not isinstance(wall_times, bool):
-        raise ValueError(f"trace_wall_times must be a bool, got {wall_times!r}")
-    if path is None:
-        return None
-    if not isinstance(path, (str, Path)) or str(path) == "":
-        raise ValueError(f"trace must be a file path or None, got {path!r}")
-    return _writable(Path(path))
+def trace_file(path: str | Path | None) -> Path | None:
+    """``LLM(trace=...)``'s file, if one can be written there, checked before anything loads (EngineArgs has
+    checked the value itself: a non-empty path or None)."""
+    return None if path is None else _writable(Path(path))
 
 
 def _writable(path: Path) -> Path:
