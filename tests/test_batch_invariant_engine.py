@@ -364,3 +364,14 @@ def test_with_the_mode_off_the_same_checks_find_differences() -> None:
             got = run(make(False, max_num_batched_tokens=budget), prompts, params)[at]
             differ += not torch.equal(got.logits, alone(needle, on=False).logits)
     assert differ > 0
+
+
+@pytest.mark.clause("BI-7", "BI-10")
+def test_two_tensor_parallel_ranks_hold_the_mode() -> None:
+    """BI-7, BI-10: at tensor_parallel_size 2 (gloo adds each element's two partial sums once) the needle in random
+    crowds gets the same tokens and logits bits as alone in the same engine."""
+    with at_threads(2), make(tensor_parallel_size=2) as llm:
+        ref = run(llm, [NEEDLES[0][0]], [NEEDLES[0][1]])[0]
+        for seed in range(2):
+            prompts, params, at = crowd(random.Random(seed), 0, 6)
+            assert same(run(llm, prompts, params)[at], ref)
