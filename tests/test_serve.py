@@ -162,6 +162,63 @@ def test_completions_and_chat_whole_and_streamed(server: Served, offline: LLM) -
     assert [m.id for m in client.models.list().data] == ["default"]
 
 
+def legacy_logprobs(offline: LLM, out: Any, offset: int = 0) -> dict[str, Any]:
+    """SERVE-14's completions shape for an offline output, built here from its ``Logprob`` dicts."""
+    text = [offline.tokenizer.decode([t]) for t in out.token_ids]
+    tops = []
+    for entry in out.logprobs:
+        top: dict[str, float] = {}
+        for t, lp in entry.items():
+            top.setdefault(offline.tokenizer.decode([t]), lp.logprob)
+        tops.append(top)
+    return {"tokens": text, "token_logprobs": [e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True)],
+            "top_logprobs": tops, "text_offset": [offset + sum(map(len, text[:i])) for i in range(len(text))]}
+
+
+def chat_logprobs(offline: LLM, out: Any, k: int) -> list[dict[str, Any]]:
+    """SERVE-14's chat ``content`` for an offline output."""
+    def one(t: int, value: float) -> dict[str, Any]:
+        text = offline.tokenizer.decode([t])
+        return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+    return [{**one(t, e[t].logprob), "top_logprobs": [one(i, lp.logprob) for i, lp in e.items() if lp.rank <= k]}
+            for t, e in zip(out.token_ids, out.logprobs, strict=True)]
+
+
+@pytest.mark.clause("SERVE-14", "ENG-28")
+def test_logprobs_served_equal_offline(server: Served, offline: LLM) -> None:
+    """SERVE-14: completions' ``logprobs: K`` and chat's ``logprobs`` with ``top_logprobs: K``, whole and
+    streamed, parsed by the openai client, carry exactly the offline LLM's float64 logprobs in OpenAI's shapes."""
+    client = server.client
+    params = sampled(21, 10, logprobs=3)
+    want = offline.generate(["Hello"], params, use_tqdm=False)[0]
+    expected = legacy_logprobs(offline, want)
+    whole = client.completions.create(**body("Hello", params), logprobs=3)
+    assert token_ids(whole.choices[0]) == want.token_ids
+    assert whole.choices[0].logprobs is not None and whole.choices[0].logprobs.model_dump() == expected
+    streamed: dict[str, list[Any]] = {name: [] for name in expected}
+    for chunk in client.completions.create(**body("Hello", params), logprobs=3, stream=True):
+        if chunk.choices[0].logprobs is not None:
+            for name, values in chunk.choices[0].logprobs.model_dump().items():
+                streamed[name] += values
+    assert streamed == expected
+    rendered = "<|user|>\nHi\n<|assistant|>\n"
+    want = offline.generate([rendered], sampled(3, 8, logprobs=2), use_tqdm=False)[0]
+    content = chat_logprobs(offline, want, 2)
+    asked: dict[str, Any] = {"model": "default", "messages": [{"role": "user", "content": "Hi"}],
+                             "max_completion_tokens": 8, "temperature": 0.9, "seed": 3,
+                             "extra_body": {"ignore_eos": True}, "logprobs": True, "top_logprobs": 2}
+    chat = client.chat.completions.create(**asked)
+    assert chat.choices[0].logprobs is not None
+    assert [c.model_dump() for c in chat.choices[0].logprobs.content or []] == content
+    pieces = [c.model_dump() for chunk in client.chat.completions.create(**asked, stream=True)
+              if chunk.choices and chunk.choices[0].logprobs is not None
+              for c in chunk.choices[0].logprobs.content or []]
+    assert pieces == content
+    plain = client.chat.completions.create(**{**asked, "logprobs": False, "top_logprobs": 0})
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == want.text
+
+
 @pytest.mark.clause("SERVE-5")
 def test_generate_ends_at_the_token_completing_a_stop_string(offline: LLM) -> None:
     """SERVE-5: LLM.generate honours stop strings: the request ends at the token that completes one (through the
@@ -353,14 +410,22 @@ BAD: list[tuple[str, str, dict[str, Any] | bytes, int, str | None, str]] = [
      {"model": "default", "messages": [{"role": "user", "content": "x" * 2100}]}, 400, "messages",
      "one completion token can never fit the KV cache (num_kvcache_blocks=128"),
     ("echo", "/v1/completions", {"model": "default", "prompt": "x", "echo": True}, 400, "echo", "not supported"),
-    ("logprobs", "/v1/completions", {"model": "default", "prompt": "x", "logprobs": 2}, 400, "logprobs",
-     "not supported"),
-    ("chat logprobs", "/v1/chat/completions",
-     {"model": "default", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs",
-     "not supported"),
-    ("top_logprobs", "/v1/chat/completions",
+    ("logprobs 21", "/v1/completions", {"model": "default", "prompt": "x", "logprobs": 21}, 400, "logprobs",
+     "logprobs: must be None or an integer in [0, 20], got 21"),
+    ("logprobs a bool", "/v1/completions", {"model": "default", "prompt": "x", "logprobs": True}, 400, "logprobs",
+     "logprobs: "),
+    ("chat logprobs a number", "/v1/chat/completions",
+     {"model": "default", "messages": [{"role": "user", "content": "x"}], "logprobs": 1}, 400, "logprobs",
+     "logprobs: "),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
      {"model": "default", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "top_logprobs",
-     "not supported"),
+     "needs logprobs set to true"),
+    ("top_logprobs 21", "/v1/chat/completions",
+     {"model": "default", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs", "top_logprobs: must be None or an integer in [0, 20], got 21"),
+    ("top_logprobs -1", "/v1/chat/completions",
+     {"model": "default", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1}, 400,
+     "top_logprobs", "top_logprobs: must be None or an integer in [0, 20], got -1"),
     ("best_of 2", "/v1/completions", {"model": "default", "prompt": "x", "best_of": 2}, 400, "best_of",
      "not supported"),
     ("suffix", "/v1/completions", {"model": "default", "prompt": "x", "suffix": "end"}, 400, "suffix",
@@ -426,6 +491,10 @@ RULES: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("a negative prompt id", {"prompt": [1, -2]}, "prompt", None),
     ("a bool among the prompt's ids", {"prompt": [True]}, "prompt", None),
     ("a bool among the stop ids", {"stop_token_ids": [True]}, "stop_token_ids", None),
+    ("logprobs 21", {"logprobs": 21}, "logprobs", None),
+    ("logprobs -1", {"logprobs": -1}, "logprobs", None),
+    ("logprobs a float", {"logprobs": 1.5}, "logprobs", None),
+    ("logprobs a bool", {"logprobs": True}, "logprobs", None),
     ("past max_model_len by max_tokens", {"max_tokens": 5000}, "max_tokens", "context_length_exceeded"),
     ("past the cache by max_tokens", {"prompt": "xy", "max_tokens": 3000}, "max_tokens", "context_length_exceeded"),
     ("a prompt past max_model_len", {"prompt": "x" * 4100}, "prompt", "context_length_exceeded"),

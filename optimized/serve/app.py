@@ -35,11 +35,12 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from optimized.engine.detokenizer import IncrementalDetokenizer
-from optimized.engine.sampling_params import SamplingParams
+from optimized.engine.sampling_params import Logprob, SamplingParams
 from optimized.engine.validation import RequestRefused
 from optimized.entry.requests import trace_check, validated_request
 from optimized.models.tokenizer import load_tokenizer
 from optimized.serve.chat import ChatTemplate
+from optimized.serve.logprobs import LogprobsWire
 from optimized.serve.loop import (
     EngineHandle,
     EngineInfo,
@@ -220,6 +221,8 @@ class _Handlers:
         body = parse_request(CompletionRequest, await self._admitted_body(request))
         self._check_model(body.model)
         call = _Call("text_completion", body.stream, body, "prompt", "max_tokens")
+        if body.logprobs is not None:
+            call.logprobs = LogprobsWire(self.tokenizer, body.logprobs)
         return await self._generate(request, call, body.prompt, body.max_tokens)
 
     async def chat(self, request: Request) -> Response:
@@ -235,6 +238,8 @@ class _Handlers:
                                 f"{body.max_tokens} and {body.max_completion_tokens})", param="max_tokens")
         limit_field = "max_completion_tokens" if given else "max_tokens"
         call = _Call("chat.completion", body.stream, body, "messages", limit_field)
+        if body.logprobs:
+            call.logprobs = LogprobsWire(self.tokenizer, body.top_logprobs or 0)
         return await self._generate(request, call, text, body.max_completion_tokens if given else body.max_tokens)
 
     async def _admitted_body(self, request: Request) -> bytes:
@@ -303,7 +308,7 @@ class _Handlers:
         if output.finish_reason == "error":
             raise ApiError(500, "the model failed during this request's step", kind="server_error")
         return JSONResponse(call.whole(self.options.served_model, output.text, output.finish_reason,
-                                       output.token_ids))
+                                       output.token_ids, output.logprobs))
 
     async def _finish(self, stream: Stream, timing: _Timing) -> FinishEvent | FailEvent:
         while True:
@@ -323,6 +328,7 @@ class _Handlers:
         timing = _Timing(self.metrics, stream)
         ended = False
         pending: list[int] = []  # tokens whose text is not sent yet
+        pending_logprobs: list[dict[int, Logprob]] = []  # theirs, when asked (SERVE-14)
         chunks = 0  # content chunks sent
         try:
             if call.kind == "chat.completion":
@@ -333,6 +339,7 @@ class _Handlers:
                     timing.tokens(event)
                     detokenizer.add(event.tokens)
                     pending += event.tokens
+                    pending_logprobs += event.logprobs or []
                     if stream.queue.empty():
                         break
                     event = stream.queue.get_nowait()
@@ -341,8 +348,8 @@ class _Handlers:
                         continue  # fewer tokens than the interval: they go with the next chunk
                     text = detokenizer.take()
                     if text or call.body.return_token_ids:  # asked for ids: every step's, text or not
-                        yield call.chunk(model, text, None, token_ids=pending)
-                        pending = []
+                        yield call.chunk(model, text, None, token_ids=pending, logprobs=pending_logprobs)
+                        pending, pending_logprobs = [], []
                         chunks += 1
                     continue
                 ended = True
@@ -353,7 +360,8 @@ class _Handlers:
                                              kind="server_error").body())
                 else:
                     timing.finish(event)
-                    yield call.chunk(model, detokenizer.take_final(), event.output.finish_reason, token_ids=pending)
+                    yield call.chunk(model, detokenizer.take_final(), event.output.finish_reason, token_ids=pending,
+                                     logprobs=pending_logprobs)
                     if call.include_usage:
                         yield call.usage_chunk(model, len(event.output.token_ids))
                 yield "data: [DONE]\n\n"
@@ -378,7 +386,10 @@ def _failure(event: FailEvent) -> ApiError:
 def _sampling(body: CompletionRequest | ChatRequest) -> dict[str, Any]:
     """The body's sampling fields as ``SamplingParams`` arguments; those it left out take its defaults."""
     given = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
-             "stop": body.stop}
+             "stop": body.stop,
+             # SERVE-14: completions' logprobs count; chat's top_logprobs when logprobs is true
+             "logprobs": body.logprobs if isinstance(body, CompletionRequest)
+             else (body.top_logprobs or 0) if body.logprobs else None}
     return {**{name: value for name, value in given.items() if value is not None}, "ignore_eos": body.ignore_eos,
             "stop_token_ids": tuple(body.stop_token_ids)}
 
@@ -422,7 +433,9 @@ class _Call:
         self.body = body
         # The body's names for SamplingParams' fields: "prompt" or "messages"; "max_tokens" or
         # "max_completion_tokens".
-        self.wire_names = {"prompt": prompt_field, "max_tokens": limit_field}
+        self.wire_names = {"prompt": prompt_field, "max_tokens": limit_field,
+                           "logprobs": "top_logprobs" if kind == "chat.completion" else "logprobs"}
+        self.logprobs: LogprobsWire | None = None  # SERVE-14: asked
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -438,12 +451,21 @@ class _Call:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens}
 
-    def whole(self, model: str, text: str, finish_reason: str, token_ids: list[int]) -> dict[str, Any]:
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None) -> dict[str, Any] | None:
+        if self.logprobs is None or logprobs is None:
+            return None
+        if self.kind == "chat.completion":
+            return self.logprobs.content(token_ids, logprobs)
+        return self.logprobs.legacy(token_ids, logprobs)
+
+    def whole(self, model: str, text: str, finish_reason: str, token_ids: list[int],
+              logprobs: list[dict[int, Logprob]] | None = None) -> dict[str, Any]:
+        wire = self._logprobs(token_ids, logprobs)
         if self.kind == "chat.completion":
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "logprobs": None, "finish_reason": finish_reason}
+                                      "logprobs": wire, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": wire, "finish_reason": finish_reason}
         response = {"id": self.id, "object": self.kind, "created": self.created, "model": model,
                     "choices": [choice], "usage": self._usage(len(token_ids))}
         if self.body.return_token_ids:
@@ -452,15 +474,16 @@ class _Call:
         return response
 
     def chunk(self, model: str, text: str | None, finish_reason: str | None, role: bool = False,
-              token_ids: list[int] | None = None) -> str:
+              token_ids: list[int] | None = None, logprobs: list[dict[int, Logprob]] | None = None) -> str:
+        wire = self._logprobs(token_ids or [], logprobs) if logprobs else None
         if self.kind == "chat.completion":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": text}
             if finish_reason is not None and not text:
                 delta = {}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": wire, "finish_reason": finish_reason}
             kind = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": wire, "finish_reason": finish_reason}
             kind = "text_completion"
         if self.body.return_token_ids and token_ids is not None:
             choice["token_ids"] = token_ids

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from optimized.engine.sampling_params import SamplingParams
+from optimized.engine.sampling_params import Logprob, SamplingParams
 from optimized.engine.validation import EngineLimits
 from optimized.entry.llm import LLM, EngineState, RequestOutput
 from optimized.serve.metrics import EngineMetrics
@@ -50,6 +50,7 @@ class TokenEvent:
     tokens: list[int]
     at: float  # when the loop sent them
     scheduled: float  # when the first step that computed the request began (SERVE-12's queue time ends there)
+    logprobs: list[dict[int, Logprob]] | None = None  # the tokens' logprobs, when the request asked (SERVE-14)
 
 
 @dataclass(frozen=True)
@@ -351,9 +352,11 @@ class EngineLoop:
             if rid not in finished:
                 tokens = self.llm.completion_tokens(rid, stream.sent)
                 if tokens:
+                    logprobs = None if stream.params.logprobs is None else self.llm.completion_logprobs(rid,
+                                                                                                     stream.sent)
                     stream.sent += len(tokens)
                     generated += len(tokens)
-                    events.append((stream, TokenEvent(tokens, now, _scheduled(stream, started))))
+                    events.append((stream, TokenEvent(tokens, now, _scheduled(stream, started), logprobs)))
         for output in outputs:
             self._count_finish(output)
             owner = self._live.pop(output.request_id, None)
@@ -385,7 +388,8 @@ class EngineLoop:
         now = time.perf_counter()
         events: list[Event] = []
         if len(output.token_ids) > stream.sent:
-            events.append(TokenEvent(output.token_ids[stream.sent :], now, _scheduled(stream, started)))
+            logprobs = None if output.logprobs is None else output.logprobs[stream.sent :]
+            events.append(TokenEvent(output.token_ids[stream.sent :], now, _scheduled(stream, started), logprobs))
             stream.sent = len(output.token_ids)
         events.append(FinishEvent(output, now))
         stream.done = True

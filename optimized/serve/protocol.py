@@ -5,7 +5,7 @@ typed request here or an ``ApiError`` whose message and ``param`` name the field
 at fault. Models are strict (a string is never taken for a number, nor a number
 for a bool), require what OpenAI requires and ignore unknown fields, as OpenAI
 does; OpenAI fields that would change the answer and are not implemented
-(``echo``, ``logprobs``, ``n`` but 1...) are refused unless they hold the value
+(``echo``, ``best_of``, ``n`` but 1...) are refused unless they hold the value
 that changes nothing. Values (ranges, limits) are not checked here: the one
 validator does that for HTTP and Python alike (``entry.requests.validated_request``,
 ARCH-6), and app.py answers its ``RequestRefused``.
@@ -67,6 +67,7 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
     max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None  # SERVE-14: the top alternatives with each token's logprob (0..20)
 
 
 class TextPart(_Strict):
@@ -86,6 +87,8 @@ class ChatRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = None  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None  # SERVE-14: each token's logprob...
+    top_logprobs: int | None = None  # ...with this many alternatives (0..20; needs logprobs true when above 0)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -108,6 +111,8 @@ def parse_request(model: type[M], raw: bytes) -> M:
         raise from_validation(e) from None
     if request.n != 1:
         raise ApiError(400, "n: only n=1 is supported (one completion per request)", param="n")
+    if isinstance(request, ChatRequest) and request.top_logprobs and not request.logprobs:
+        raise ApiError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
     _refuse_unsupported(data)
     return request
 
@@ -120,8 +125,6 @@ def _is_zero(value: object) -> bool:
 # changes nothing (accepted), else a 400 naming the field, never a silently different answer.
 _UNSUPPORTED: dict[str, tuple[str, Callable[[object], bool]]] = {
     "echo": ("false", lambda v: v is None or v is False),
-    "logprobs": ("null or false", lambda v: v is None or v is False),
-    "top_logprobs": ("null or 0", _is_zero),
     "best_of": ("null or 1", lambda v: v is None or (type(v) is int and v == 1)),
     "suffix": ("null or empty", lambda v: v is None or v == ""),
     "presence_penalty": ("0", _is_zero),
