@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kernels.sampling import log_probs, token_ranks, top_logprobs
 from optimized import RequestRefused, SamplingParams
-from optimized.engine import model_runner
+from optimized.engine import logprobs, model_runner
 from optimized.engine.sampling_params import Logprob
 from optimized.entry.llm import RequestOutput
 from tests.engine_fixtures import VOCAB, checkpoint, hf_model, make_llm, one_thread
@@ -55,7 +55,8 @@ def assert_matches_hf(family: str, out: RequestOutput, k: int, prompt_k: int | N
     ref = hf_logprobs(family, ids)
     n = len(out.prompt_token_ids)
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
-    wanted = [(out.logprobs[j], n + j, k) for j in range(len(out.token_ids))]
+    wanted: list[tuple[dict[int, Logprob] | None, int, int]] = [(out.logprobs[j], n + j, k)
+                                                                 for j in range(len(out.token_ids))]
     if prompt_k is not None:
         assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == n and out.prompt_logprobs[0] is None
         wanted += [(out.prompt_logprobs[p], p, prompt_k) for p in range(1, n)]
@@ -163,7 +164,7 @@ def test_a_step_nobody_asked_does_no_logprob_work(monkeypatch: pytest.MonkeyPatc
     """ENG-29: without logprobs no prompt plan, no logprob and no logits row beyond the sampled ones; with them,
     exactly the prompt rows asked."""
     calls: dict[str, int] = {"plan": 0, "step": 0}
-    real_plan, real_step = model_runner.prompt_plan, model_runner.step_logprobs
+    real_plan, real_step = logprobs.prompt_plan, logprobs.step_logprobs
 
     def plan(*args: Any) -> Any:
         calls["plan"] += 1
@@ -178,7 +179,12 @@ def test_a_step_nobody_asked_does_no_logprob_work(monkeypatch: pytest.MonkeyPatc
     llm = make()
     rows: list[int] = []
     logits = llm.engine.runner.model.logits
-    monkeypatch.setattr(llm.engine.runner.model, "logits", lambda h: (rows.append(h.shape[0]), logits(h))[1])
+
+    def counted(hidden: torch.Tensor) -> torch.Tensor:
+        rows.append(hidden.shape[0])
+        return logits(hidden)
+
+    monkeypatch.setattr(llm.engine.runner.model, "logits", counted)
     with one_thread():
         llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
         assert calls == {"plan": 0, "step": 0} and sum(rows) == 3 * len(PROMPTS)
@@ -228,11 +234,13 @@ def test_top_logprobs_break_ties_by_token_id() -> None:
 def test_bad_logprob_counts_are_refused_naming_the_field(field: str, bad: object) -> None:
     """ENG-28: a count that is no integer in [0, 20] (a bool, a float, a negative or larger one) is refused when
     the params are made, naming the field; 0, 20, None and a numpy integer are taken."""
+    kwargs: Any = {field: bad}
     with pytest.raises(RequestRefused) as caught:
-        SamplingParams(**{field: bad})
+        SamplingParams(**kwargs)
     assert caught.value.field == field and str(caught.value).startswith(field)
     for good, stored in [(0, 0), (20, 20), (None, None), (np.int64(4), 4)]:
-        value = getattr(SamplingParams(**{field: good}), field)
+        kwargs = {field: good}
+        value = getattr(SamplingParams(**kwargs), field)
         assert value == stored and type(value) is type(stored)
 
 

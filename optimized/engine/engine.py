@@ -37,9 +37,9 @@ from optimized.core.errors import is_strict_int
 
 # The one import point of the scheduler the engine drives (it satisfies the scheduler port, ARCH-4).
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
+from optimized.engine.logprobs import keep
 from optimized.engine.model_runner import DrawParams, ModelRunner
 from optimized.engine.observer import StepObserver
-from optimized.engine.logprobs import keep
 from optimized.engine.sampling_params import Logprob, SamplingParams
 from optimized.engine.validation import EngineLimits, validate_request
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +21,9 @@ import torch
 
 from kernels.sampling import log_probs, token_ranks, top_logprobs
 from optimized.engine.sampling_params import Logprob
+
+if TYPE_CHECKING:
+    from optimized.engine.model_runner import DrawParams
 
 I64 = npt.NDArray[np.int64]
 
@@ -178,11 +181,9 @@ def step_logprobs(seqs: Sequence[PromptSeq], draws: Sequence[AskingDraw], sample
     return out
 
 
-D = TypeVar("D", bound=AskingDraw)
-
-
 def keep(got: SeqLogprobs, logprobs: list[dict[int, Logprob]] | None,
-         prompt_logprobs: list[dict[int, Logprob] | None] | None, draw: D, num_prompt_tokens: int) -> D:
+         prompt_logprobs: list[dict[int, Logprob] | None] | None, draw: DrawParams,
+         num_prompt_tokens: int) -> DrawParams:
     """Append a step's logprobs to a request's; its draw, asking from the first prompt position not covered
     (nothing once all are: a recompute after preemption asks for none again)."""
     if got.sampled is not None and logprobs is not None:
@@ -192,4 +193,4 @@ def keep(got: SeqLogprobs, logprobs: list[dict[int, Logprob]] | None,
     prompt_logprobs.extend(lp.as_dict() for lp in got.prompt)
     covered = len(prompt_logprobs) - 1  # positions 0 .. covered - 1 (the first token has none)
     done = covered >= num_prompt_tokens - 1
-    return replace(draw, prompt_from=covered, prompt_logprobs=-1 if done else draw.prompt_logprobs)  # type: ignore[misc]
+    return replace(draw, prompt_from=covered, prompt_logprobs=-1 if done else draw.prompt_logprobs)
