@@ -17,7 +17,7 @@ from optimized.benchmarks import serve as serve_bench
 from optimized.cli import run
 from optimized.cli.command import build_parser
 from optimized.core.config import SchedulerConfig
-from optimized.engine.args import EngineArgs, knob_of
+from optimized.engine.args import EngineArgs, EngineArgsError, knob_of
 from optimized.engine.assembly import RunnerSpec
 from optimized.entry.llm import LLM
 from tests.engine_fixtures import checkpoint
@@ -28,7 +28,7 @@ FIELDS = [f.name for f in dataclasses.fields(EngineArgs)]
 # fields it gives no flag (it sets them itself).
 ENGINE_COMMANDS: dict[str, tuple[list[str], dict[str, Any], tuple[str, ...]]] = {
     "run": ([], run.ENGINE_DEFAULTS, ()),
-    "generate": (["hi"], {}, ()),
+    "generate": (["hi"], {}, ("seed",)),  # its --seed is the requests' (SamplingParams.seed), not the engine's
     "serve": ([], {}, ()),
     "bench throughput": ([], {}, ("trace", "trace_wall_times")),  # its --trace is a mode of its own
     "bench serve": ([], {}, serve_bench.NOT_PASSED),
@@ -156,3 +156,55 @@ def test_the_scheduler_config_and_the_workers_spec_derive_from_it(tmp_path: Path
             assert getattr(spec, field.name) == (str(expected) if field.name == "model" else expected), field.name
     with pytest.raises(ValueError, match=r"unresolved engine settings: \['dtype'\]"):
         RunnerSpec.of(dataclasses.replace(settings, dtype=None), threads=1)
+
+
+@pytest.mark.clause("ARCH-2", "CLI-2")
+def test_generate_seed_is_every_requests_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    """CLI-2: generate's --seed is SamplingParams.seed, as it was before EngineArgs: every prompt draws with it, so
+    the same prompt twice gives the same text (as the engine's seed, the two draws differed); the engine's seed
+    stays its default."""
+    args = build_parser().parse_args(["generate", "--seed", "5", "hi"])
+    assert args.seed == 5 and EngineArgs.from_cli_args(args).seed == EngineArgs().seed
+    from optimized.cli import main
+
+    assert main(["generate", "--max-tokens", "6", "--temperature", "0.8", "--seed", "5", "--device", "cpu",
+                 "hi", "hi"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith("--- 'hi' -> ")]
+    assert len(heads) == 2
+    first, second = lines[heads[0]:heads[1]], lines[heads[1]:]
+    assert first == second
+
+
+@pytest.mark.clause("ARCH-2")
+def test_a_torch_device_is_taken_as_its_name() -> None:
+    """ARCH-2: LLM(device=torch.device("cpu")) worked before EngineArgs and works again: a torch.device is its
+    str() ('cuda:1'), judged by the device rule like a name."""
+    import torch
+
+    assert EngineArgs(device=torch.device("cuda", 1)).device == "cuda:1"  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^device must be 'cpu', 'cuda' or 'cuda:N'.*got 'cpu:7'"):
+        EngineArgs(device=torch.device("cpu", 7))  # type: ignore[arg-type]
+    llm = LLM(checkpoint("qwen3"), device=torch.device("cpu"), num_kvcache_blocks=8, max_model_len=32)
+    assert llm.settings.device == "cpu" and llm.device == torch.device("cpu")
+    llm.close()
+
+
+@pytest.mark.clause("ARCH-2", "CLI-2")
+def test_a_refusal_names_fields_in_python_and_flags_on_the_command_line() -> None:
+    """ARCH-2, CLI-2: EngineArgs' refusal is an EngineArgsError carrying the field; in Python its message names the
+    field, and from_cli_args names the flags instead (``--trace-wall-times needs --trace FILE``), from the field
+    it carries, never from the message's text."""
+    with pytest.raises(EngineArgsError, match=r"^trace_wall_times needs trace ") as refused:
+        EngineArgs(trace_wall_times=True)
+    assert refused.value.field == "trace_wall_times"
+    with pytest.raises(EngineArgsError, match=r"^max_num_seqs must be an integer >= 1, got 0$") as refused:
+        EngineArgs(max_num_seqs=0)
+    assert refused.value.field == "max_num_seqs"
+    args = build_parser().parse_args(["serve", "--trace-wall-times"])
+    with pytest.raises(ValueError, match=r"^--trace-wall-times needs --trace FILE "):
+        EngineArgs.from_cli_args(args)
+    args = build_parser().parse_args(["serve"])
+    args.kvcache_block_size = 1  # a value only a command's own default could hold (the parser refuses it)
+    with pytest.raises(ValueError, match=r"^--block-size N must be an integer >= 2, got 1$"):
+        EngineArgs.from_cli_args(args)

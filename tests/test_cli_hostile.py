@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,13 +54,15 @@ GARBAGE: dict[str, list[list[str]]] = {
     "generate": [[], ["--model", MISSING, "hi"], ["--model", A_FILE, "hi"], ["--seed", "abc", "hi"],
                  ["--max-tokens", "x", "hi"], ["caf\udce9"], ["--temperature", "nan", "hi"],
                  ["--temperature", "-1", "hi"], ["--top-p", "2", "hi"], ["--top-k", "-2", "hi"],
-                 ["--max-tokens", "-5", "hi"]],
+                 ["--max-tokens", "-5", "hi"], ["--device", "cpu:7", "hi"], ["--device", "tpu", "hi"],
+                 ["--model", "", "hi"], ["--trace", "", "hi"], ["--trace", A_FOLDER, "hi"]],
     "gpu-check": [["--deadline-s", "nan"], ["--deadline-s", "-1"], ["--deadline-s", "inf"], ["--work", A_FILE],
                   ["--device", "tpu"], ["--device", "cpu"], ["--device", "cpu", "--tiny", "--stages", "bogus"]],
     "bench threads": [["--num-requests", "0"], ["--max-tokens", "-1"], ["--max-tokens", "nan"], ["--repeat", "0"],
                       ["stray"]],
     "serve": [["--port", "70000"], ["--port", "-1"], ["--shutdown-timeout", "nan"], ["--model", MISSING],
-              ["--tensor-parallel-size", "0"], ["--stream-interval", "0"], ["--trace-wall-times"], ["stray"]],
+              ["--tensor-parallel-size", "0"], ["--stream-interval", "0"], ["--trace-wall-times"], ["stray"],
+              ["--device", "tpu"], ["--device", "cuda:x"], ["--model", ""], ["--trace", ""]],
     "bench serve": [["--rate", "-1"], ["--requests", "0"], ["--burstiness", "nan"], ["--trace-file", MISSING]],
     "timeline": [[MISSING], [A_FOLDER], ["--format", "gif", A_FILE], ["--index", "-1", A_FILE], []],
     "bench": [[], ["nope"]],
@@ -89,6 +92,104 @@ def test_parse_time_messages_name_the_flag_and_the_rule(capsys: pytest.CaptureFi
         assert main(["bench", "throughput", flag, value]) == 2
         err = capsys.readouterr().err
         assert f"argument {flag}: must be an integer in [1, " in err and f"got '{value}'" in err
+
+
+@pytest.mark.clause("CLI-2")
+@pytest.mark.parametrize(("command", "flag", "value"), [
+    ("generate hi", "--device", "cpu:7"), ("serve", "--device", "tpu"), ("run", "--device", "cuda:"),
+    ("generate hi", "--model", ""), ("serve", "--model", ""), ("generate hi", "--trace", ""),
+    ("serve", "--trace", ""), ("run", "--trace", A_FOLDER),
+])
+def test_device_model_and_trace_are_refused_by_the_parser(command: str, flag: str, value: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """CLI-2: --device, --model '' and --trace '' passed the parser (a device and a file were plain strings, '' is
+    the current folder to Path) and were refused later by field name, serve's after it imported torch and fastapi,
+    `generate --device cpu:7` not at all (torch ignores a CPU index); now the parser refuses them by flag."""
+    words = command.split()
+    assert main([words[0], flag, value, *words[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"nanoverify {words[0]}: argument {flag}: must be ") and err.count("\n") == 1, err
+    if flag == "--device":
+        assert "'cpu', 'cuda' or 'cuda:N'" in err and "another CPU index is refused" in err
+
+
+@pytest.mark.clause("CLI-2")
+def test_the_device_rule() -> None:
+    """CLI-2: the devices the parser takes are EngineArgs' (one rule): cpu, cuda, cuda:N, and cpu:0 (torch's cpu)."""
+    for name in ("cpu", "cpu:0", "cuda", "cuda:0", "cuda:12"):
+        assert arg_types.device_name(name) == name
+    for name in ("cpu:1", "cuda:", "cuda:-1", "cuda:\u00b2", "CPU", "mps", " cpu", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            arg_types.device_name(name)
+
+
+@pytest.mark.clause("CLI-1", "KNOB-3")
+def test_a_kv_budget_beyond_the_machines_memory_is_refused_before_the_cache_is_made() -> None:
+    """KNOB-3: --cpu-kvcache-gib 1e30 (LLM(cpu_kvcache_gib=1e9)) tried to allocate it: a torch RuntimeError and a
+    traceback. One check now serves the budget and num_kvcache_blocks: a ValueError naming the setting and the
+    machine's memory, before the cache exists (only the sizes are computed here; nothing large is allocated)."""
+    import torch
+
+    from optimized.engine.assembly import kv_cache_blocks
+
+    cpu = torch.device("cpu")
+    for gib in (1e9, 1e30):
+        with pytest.raises(ValueError, match=rf"^{re.escape(f'cpu_kvcache_gib={gib}')} needs \d+ bytes of KV "
+                                             r"cache, more than this machine's memory \(\d+ bytes\)$"):
+            kv_cache_blocks(cpu, 4096, None, 0.9, gib)
+    with pytest.raises(ValueError, match=r"^num_kvcache_blocks=1000000000000 needs "):
+        kv_cache_blocks(cpu, 4096, 10 ** 12, 0.9, 0.5)
+    assert kv_cache_blocks(cpu, 4096, None, 0.9, 0.5) == (1 << 29) // 4096
+
+
+@pytest.mark.clause("CLI-1", "KNOB-3")
+@pytest.mark.usefixtures("engine_env")
+def test_a_huge_kv_budget_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """CLI-1, KNOB-3: `bench throughput --cpu-kvcache-gib 1e30` (and generate's, serve's) gave a torch traceback
+    and exit 1; now one line naming the setting, exit 2."""
+    from tests.engine_fixtures import checkpoint
+
+    folder = str(checkpoint("qwen3"))
+    capsys.readouterr()  # the checkpoint's making, when this test makes it
+    assert main(["bench", "throughput", "--model", folder, "--device", "cpu", "--num-requests",
+                 "2", "--max-input-len", "4", "--max-output-len", "2", "--cpu-kvcache-gib", "1e30"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nanoverify bench throughput: cpu_kvcache_gib=1e+30 needs ") and err.count("\n") == 1
+    assert "more than this machine's memory" in err
+    from optimized import LLM
+
+    with pytest.raises(ValueError, match=r"^cpu_kvcache_gib=1000000000\.0 needs "):  # a RuntimeError before
+        LLM(folder, device="cpu", cpu_kvcache_gib=1e9)
+
+
+@pytest.mark.clause("CLI-1")
+@pytest.mark.usefixtures("engine_env")
+def test_run_names_max_model_len_without_blaming_the_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """CLI-1: with the user's own --max-model-len 8, run said "exceeds the model's max_model_len=8"; it names the
+    setting alone now."""
+    from tests.engine_fixtures import checkpoint
+
+    folder = str(checkpoint("qwen3"))
+    capsys.readouterr()  # the checkpoint's making, when this test makes it
+    assert main(["run", "--model", folder, "--device", "cpu", "--max-model-len", "8",
+                 "--max-input-len", "6", "--max-output-len", "5"]) == 2
+    assert capsys.readouterr().err == ("nanoverify run: --max-input-len 6 + --max-output-len 5 exceeds "
+                                       "max_model_len=8\n")
+
+
+@pytest.mark.clause("CLI-2")
+def test_help_shows_run_counts_as_n_and_what_seed_seeds(capsys: pytest.CaptureFixture[str]) -> None:
+    """CLI-2: run's own counts show N in the usage like the engine's, and --seed's help says it seeds run's and
+    bench throughput's workloads too; generate's --seed says it is the requests'."""
+    helps = {}
+    for argv in (["run", "--help"], ["generate", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        helps[argv[0]] = " ".join(capsys.readouterr().out.split())
+    for flag in ("--num-requests", "--max-input-len", "--max-output-len", "--seed"):
+        assert f"{flag} N " in helps["run"], flag
+    assert "run and bench throughput: of their workload too" in helps["run"]
+    assert "(SamplingParams.seed)" in helps["generate"] and "workload" not in helps["generate"]
 
 
 @pytest.mark.clause("CLI-1")

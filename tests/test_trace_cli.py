@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import io
 import os
 import re
@@ -14,7 +15,7 @@ import pytest
 
 from optimized.cli import main
 from optimized.trace.cost import order, verdict
-from optimized.trace.recorder import Recorder, record_engine_failure
+from optimized.trace.recorder import Recorder, record_engine_failure, trace_file
 from optimized.trace.replay import replay_trace
 from optimized.trace.schema import read_trace
 from reference import SchedulerConfig
@@ -48,7 +49,8 @@ def test_run_records_with_trace_flag(tmp_path: Path) -> None:
 
 @pytest.mark.clause("TRACE-1")
 def test_generate_records_with_trace_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """TRACE-1: `nanoverify generate --trace FILE`; --trace-wall-times alone is refused by name."""
+    """TRACE-1: `nanoverify generate --trace FILE`; --trace-wall-times alone is refused naming the flags, as before
+    EngineArgs (which names the fields: trace_wall_times needs trace)."""
     path = tmp_path / "gen.jsonl"
     args = ["generate", "--max-tokens", "3"]  # the default model (the tiny checkpoints have no tokenizer)
     assert main([*args, "--trace", str(path), "ab", "cd"]) == 0
@@ -56,7 +58,19 @@ def test_generate_records_with_trace_flag(tmp_path: Path, capsys: pytest.Capture
     assert steps >= 3 and identical_ref == identical_opt == steps
     capsys.readouterr()
     assert main([*args, "--trace-wall-times", "ab"]) == 2
-    assert "trace_wall_times needs trace" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("nanoverify generate: --trace-wall-times needs --trace FILE ")
+
+
+@pytest.mark.clause("TRACE-1", "ARCH-2")
+def test_trace_file_checks_only_the_filesystem(tmp_path: Path) -> None:
+    """ARCH-2: trace and trace_wall_times are validated once, by EngineArgs; trace_file (what LLM asks before
+    the model loads) takes only the path and judges only whether the file can be written there."""
+    assert list(inspect.signature(trace_file).parameters) == ["path"]
+    assert trace_file(None) is None and trace_file(str(tmp_path / "t.jsonl")) == tmp_path / "t.jsonl"
+    with pytest.raises(ValueError, match="is a folder, not a file"):
+        trace_file(tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):
+        trace_file(tmp_path / "no" / "t.jsonl")
 
 
 class FailingStream(io.StringIO):

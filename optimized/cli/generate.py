@@ -2,15 +2,16 @@
 
 Prompts must be UTF-8 text: an argument holding other bytes is refused (CLI-5). The
 sampling flags are checked by ``SamplingParams``, built before the model loads, so a
-bad one costs no load. The engine flags are ``EngineArgs``'; ``--seed`` is the engine's,
-which seeds every prompt's draws.
+bad one costs no load. The engine flags are ``EngineArgs``' but its seed: ``--seed`` is the
+requests' own (``SamplingParams.seed``), so every prompt draws with it and the same prompt
+twice gives the same text.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from optimized.engine.arg_types import utf8_text
+from optimized.engine.arg_types import any_int, utf8_text
 from optimized.engine.args import EngineArgs
 
 HELP = "generate completions for the given prompts"
@@ -22,7 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="default: %(default)s (greedy)")
     p.add_argument("--top-k", type=int, default=-1, help="default: %(default)s (off)")
     p.add_argument("--top-p", type=float, default=1.0, help="default: %(default)s")
-    EngineArgs.add_cli_args(p)
+    p.add_argument("--seed", type=any_int, default=None, metavar="N",
+                   help="the seed of every prompt's draws (SamplingParams.seed): a prompt given twice gives the same "
+                   "text twice (default: none: unseeded draws, seeded by the engine's seed 0)")
+    EngineArgs.add_cli_args(p, exclude=("seed",))  # --seed is the requests' (above), not the engine's
 
 
 def main(args: argparse.Namespace) -> int:
@@ -34,6 +38,7 @@ def main(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         top_k=args.top_k,
         top_p=args.top_p,
+        seed=args.seed,
     )
     llm = LLM(**EngineArgs.from_cli_args(args).as_kwargs())
     outs = llm.generate(list(args.prompts), params, use_tqdm=False)

@@ -24,10 +24,11 @@ ENGINE_DEFAULTS = {"check": True, "num_kvcache_blocks": 320, "max_num_seqs": 128
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", type=bounded_int(1), default=256, help="requests (default: %(default)s)")
-    p.add_argument("--max-input-len", type=bounded_int(2), default=128,
+    p.add_argument("--num-requests", type=bounded_int(1), default=256, metavar="N",
+                   help="requests (default: %(default)s)")
+    p.add_argument("--max-input-len", type=bounded_int(2), default=128, metavar="N",
                    help="prompt tokens, at most (default: %(default)s)")
-    p.add_argument("--max-output-len", type=bounded_int(1), default=96,
+    p.add_argument("--max-output-len", type=bounded_int(1), default=96, metavar="N",
                    help="output tokens, at most (default: %(default)s)")
     EngineArgs.add_cli_args(p, ENGINE_DEFAULTS)
 
@@ -52,8 +53,9 @@ def main(args: argparse.Namespace) -> int:
     llm = LLM(**engine.as_kwargs())
     longest = llm.limits.max_model_len
     if args.max_input_len + args.max_output_len > longest:
+        llm.close()
         raise ValueError(f"--max-input-len {args.max_input_len} + --max-output-len {args.max_output_len} exceeds "
-                         f"the model's max_model_len={longest}")
+                         f"max_model_len={longest}")
     prompts, lens = workload(args, llm.limits.vocab_size)
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

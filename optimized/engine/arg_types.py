@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -74,10 +75,39 @@ def minutes(text: str) -> float:
 
 
 def checkpoint_folder(text: str) -> str:
-    """An existing folder (the model loader names what is wrong inside it)."""
+    """An existing folder (the model loader names what is wrong inside it); never '', which Path reads as the
+    current folder."""
+    if text == "":
+        raise argparse.ArgumentTypeError("must be a checkpoint folder, got '' (an empty path)")
     if not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"must be a checkpoint folder, got {_shown(text)} "
                                          f"({'not a folder' if Path(text).exists() else 'no such folder'})")
+    return text
+
+
+def file_path(text: str) -> str:
+    """A file to write: never '' (Path's current folder) nor an existing folder; what the filesystem allows is
+    checked when the file is opened."""
+    if text == "":
+        raise argparse.ArgumentTypeError("must be a file path, got '' (an empty path)")
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"must be a file path, got {_shown(text)} (a folder)")
+    return text
+
+
+DEVICE_RULE = "'cpu', 'cuda' or 'cuda:N' (N a GPU's index; 'cpu:0' is 'cpu', another CPU index is refused)"
+
+
+def is_device_name(value: object) -> bool:
+    """A device the engine runs on: 'cpu', 'cuda' or 'cuda:N'; 'cpu:0' too, which torch reads as 'cpu' (it
+    ignores a CPU index, so another one would be silently ignored)."""
+    return isinstance(value, str) and re.fullmatch(r"cpu(:0)?|cuda(:[0-9]+)?", value) is not None
+
+
+def device_name(text: str) -> str:
+    """A device name by ``is_device_name``."""
+    if not is_device_name(text):
+        raise argparse.ArgumentTypeError(f"must be {DEVICE_RULE}, got {_shown(text)}")
     return text
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -24,11 +25,30 @@ from typing import Any, TypeGuard
 
 from kernels.backend_names import BACKEND_NAMES
 from optimized.core.config import MINIMUMS, SchedulerConfig
-from optimized.core.errors import strict_int
+from optimized.core.errors import is_strict_int
 from optimized.engine import arg_types
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
 _FLAGGED = "engine_args_fields"  # the namespace attribute listing the fields a parser has flags for
+Namer = Callable[[str], str]  # how a message spells a field: its name in Python, its flag on the command line
+
+
+class EngineArgsError(ValueError):
+    """A refused setting. ``field`` is the one refused; the message names every field by its name, and
+    ``worded(namer)`` is the same message with each field spelled by ``namer`` (a command line's flags)."""
+
+    def __init__(self, field: str, wording: Callable[[Namer], str]) -> None:
+        super().__init__(wording(str))
+        self.field = field
+        self._wording = wording
+
+    def worded(self, namer: Namer) -> str:
+        return self._wording(namer)
+
+
+def _refused(name: str, rule: str) -> EngineArgsError:
+    """The refusal of ``name``'s value: '<name> <rule>'."""
+    return EngineArgsError(name, lambda n: f"{n(name)} {rule}")
 
 
 @dataclass(frozen=True)
@@ -52,22 +72,23 @@ class Knob:
     def check(self, name: str, value: object, nullable: bool) -> None:
         if value is None and nullable:
             return
-        if self.kind == "int":
-            strict_int(value, name, self.least)
-        elif self.kind == "fraction" and not (_number(value) and 0 < value <= 1):
-            raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-        elif self.kind == "amount" and not (_number(value) and 0 < value < math.inf):
-            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-        elif self.kind == "bool" and not isinstance(value, bool):
-            raise ValueError(f"{name} must be a bool, got {value!r}")
-        elif self.kind == "choice" and value not in self.choices:
-            raise ValueError(f"{name} must be one of {list(self.choices)}, got {value!r}")
-        elif self.kind == "folder":
+        if self.kind == "int" and not (is_strict_int(value) and (self.least is None or value >= self.least)):
+            bound = "" if self.least is None else f" >= {self.least}"
+            raise _refused(name, f"must be an integer{bound}, got {value!r}")
+        if self.kind == "fraction" and not (_number(value) and 0 < value <= 1):
+            raise _refused(name, f"must be in (0, 1], got {value!r}")
+        if self.kind == "amount" and not (_number(value) and 0 < value < math.inf):
+            raise _refused(name, f"must be a positive finite number, got {value!r}")
+        if self.kind == "bool" and not isinstance(value, bool):
+            raise _refused(name, f"must be a bool, got {value!r}")
+        if self.kind == "choice" and value not in self.choices:
+            raise _refused(name, f"must be one of {list(self.choices)}, got {value!r}")
+        if self.kind == "folder":
             _check_folder(name, value)
-        elif self.kind == "file" and (not isinstance(value, (str, Path)) or str(value) == ""):
-            raise ValueError(f"{name} must be a file path or None, got {value!r}")
-        elif self.kind == "device" and not _device_name(value):
-            raise ValueError(f"{name} must be 'cpu' or 'cuda', got {value!r}")
+        if self.kind == "file" and (not isinstance(value, (str, Path)) or str(value) == ""):
+            raise _refused(name, f"must be a file path or None, got {value!r}")
+        if self.kind == "device" and not arg_types.is_device_name(value):
+            raise _refused(name, f"must be {arg_types.DEVICE_RULE}, got {value!r}")
 
     def parse(self) -> Callable[[str], Any]:
         """The argparse type of the flag: the same rule, refused at parse time (CLI-2)."""
@@ -76,6 +97,8 @@ class Knob:
             "fraction": arg_types.fraction,
             "amount": arg_types.positive_seconds,
             "folder": arg_types.checkpoint_folder,
+            "file": arg_types.file_path,
+            "device": arg_types.device_name,
         }
         return parsers.get(self.kind, str)
 
@@ -92,20 +115,13 @@ def _number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _device_name(value: object) -> bool:
-    if not isinstance(value, str):
-        return False
-    kind, colon, index = value.partition(":")
-    return kind in ("cpu", "cuda") and (not colon or index.isdigit())
-
-
 def _check_folder(name: str, value: object) -> None:
     if not isinstance(value, (str, Path)):
-        raise ValueError(f"{name} must be a checkpoint folder path or None, got {type(value).__name__}")
+        raise _refused(name, f"must be a checkpoint folder path or None, got {type(value).__name__}")
     if value == "":  # Path("") is the current directory, surely not what was meant
-        raise ValueError(f"{name} must be a checkpoint folder path or None, got an empty string")
+        raise _refused(name, "must be a checkpoint folder path or None, got an empty string")
     if not Path(value).is_dir():
-        raise ValueError(f"{name} must be a checkpoint folder, got {str(value)!r}")
+        raise _refused(name, f"must be a checkpoint folder, got {str(value)!r}")
 
 
 def _knob(help: str, kind: str, **rule: Any) -> dict[str, Knob]:
@@ -155,7 +171,9 @@ class EngineArgs:
         "batch-invariant kernels: a request's tokens and logits the same bits whatever the batch, chunking, "
         "preemption, prefix cache or thread count (spec/batch-invariance.md; CPU, float32 or float64, the 'cpu' "
         "attention backend, 1 or 2 tensor-parallel ranks)", "bool", unset="off"))
-    seed: int = field(default=0, metadata=_knob("seed of the seeds unseeded requests draw", "int", least=None))
+    seed: int = field(default=0, metadata=_knob(
+        "seed of the seeds unseeded requests draw (run and bench throughput: of their workload too)", "int",
+        least=None))
     tensor_parallel_size: int = field(default=1, metadata=_knob(
         "split the model over this many processes (spec/parallel.md; under torchrun: its WORLD_SIZE)", "int"))
     trace: str | Path | None = field(default=None, metadata=_knob(
@@ -165,10 +183,14 @@ class EngineArgs:
         "with --trace: record each step's wall times", "bool"))
 
     def __post_init__(self) -> None:
+        torch = sys.modules.get("torch")  # a torch.device exists only once torch is imported
+        if torch is not None and isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", str(self.device))  # torch.device("cuda", 1) is 'cuda:1'
         for f in fields(self):
             knob_of(f.name).check(f.name, getattr(self, f.name), f.default is None)
         if self.trace_wall_times and self.trace is None:
-            raise ValueError("trace_wall_times needs trace (the file the wall times are recorded in)")
+            raise EngineArgsError("trace_wall_times", lambda n: f"{n('trace_wall_times')} needs {n('trace')} "
+                                  "(the file the wall times are recorded in)")
 
     @classmethod
     def of(cls, **kwargs: Any) -> EngineArgs:
@@ -220,8 +242,12 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        """The settings ``add_cli_args``' flags hold; the fields it gave no flag keep their defaults."""
-        return cls(**{name: getattr(args, name) for name in getattr(args, _FLAGGED)})
+        """The settings ``add_cli_args``' flags hold; the fields it gave no flag keep their defaults. A refusal
+        names the flags (``--trace-wall-times needs --trace FILE``), not the fields."""
+        try:
+            return cls(**{name: getattr(args, name) for name in getattr(args, _FLAGGED)})
+        except EngineArgsError as e:
+            raise ValueError(e.worded(_flag_with_value)) from None
 
     def cli_flags(self) -> list[str]:
         """The flags that give another command these settings (those that differ from the defaults)."""
@@ -240,6 +266,15 @@ class EngineArgs:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _flag_with_value(name: str) -> str:
+    """The flag that sets ``name`` as a usage line shows it: ``--trace FILE``, ``--check``."""
+    knob = knob_of(name)
+    flag = knob.flag or _flag(name)
+    if knob.kind == "bool":
+        return flag
+    return f"{flag} {knob.metavar or ('N' if knob.kind == 'int' else name.upper())}"
 
 
 class _Switch(argparse.BooleanOptionalAction):

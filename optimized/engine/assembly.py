@@ -112,13 +112,14 @@ def _budget_blocks(dev: torch.device, per_block: int, utilization: float, cpu_gi
 def kv_cache_blocks(
     dev: torch.device, per_block: int, requested: int | None, utilization: float, cpu_gib: float
 ) -> int:
-    """``requested`` KV blocks (refused when they cannot fit this machine's memory), or the memory budget's."""
-    if requested is None:
-        return _budget_blocks(dev, per_block, utilization, cpu_gib)
-    if dev.type == "cpu" and requested * per_block > _physical_memory():
-        raise ValueError(f"num_kvcache_blocks={requested} needs {requested * per_block} bytes, "
-                         f"more than this machine's {_physical_memory()}")
-    return requested
+    """``requested`` KV blocks, or the memory budget's; on the CPU refused, naming the setting that asked, before
+    the cache is made when they need more than this machine's memory."""
+    blocks = _budget_blocks(dev, per_block, utilization, cpu_gib) if requested is None else requested
+    asked = f"cpu_kvcache_gib={cpu_gib}" if requested is None else f"num_kvcache_blocks={requested}"
+    if dev.type == "cpu" and blocks * per_block > _physical_memory():
+        raise ValueError(f"{asked} needs {blocks * per_block} bytes of KV cache, more than this machine's memory "
+                         f"({_physical_memory()} bytes)")
+    return blocks
 
 
 def load_runner(
