@@ -1,11 +1,11 @@
 """Predicates over scheduler state: each returns the violations it finds, naming spec clauses.
 
-Pure Python, no torch. Tests and the engine's ``check=True`` mode call
-``check_state`` after every step and ``check_batch`` on every batch; a check that reads only some
-blocks (the trace's replay) calls ``check_block_refs`` (INV-2) for each.
+Pure Python, no torch. ``check_state`` checks a whole state, ``check_batch`` one batch; a check that reads
+only some blocks (the trace's replay, check mode between its full comparisons) runs ``check_live`` (the invariants
+that read no block) and ``on_demand.check_blocks`` (INV-2, INV-15 per block) over the blocks it chose.
 """
 
-from invariants.checks import Violation, check_batch, check_state
+from invariants.checks import Violation, check_batch, check_live, check_state
 from invariants.state import BlockView, SchedulerState, SeqView, seq_view, snapshot
 from invariants.state_checks import check_block_refs
 
@@ -16,6 +16,7 @@ __all__ = [
     "Violation",
     "check_batch",
     "check_block_refs",
+    "check_live",
     "check_state",
     "seq_view",
     "snapshot",

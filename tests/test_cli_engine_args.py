@@ -92,8 +92,8 @@ def _every_field_set(tmp_path: Path) -> dict[str, Any]:
         "model": checkpoint("qwen3"), "dtype": "float64", "device": "cpu", "kvcache_block_size": 4,
         "num_kvcache_blocks": 24, "max_num_seqs": 3, "max_num_batched_tokens": 40, "max_model_len": 64,
         "gpu_memory_utilization": 0.5, "cpu_kvcache_gib": 0.25, "enforce_eager": True, "check": True,
-        "attention_backend": "torch", "batch_invariant": False, "seed": 7, "tensor_parallel_size": 2,
-        "trace": tmp_path / "run.jsonl", "trace_wall_times": True,
+        "check_full_every": 5, "attention_backend": "torch", "batch_invariant": False, "seed": 7,
+        "tensor_parallel_size": 2, "trace": tmp_path / "run.jsonl", "trace_wall_times": True,
     }
     assert list(given) == FIELDS  # a new field gets a value here
     assert all(value != getattr(EngineArgs(), name) for name, value in given.items())
@@ -127,7 +127,8 @@ def test_cli_flags_give_another_command_the_same_settings(tmp_path: Path) -> Non
 BAD: dict[str, object] = {
     "model": "", "dtype": "int8", "device": "tpu", "kvcache_block_size": 1, "num_kvcache_blocks": 0,
     "max_num_seqs": 0, "max_num_batched_tokens": True, "max_model_len": 1, "gpu_memory_utilization": 1.5,
-    "cpu_kvcache_gib": math.inf, "enforce_eager": "no", "check": 1, "attention_backend": "flash",
+    "cpu_kvcache_gib": math.inf, "enforce_eager": "no", "check": 1, "check_full_every": 0,
+    "attention_backend": "flash",
     "batch_invariant": "yes", "seed": 1.5, "tensor_parallel_size": 0, "trace": "", "trace_wall_times": 1,
 }
 

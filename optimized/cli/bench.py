@@ -16,7 +16,8 @@ from optimized.engine.arg_types import MAX_THREADS, bounded_int
 from optimized.engine.args import EngineArgs
 
 HELP = ("benchmarks: 'scheduler' (reference vs optimized scheduler), 'throughput' (the engine vs transformers), "
-        "'threads' (CPU settings, idle and with a busy core), 'serve' (the HTTP server vs LLM.generate)")
+        "'threads' (CPU settings, idle and with a busy core), 'serve' (the HTTP server vs LLM.generate), "
+        "'check' (the engine unchecked vs in check mode)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from optimized.benchmarks import serve as serve_bench
 
     serve_bench.add_arguments(serve)
+    check = sub.add_parser("check", help="check mode's cost: the engine unchecked and checked on the bench and "
+                           "run workloads, alternating, and the ratio (spec/check.md)")
+    from optimized.benchmarks import check as check_bench
+
+    check_bench.add_arguments(check)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -63,6 +69,11 @@ def main(args: argparse.Namespace) -> int:
         from optimized.benchmarks import serve as serve_bench
 
         return serve_bench.main(args)
+    if args.bench == "check":
+        from optimized.benchmarks import check as check_bench
+        from optimized.cli import run
+
+        return check_bench.main(args, run.workload, run.ENGINE_DEFAULTS)
     if args.bench == "threads":
         from optimized.benchmarks import busy_core
 

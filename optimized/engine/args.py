@@ -164,6 +164,8 @@ class EngineArgs:
         unset="graphs where they can run"))
     check: bool = field(default=False, metadata=_knob(
         "shadow every step with the reference scheduler (check mode)", "bool"))
+    check_full_every: int = field(default=32, metadata=_knob(
+        "check mode compares the whole states every this many steps (spec/check.md, CHECK-3)", "int", least=1))
     attention_backend: str | None = field(default=None, metadata=_knob(
         "the attention kernels", "choice", choices=BACKEND_NAMES,
         unset="flash-attn or triton on CUDA, the C kernels (cpu) or torch on the CPU"))

@@ -168,7 +168,7 @@ class LLM:
                                                                  max_model_len=limits.max_model_len)
         if self.recorder is not None:
             self.engine.observers.append(TraceObserver(self.recorder, limits.eos))
-        self.shadow = Shadow(config, self.engine.stats) if args.check else None
+        self.shadow = Shadow(config, self.engine.stats, args.check_full_every) if args.check else None
         if self.shadow is not None:
             self.engine.observers.append(self.shadow)
         self._rng = random.Random(args.seed)

@@ -49,6 +49,14 @@ class ReferenceBlocks:
     def num_free(self) -> int:
         return len(self._bm.free_block_ids)
 
+    @property
+    def free_block_ids(self) -> list[int]:
+        return list(self._bm.free_block_ids)
+
+    @property
+    def hash_to_block_id(self) -> dict[int, int]:
+        return dict(self._bm.hash_to_block_id)
+
     def is_used(self, block_id: int) -> bool:
         return block_id in self._bm.used_block_ids
 

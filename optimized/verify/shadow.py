@@ -1,32 +1,48 @@
-"""Check mode: the reference scheduler runs in lockstep with the engine's and must decide the same.
+"""Check mode: the reference scheduler runs in lockstep with the engine's and must decide the same (spec/check.md).
 
 The shadow mirrors every add (same tokens, same max_tokens/ignore_eos, same
 stop set, same scheduler config) and is fed the engine's tokens, so both
 schedulers see the same history. Both are driven through the scheduler port
-(ARCH-4): the reference through its adapter (``reference_port``), whose
-``schedule()`` reports whom it preempted and whose ``postprocess`` whom it
-finished, as the engine's does. After each schedule() it compares the batch
-(arrival ids in order), each sequence's granted tokens and block table,
-prefill-or-decode, and the preempted arrivals; after postprocess() the
-finished arrivals. Every invariant of ``invariants`` is checked on both
-schedulers at both points. An abort, or a failed step's batch (spec/abort.md,
-beyond the lesson), is applied to the reference through the port, and the
-free queues (which hold the release order) must then be equal. The first
-difference or violation raises ``ShadowDivergence`` with both states dumped.
-Sequences are matched by arrival order, never by seq_id: the two
+(ARCH-4): the reference through its adapter (``reference_port``).
+
+Every step costs what the step holds, not what the cache holds (CHECK-1, 2):
+after each schedule() it compares what the step decided (the batch by arrival,
+each sequence's granted, cached and total tokens and block table,
+prefill-or-decode, the preempted arrivals, the prefix-cache hit and query
+tokens) and after postprocess() the finished arrivals; at both points it checks,
+on both schedulers, the invariants that read no block (``check_live``), the
+batch invariants (blocks read on demand) and the one-block invariants over the
+blocks the step touched (taken, filled, hashed or released: derived from the
+batch's block tables before and after, and the tables of the sequences it
+preempted or finished), which must also read the same on both, with the same
+number of free blocks. Every ``full_every`` steps, when nothing is left live,
+after a failed step, at the end of the step after an abort (at once when the
+abort leaves nothing live) and at close, it compares the whole states and runs
+every invariant on both (CHECK-3). An abort, or a failed step's batch
+(spec/abort.md), is applied to the reference through the port, and the queues
+and free queues (which hold the release order) must then be equal. The first
+difference or violation raises ``ShadowDivergence`` naming the step, with both
+states dumped. Sequences are matched by arrival order, never by seq_id: the two
 implementations number their sequences independently.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import islice
 from typing import Any, NoReturn, Protocol
 
-from invariants import SchedulerState, check_batch, check_state, seq_view
+from invariants import BlockView, SchedulerState, check_batch, check_live, check_state, seq_view
+from invariants.on_demand import check_blocks, held_counts, light_state
 from optimized.core.config import SchedulerConfig
+from optimized.core.errors import strict_int
 from optimized.core.port import EmptyDecodeError, ScheduleOutput, SchedulerPort, SeqLike
 from optimized.engine.sampling_params import SamplingParams
 from optimized.verify.reference_port import ReferencePort
+
+# Every 32nd step (and at the ends CHECK-3 names) compares the whole states: measured by ``nanoverify bench check``
+# (spec/check.md, CHECK-5), where the full comparison of an 8,192-block cache costs about as much as one step.
+FULL_EVERY = 32
 
 
 class ShadowDivergence(RuntimeError):
@@ -73,10 +89,64 @@ def _dump(state: SchedulerState) -> str:
     )
 
 
-class Shadow:
-    """Check mode as the engine's ``StepObserver`` (ARCH-3): every hook mirrors the change on the reference."""
+def _decision(arrival: int, seq: SeqLike) -> tuple[int, int, int, int, list[int]]:
+    """What a step decided for one batch member: its arrival, granted, cached and total tokens, block table."""
+    return arrival, seq.num_scheduled_tokens, seq.num_cached_tokens, seq.num_tokens, list(seq.block_table)
 
-    def __init__(self, config: SchedulerKnobs, stats: Any = None) -> None:
+
+def _touched_by_growth(old: list[int] | None, table: list[int]) -> list[int]:
+    """The blocks a table's growth touched: its old last block (filled, maybe hashed) and every block after it;
+    every block when the table is new or is not its old one extended (the batch comparison judges that)."""
+    if old and table[: len(old)] == old:
+        return table[len(old) - 1:]
+    return table
+
+
+class _FullState:
+    """One side's whole state, read through the port's ``BlockReader`` (no per-block copy beyond one column read):
+    its block views are kept between full comparisons and rebuilt only where a column changed."""
+
+    def __init__(self) -> None:
+        self.columns: tuple[list[int], list[int], list[list[int]]] = ([], [], [])
+        self.views: list[BlockView] = []
+
+    def read(self, port: SchedulerPort[Any]) -> SchedulerState:
+        blocks = port.blocks
+        ids = range(blocks.num_blocks)
+        ref_count, block_hash, token_ids_of, is_used = (blocks.ref_count, blocks.block_hash, blocks.token_ids_of,
+                                                        blocks.is_used)
+        columns = [ref_count(b) for b in ids], [block_hash(b) for b in ids], [token_ids_of(b) for b in ids]
+        self._refresh(columns)
+        config = port.config
+        return SchedulerState(
+            block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, blocks=self.views,
+            free_block_ids=blocks.free_block_ids, used_block_ids={b for b in ids if is_used(b)},
+            hash_to_block_id=blocks.hash_to_block_id, waiting=[seq_view(s) for s in port.waiting],
+            running=[seq_view(s) for s in port.running])
+
+    def _refresh(self, columns: tuple[list[int], list[int], list[list[int]]]) -> None:
+        refs, hashes, tokens = columns
+        old_refs, old_hashes, old_tokens = self.columns
+        if len(refs) != len(self.views):
+            self.views = [BlockView(b, r, h, t) for b, (r, h, t) in enumerate(zip(refs, hashes, tokens, strict=True))]
+        elif columns != self.columns:
+            views = self.views
+            for b in range(len(refs)):
+                if refs[b] != old_refs[b] or hashes[b] != old_hashes[b] or tokens[b] != old_tokens[b]:
+                    views[b] = BlockView(b, refs[b], hashes[b], tokens[b])
+        self.columns = columns
+
+
+class Shadow:
+    """Check mode as the engine's ``StepObserver`` (ARCH-3): every hook mirrors the change on the reference.
+
+    ``full_every``: the whole states are compared every this many steps (``EngineArgs.check_full_every``), besides
+    the ends CHECK-3 names; 1 compares them after every step.
+    """
+
+    def __init__(self, config: SchedulerKnobs, stats: Any = None, full_every: int = FULL_EVERY) -> None:
+        self.full_every = strict_int(full_every, "check_full_every", 1)
         self.ref: SchedulerPort[Any] = ReferencePort(SchedulerConfig(
             num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, eos=config.eos))
@@ -86,6 +156,16 @@ class Shadow:
         self.is_prefill = True
         self.step = 0
         self.stats = stats  # the engine's EngineStats: ``compared_steps`` counts the steps compared
+        self.full_comparisons = 0  # whole-state comparisons made (CHECK-3)
+        self._tables: dict[int, list[int]] = {}  # arrival -> its block table when last in a batch (CHECK-2)
+        self._batch_arrivals: list[int] = []
+        self._touched: set[int] = set()  # blocks the step in progress touched
+        self._full_due = False  # an abort happened since the last full comparison: one at the next step's end
+        self._changed = False  # anything changed since the last full comparison
+        self._sound = True  # no comparison failed and no hook was interrupted: close() may compare
+        self._engine: SchedulerPort[Any] | None = None
+        self._live: Mapping[int, Arrived] = {}
+        self._full = (_FullState(), _FullState())
 
     # --- the engine's StepObserver hooks ----------------------------------------------------------------
     def before_change(self) -> None:
@@ -99,7 +179,9 @@ class Shadow:
 
     def scheduled(self, scheduler: SchedulerPort[Any], out: ScheduleOutput[Any], requests: Sequence[Arrived],
                   live: Mapping[int, Arrived]) -> None:
-        self.after_schedule(scheduler, requests, out.is_prefill, [live[s.seq_id].arrival for s in out.preempted])
+        self._live = live
+        self.after_schedule(scheduler, requests, out.is_prefill, [live[s.seq_id].arrival for s in out.preempted],
+                            (out.prefix_hit_tokens, out.prefix_query_tokens))
 
     def stepped(self, scheduler: SchedulerPort[Any], tokens: Any, finished: Sequence[Arrived], start: float) -> None:
         self.after_postprocess(scheduler, tokens, [r.arrival for r in finished])
@@ -111,13 +193,18 @@ class Shadow:
 
     def batch_withdrawn(self, scheduler: SchedulerPort[Any], failed: Sequence[Arrived],
                         live: Mapping[int, Arrived]) -> None:
+        self._live = live
         self.fail_step(scheduler, [r.arrival for r in failed], _arrivals(live))
 
     def aborted(self, scheduler: SchedulerPort[Any], request: Arrived, live: Mapping[int, Arrived]) -> None:
+        self._live = live
         self.abort(scheduler, request.arrival, _arrivals(live))
 
     def close(self) -> None:
-        """Nothing kept."""
+        """CHECK-3: the whole states once more, if anything changed since they were last compared and no
+        comparison failed or was interrupted."""
+        if self._engine is not None and self._changed and self._sound:
+            self._compare_full(self._engine, "at close")
 
     # --- the comparisons ----------------------------------------------------------------------------------
     def add(self, arrival: int, token_ids: Sequence[int], params: SamplingParams, stops: frozenset[int]) -> None:
@@ -126,81 +213,175 @@ class Shadow:
         self.by_arrival[arrival] = seq
         self.arrival_of[seq.seq_id] = arrival
         self.ref.add(seq, stops)
+        self._changed = True
 
     def _fail(self, engine_scheduler: SchedulerPort[Any], what: str) -> NoReturn:
+        self._sound = False
         raise ShadowDivergence(
             f"check mode, step {self.step}: {what}\n"
             f"--- engine scheduler ---\n{_dump(engine_scheduler.snapshot())}\n"
             f"--- reference scheduler ---\n{_dump(self.ref.snapshot())}"
         )
 
-    def _check(self, engine_scheduler: SchedulerPort[Any], batch: list[Any] | None = None) -> None:
-        """Invariants on both schedulers: with ``batch`` right after schedule(), without it between steps."""
-        between_steps = batch is None
-        ref_batch = None if batch is None else self.batch
-        ports: tuple[tuple[str, SchedulerPort[Any], list[Any] | None], ...] = (
-            ("engine", engine_scheduler, batch), ("reference", self.ref, ref_batch))
-        for name, port, seqs in ports:
-            state = port.snapshot()
-            violations = check_state(state, between_steps=between_steps)
-            if seqs is not None:
-                violations += check_batch(state, [seq_view(s) for s in seqs], self.is_prefill)
+    def _begin(self, engine_scheduler: SchedulerPort[Any]) -> None:
+        """A hook starts: until it ends, close() does not compare (it may be interrupted half-way)."""
+        self._engine = engine_scheduler
+        self._sound = False
+        self._changed = True
+
+    def _end(self) -> None:
+        self._sound = True
+
+    def _check_step(self, engine_scheduler: SchedulerPort[Any], touched: Iterable[int],
+                    batch: list[Any] | None = None) -> None:
+        """CHECK-2: the touched blocks and the number of free blocks read the same on both schedulers; on the
+        engine's, the invariants that read no block, the batch invariants (with ``batch``, right after schedule())
+        and the one-block ones over ``touched``. (The reference's invariants are checked at every full
+        comparison: the reference is the lesson, and what it decides is compared every step.)"""
+        mine, ref = engine_scheduler.blocks, self.ref.blocks
+        if mine.num_free != ref.num_free:
+            self._fail(engine_scheduler, f"free blocks engine={mine.num_free} reference={ref.num_free}")
+        touched = sorted(touched)
+        for block_id in touched:
+            if not 0 <= block_id < mine.num_blocks:
+                self._fail(engine_scheduler, f"block {block_id} does not exist ({mine.num_blocks} blocks)")
+        read = [[(blocks.ref_count(b), blocks.block_hash(b), blocks.token_ids_of(b), blocks.is_used(b))
+                 for b in touched] for blocks in (mine, ref)]
+        if read[0] != read[1]:
+            block_id, a, b = next((i, v, w) for i, v, w in zip(touched, *read, strict=True) if v != w)
+            self._fail(engine_scheduler, f"block {block_id} (touched by this step) engine (ref_count, hash, tokens, "
+                                         f"used)={a} reference={b}")
+        state = light_state(engine_scheduler)
+        violations = check_live(state, between_steps=batch is None)
+        if batch is not None:
+            violations += check_batch(state, [seq_view(s) for s in batch], self.is_prefill)
+        views = [(BlockView(b, r, h, t), used) for b, (r, h, t, used) in zip(touched, read[0], strict=True)]
+        violations += check_blocks(views, held_counts(engine_scheduler), state.block_size)
+        if violations:
+            self._fail(engine_scheduler, "engine scheduler breaks " + "; ".join(map(str, violations)))
+
+    def _compare_full(self, engine_scheduler: SchedulerPort[Any], when: str) -> None:
+        """CHECK-3: the whole states equal (every block, the free queue in order, the used blocks, the prefix
+        table, the queues by arrival) and every invariant on both."""
+        engine_state = self._full[0].read(engine_scheduler)
+        ref_state = self._full[1].read(self.ref)
+        for name, state in (("engine", engine_state), ("reference", ref_state)):
+            violations = check_state(state)
             if violations:
-                self._fail(engine_scheduler, f"{name} scheduler breaks " + "; ".join(map(str, violations)))
+                self._fail(engine_scheduler, f"{name} scheduler breaks (full check {when}) "
+                                             + "; ".join(map(str, violations)))
+        (refs, hashes, tokens), (ref_refs, ref_hashes, ref_tokens) = self._full[0].columns, self._full[1].columns
+        if (refs, hashes, tokens) != (ref_refs, ref_hashes, ref_tokens):
+            block_id = next(b for b in range(min(len(refs), len(ref_refs)))
+                            if (refs[b], hashes[b], tokens[b]) != (ref_refs[b], ref_hashes[b], ref_tokens[b]))
+            self._fail(engine_scheduler, f"block {block_id} (full check {when}) engine={engine_state.blocks[block_id]}"
+                                         f" reference={ref_state.blocks[block_id]}")
+        parts = (("free queue", engine_state.free_block_ids, ref_state.free_block_ids),
+                 ("used blocks", sorted(engine_state.used_block_ids), sorted(ref_state.used_block_ids)),
+                 ("prefix table", sorted(engine_state.hash_to_block_id.items()),
+                  sorted(ref_state.hash_to_block_id.items())))
+        for what, mine, ref in parts:
+            if mine != ref:
+                self._fail(engine_scheduler, f"{what} (full check {when}): engine={_head(mine)} reference={_head(ref)}")
+        engine_arrival = {seq_id: r.arrival for seq_id, r in self._live.items()}
+        for queue, engine_views, ref_views in (("waiting", engine_state.waiting, ref_state.waiting),
+                                                ("running", engine_state.running, ref_state.running)):
+            mine_seqs = [_seq_row(engine_arrival.get(v.seq_id, -1), v) for v in engine_views]
+            ref_seqs = [_seq_row(self.arrival_of.get(v.seq_id, -1), v) for v in ref_views]
+            if mine_seqs != ref_seqs:
+                self._fail(engine_scheduler, f"{queue} (full check {when}): engine={mine_seqs} reference={ref_seqs}")
+        self.full_comparisons += 1
+        self._changed = self._full_due = False
 
     def after_schedule(
-        self, engine_scheduler: SchedulerPort[Any], batch: Sequence[Arrived], is_prefill: bool, preempted: list[int]
+        self, engine_scheduler: SchedulerPort[Any], batch: Sequence[Arrived], is_prefill: bool, preempted: list[int],
+        hits: tuple[int, int] | None = None,
     ) -> None:
+        """``hits``: the engine's prefix-cache hit and query tokens this step, compared when given."""
+        self._begin(engine_scheduler)
         try:
             out = self.ref.schedule()
         except EmptyDecodeError:
             self._fail(engine_scheduler, "the reference hit the empty decode (EDGE-2), the engine scheduled a batch")
+        self._changed = True
         self.batch, self.is_prefill = out.batch, out.is_prefill
         ref_preempted = [self.arrival_of[s.seq_id] for s in out.preempted]
-        mine = [(r.arrival, r.seq.num_scheduled_tokens, list(r.seq.block_table)) for r in batch]
-        ref = [(self.arrival_of[s.seq_id], s.num_scheduled_tokens, list(s.block_table)) for s in self.batch]
+        mine = [_decision(r.arrival, r.seq) for r in batch]
+        ref = [_decision(self.arrival_of[s.seq_id], s) for s in self.batch]
         if is_prefill != self.is_prefill:
             self._fail(engine_scheduler, f"is_prefill engine={is_prefill} reference={self.is_prefill}")
         if mine != ref:
-            self._fail(engine_scheduler, f"batch (arrival, tokens, blocks) engine={mine} reference={ref}")
+            self._fail(engine_scheduler, f"batch (arrival, tokens, cached, length, blocks) engine={mine} "
+                                         f"reference={ref}")
         if sorted(preempted) != sorted(ref_preempted):
             self._fail(engine_scheduler, f"preempted arrivals engine={preempted} reference={ref_preempted}")
-        self._check(engine_scheduler, [r.seq for r in batch])
+        ref_hits = (out.prefix_hit_tokens, out.prefix_query_tokens)
+        if hits is not None and hits != ref_hits:
+            self._fail(engine_scheduler, f"prefix-cache (hit, query) tokens engine={hits} reference={ref_hits}")
+        touched = self._touched
+        touched.clear()
+        for arrival in preempted:
+            touched.update(self._tables.pop(arrival, ()))
+        tables = self._tables
+        for arrival, _, _, _, table in mine:
+            touched.update(_touched_by_growth(tables.get(arrival), table))
+            tables[arrival] = table
+        self._batch_arrivals = [row[0] for row in mine]
+        self._check_step(engine_scheduler, touched, [r.seq for r in batch])
+        self._end()
 
     def after_postprocess(self, engine_scheduler: SchedulerPort[Any], tokens: list[int], finished: list[int]) -> None:
+        self._begin(engine_scheduler)
         done = self.ref.postprocess(self.batch, tokens, self.is_prefill)  # the stop sets too (ENG-12)
         ref_finished = [self.arrival_of[s.seq_id] for s in done]
         if sorted(finished) != sorted(ref_finished):
             self._fail(engine_scheduler, f"finished arrivals engine={finished} reference={ref_finished}")
+        touched, tables = self._touched, self._tables
+        touched.clear()  # what schedule() touched was checked after it
+        for arrival in self._batch_arrivals:  # a decode's token fills (and may hash) a table's last blocks
+            touched.update(islice(reversed(tables.get(arrival, ())), 2))
         for a in ref_finished:
+            touched.update(tables.pop(a, ()))
             self._forget(a)
         self.batch = []
-        self._check(engine_scheduler)
+        self._check_step(engine_scheduler, touched)
         self.step += 1
+        if self.step % self.full_every == 0 or not self.by_arrival or self._full_due:
+            self._compare_full(engine_scheduler, "with nothing live" if not self.by_arrival
+                               else "after the step (an abort before it)" if self._full_due else "after the step")
+        self._end()
 
     def abort(self, engine_scheduler: SchedulerPort[Any], arrival: int, engine_arrivals: dict[int, int]) -> None:
         """ABORT-8: the engine aborted this live arrival between steps; the reference aborts it too.
 
         ``engine_arrivals`` maps the engine's live seq ids to arrivals.
         """
+        self._begin(engine_scheduler)
         seq = self._forget(arrival)
         self.ref.abort(seq)
         self._compare_release(engine_scheduler, engine_arrivals, f"abort of arrival {arrival}")
-        self._check(engine_scheduler)
+        self._check_step(engine_scheduler, self._tables.pop(arrival, ()))
+        self._full_due = True
+        if not self.by_arrival:
+            self._compare_full(engine_scheduler, "after an abort, with nothing live")
+        self._end()
 
     def fail_step(self, engine_scheduler: SchedulerPort[Any], failed: list[int],
                   engine_arrivals: dict[int, int]) -> None:
         """FAULT-2: the engine's step failed after schedule(); the reference fails the same batch."""
+        self._begin(engine_scheduler)
         mine = [self.arrival_of[s.seq_id] for s in self.batch]
         if failed != mine:
             self._fail(engine_scheduler, f"failed batch engine={failed} reference={mine}")
         self.ref.abort_step(self.batch)
         for a in mine:
             self._forget(a)
+            self._tables.pop(a, None)
         self.batch = []
         self._compare_release(engine_scheduler, engine_arrivals, f"failed step {mine}")
-        self._check(engine_scheduler)
+        self._compare_full(engine_scheduler, "after a failed step")
         self.step += 1
+        self._end()
 
     def _forget(self, arrival: int) -> SeqLike:
         """A request finished or was aborted: drop it from the maps."""
@@ -219,6 +400,16 @@ class Shadow:
             ref = [self.arrival_of[s.seq_id] for s in ref_queue]
             if mine != ref:
                 self._fail(engine_scheduler, f"{name} after {what}: engine={mine} reference={ref}")
-        mine_free, ref_free = engine_scheduler.snapshot().free_block_ids, self.ref.snapshot().free_block_ids
+        mine_free, ref_free = engine_scheduler.blocks.free_block_ids, self.ref.blocks.free_block_ids
         if mine_free != ref_free:
             self._fail(engine_scheduler, f"free queue after {what}: engine={mine_free} reference={ref_free}")
+
+
+def _seq_row(arrival: int, view: Any) -> tuple[Any, ...]:
+    """A sequence as the full comparison sees it: by arrival, never by seq_id or status (ARCH-4)."""
+    return (arrival, view.token_ids, view.num_prompt_tokens, view.num_cached_tokens, view.num_scheduled_tokens,
+            view.block_table, view.max_tokens, view.is_prefill)
+
+
+def _head(items: list[Any]) -> str:
+    return f"{items[:16]}{' ...' if len(items) > 16 else ''} ({len(items)})"

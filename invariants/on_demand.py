@@ -1,0 +1,107 @@
+"""The invariants over a live scheduler's blocks, read one block at a time: a check's cost follows the blocks it
+reads, never ``num_blocks``.
+
+Invariant: nothing here copies the cache. ``BlocksOnDemand`` stands in for a ``SchedulerState``'s block list and
+reads a block when it is indexed (the batch invariants index only the blocks a batch writes); ``check_blocks`` runs
+the one-block invariants (INV-2, INV-15) over the blocks it is given. What chooses the blocks (the trace's replay,
+TRACE-5; check mode, CHECK-2) lives above; a scheduler is read through its port's ``BlockReader`` (ARCH-4), which
+this floor knows only by the methods it calls.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from itertools import chain
+from typing import Any, Protocol, SupportsIndex, overload
+
+from invariants.state import BlockView, SchedulerState, seq_view
+from invariants.state_checks import check_block_content, check_block_refs
+from invariants.violation import Violation
+
+
+class ReadsBlocks(Protocol):
+    """What is read of a scheduler port's ``BlockReader``."""
+
+    @property
+    def num_blocks(self) -> int: ...
+    def is_used(self, block_id: int) -> bool: ...
+    def ref_count(self, block_id: int) -> int: ...
+    def block_hash(self, block_id: int) -> int: ...
+    def token_ids_of(self, block_id: int) -> list[int]: ...
+
+
+class BlocksOnDemand(list[BlockView]):
+    """A scheduler's blocks, each read when indexed: the batch checks index only the blocks a batch writes.
+
+    Iterating it (what a check over every block does) is refused, so no check can silently see no blocks.
+    """
+
+    def __init__(self, read: Callable[[int], BlockView], count: int) -> None:
+        super().__init__()
+        self._read, self._count = read, count
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> BlockView: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[BlockView]: ...
+
+    def __getitem__(self, index: SupportsIndex | slice) -> BlockView | list[BlockView]:
+        if isinstance(index, slice):
+            raise TypeError("blocks read on demand are indexed one at a time")
+        block_id = operator.index(index)
+        if not 0 <= block_id < self._count:
+            raise IndexError(f"block {block_id} of {self._count}")
+        return self._read(block_id)
+
+    def __iter__(self) -> Iterator[BlockView]:
+        raise TypeError("a check over every block needs a full snapshot (invariants.snapshot)")
+
+
+def block_view(blocks: ReadsBlocks, block_id: int) -> BlockView:
+    """One block as the invariants see it."""
+    return BlockView(block_id, blocks.ref_count(block_id), blocks.block_hash(block_id), blocks.token_ids_of(block_id))
+
+
+def light_state(port: Any) -> SchedulerState:
+    """The state the batch and live-sequence checks read of a scheduler port: the queues, and the blocks on demand
+    (no copy of the cache; the free queue, used set and prefix table left empty)."""
+    config, blocks = port.config, port.blocks
+    return SchedulerState(
+        block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        blocks=BlocksOnDemand(lambda b: block_view(blocks, b), blocks.num_blocks), free_block_ids=[],
+        used_block_ids=set(), hash_to_block_id={}, waiting=[seq_view(s) for s in port.waiting],
+        running=[seq_view(s) for s in port.running])
+
+
+def held_counts(port: Any) -> Counter[int]:
+    """How many live block tables (running, then waiting) name each block id."""
+    return Counter(chain.from_iterable(s.block_table for s in chain(port.running, port.waiting)))
+
+
+def held_block_violations(port: Any) -> list[Violation]:
+    """INV-2 over the blocks live sequences hold: each exists, and ``check_block_refs`` holds for it."""
+    found: list[Violation] = []
+    blocks = port.blocks
+    for block_id, tables in held_counts(port).items():
+        if not 0 <= block_id < blocks.num_blocks:
+            found.append(Violation("INV-2", f"a live sequence holds nonexistent block {block_id}"))
+        else:
+            found += check_block_refs(block_id, tables, blocks.is_used(block_id), blocks.ref_count(block_id))
+    return found
+
+
+def check_blocks(views: Iterable[tuple[BlockView, bool]], held: Counter[int], block_size: int) -> list[Violation]:
+    """The one-block invariants over some blocks, each given as its view and whether it is used: INV-2 (``held``
+    counts the live tables naming each block) and INV-15."""
+    found: list[Violation] = []
+    for view, used in views:
+        found += check_block_refs(view.block_id, held[view.block_id], used, view.ref_count)
+        found += check_block_content(view, block_size)
+    return found
