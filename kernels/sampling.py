@@ -79,6 +79,7 @@ def top_logprobs(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """int64[R,k] token ids and their [R,k] log probabilities: each row's k most likely tokens by descending
     logprob, ties (the boundary's too) by ascending token id (ENG-29). ``k`` is at most the vocabulary."""
     rows = lp.shape[0]
+    lp = torch.nan_to_num(lp, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # a NaN ranks last
     if k == 0:
         return torch.zeros(rows, 0, dtype=torch.int64), lp[:, :0]
     kth = torch.topk(lp, k, dim=-1).values[:, -1:]  # the k-th largest value; its ties are resolved by id below
