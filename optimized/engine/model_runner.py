@@ -207,7 +207,7 @@ class ModelRunner:
         self.cos_sin = rotary_cos_sin(c.head_dim, max_model_len, c.rope_theta, self.dtype, self.device)
         self.graph_steps = 0  # decode steps served by the graph runner
         self.row_chunk = CPU_ROW_CHUNK
-        # Told each step's sampled sequences and their logits rows (float32, one row each), before the draw.
+        # Told each step's sampled sequences and their logits rows (the model's dtype, one row each), before the draw.
         self.logits_observer: Callable[[list[ScheduledSeq], torch.Tensor], None] | None = None
         self.step_logprobs: dict[int, SeqLogprobs] = {}  # the last step's, by seq_id, for requests that asked
         self.graphs: GraphRunner | None = None
@@ -284,7 +284,7 @@ class ModelRunner:
                 assert cached is not None
                 prompt_logits = torch.cat([prompt_logits, cached])
         if self.logits_observer is not None and len(inp.sample_rows):
-            self.logits_observer([seqs[i] for i in inp.sample_rows.tolist()], logits.float())
+            self.logits_observer([seqs[i] for i in inp.sample_rows.tolist()], logits)
         drawn = self._sample(logits.float(), [draws[i] for i in inp.sample_rows], inp.context_lens[inp.sample_rows])
         for i, t in zip(inp.sample_rows.tolist(), drawn, strict=True):
             tokens[i] = t
