@@ -345,10 +345,10 @@ class Shadow:
             self._forget(a)
         self.batch = []
         self._check_step(engine_scheduler, touched)
-        self.step += 1
-        if self.step % self.full_every == 0 or not self.by_arrival or self._full_due:
+        if (self.step + 1) % self.full_every == 0 or not self.by_arrival or self._full_due:
             self._compare_full(engine_scheduler, "with nothing live" if not self.by_arrival
                                else "after the step (an abort before it)" if self._full_due else "after the step")
+        self.step += 1
         self._end()
 
     def abort(self, engine_scheduler: SchedulerPort[Any], arrival: int, engine_arrivals: dict[int, int]) -> None:

@@ -1,0 +1,188 @@
+"""Check mode in proportion to the step (spec/check.md): what each step compares, what every K steps, and that
+nothing is lost by it."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+
+from optimized import LLM, SamplingParams
+from optimized.cli import main
+from optimized.core.scheduler import Scheduler
+from optimized.engine.args import EngineArgs
+from optimized.verify import shadow as shadow_module
+from optimized.verify.shadow import Shadow, ShadowDivergence
+from tests.check_driver import config, drive, workload
+from tests.engine_fixtures import checkpoint, make_llm
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+SHORT = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+pytestmark = pytest.mark.usefixtures("engine_env")
+
+make = partial(make_llm, kvcache_block_size=2, num_kvcache_blocks=64)
+
+
+def _cached_free_block(llm: LLM) -> int:
+    """A free block that still carries its hash (a finished request's), which no later step takes here."""
+    blocks = llm.engine.scheduler.blocks
+    return next(b for b in reversed(range(blocks.num_blocks))
+                if not blocks.is_used(b) and blocks.block_hash(b) != -1)
+
+
+def _corrupt_hash(llm: LLM, long_seq: Any) -> int:
+    block = _cached_free_block(llm)
+    manager = llm.engine.scheduler.blocks
+    manager._hashes[block] ^= 1  # the port's internals: the block's hash, kept while it is free
+    return block
+
+
+def _corrupt_ref_count(llm: LLM, long_seq: Any) -> int:
+    block = long_seq.block_table[0]  # held by the running request; a decode step touches only its last blocks
+    llm.engine.scheduler.blocks.pool._extra[block] += 1
+    return block
+
+
+@pytest.mark.clause("CHECK-2", "CHECK-3", "CHECK-4")
+@pytest.mark.parametrize("corrupt", [_corrupt_hash, _corrupt_ref_count], ids=["cached-free-hash", "ref-count"])
+def test_an_untouched_block_corrupted_is_caught_at_the_next_full_comparison(corrupt: Any) -> None:
+    """CHECK-2, CHECK-3, CHECK-4: a block the steps do not touch, corrupted in the engine's cache, passes every
+    per-step comparison and is caught by the next full one, within check_full_every steps, naming the block."""
+    every = 6
+    llm = make(check_full_every=every)
+    shadow = llm.shadow
+    assert shadow is not None
+    long = llm.engine.add([1, 2, 3, 4, 5, 6, 7, 8], GREEDY, seed=0)
+    llm.engine.add([9, 10, 11, 12, 13], SHORT, seed=0)
+    while shadow.step % every != 1 or len(llm.engine.live) != 1:  # the short one finished; a full comparison passed
+        llm.engine.step()
+    block = corrupt(llm, long.seq)
+    for _ in range(every - 2):  # the steps before the next full comparison: not caught
+        llm.engine.step()
+    assert shadow.step % every == every - 1  # the next step's end compares the whole states
+    with pytest.raises(ShadowDivergence, match=rf"(?s)check mode, step {shadow.step}: .*full check.*"
+                                               rf"block {block}\b.*--- engine scheduler ---.*--- reference scheduler"):
+        llm.engine.step()
+
+
+@pytest.mark.clause("CHECK-1", "CHECK-4")
+def test_a_decision_difference_is_caught_at_that_step_naming_it_with_both_states() -> None:
+    """CHECK-1, CHECK-4: a scheduler that grants one token fewer, once, is caught at that very step (not at the
+    next full comparison): the report names the step and shows both states."""
+
+    class OneFewer(Scheduler):
+        armed = False
+
+        def schedule(self) -> Any:
+            out = super().schedule()
+            if OneFewer.armed and out.is_prefill:
+                OneFewer.armed = False
+                out.batch[0].core.nsched -= 1  # the grant, as the core keeps it
+            return out
+
+    llm = make(check_full_every=1000)
+    shadow = llm.shadow
+    assert shadow is not None
+    llm.engine.add([1, 2, 3, 4, 5, 6], GREEDY, seed=0)
+    for _ in range(3):
+        llm.engine.step()
+    llm.engine.scheduler.__class__ = OneFewer
+    OneFewer.armed = True
+    llm.engine.add([7, 8, 9, 10, 11], GREEDY, seed=0)
+    with pytest.raises(ShadowDivergence, match=r"(?s)check mode, step 3: batch .*engine=\[\(1, 4, 0, 5, .*"
+                                               r"reference=\[\(1, 5, 0, 5, .*--- engine scheduler ---.*"
+                                               r"--- reference scheduler ---") as err:
+        llm.engine.step()
+    assert "id=" in str(err.value).split("--- reference scheduler ---")[1]  # the reference's state is shown
+
+
+@pytest.mark.clause("CHECK-3")
+def test_full_comparisons_come_every_k_steps_and_at_the_end_of_a_run() -> None:
+    """CHECK-3: every check_full_every-th step and whenever nothing is left live; the default is EngineArgs'."""
+    assert EngineArgs().check_full_every == shadow_module.FULL_EVERY
+    llm = make(check_full_every=5)
+    shadow = llm.shadow
+    assert shadow is not None
+    llm.generate([[1, 2, 3, 4, 5, 6], [7, 8, 9]], GREEDY, use_tqdm=False)
+    steps = llm.stats.steps
+    assert llm.stats.compared_steps == steps and shadow.step == steps
+    assert shadow.full_comparisons == steps // 5 + (steps % 5 != 0)
+    llm.close()  # nothing changed since the end of the run: no comparison more
+    assert shadow.full_comparisons == steps // 5 + (steps % 5 != 0)
+
+
+@pytest.mark.clause("CHECK-3")
+def test_close_compares_when_requests_are_still_live() -> None:
+    """CHECK-3: close() compares the whole states when something changed since they were last compared."""
+    llm = make(check_full_every=1000)
+    shadow = llm.shadow
+    assert shadow is not None
+    long = llm.engine.add([1, 2, 3, 4, 5, 6], GREEDY, seed=0)
+    for _ in range(3):
+        llm.engine.step()
+    before = shadow.full_comparisons
+    llm.engine.scheduler.blocks.pool._extra[long.seq.block_table[0]] += 1  # untouched by any step since
+    with pytest.raises(ShadowDivergence, match="full check at close"):
+        llm.close()
+    assert shadow.full_comparisons == before
+
+
+@pytest.mark.clause("CHECK-2")
+def test_a_step_reads_only_the_blocks_it_touched() -> None:
+    """CHECK-2: between full comparisons a step reads a number of blocks that follows the batch, not num_blocks:
+    on a cache of 100,000 blocks, no step of the per-step check reads more than the touched blocks."""
+    cfg = config(num_blocks=100_000, block_size=2)
+    port = Scheduler(cfg)
+    shadow = Shadow(cfg, full_every=10**9)
+    reads: list[int] = []
+    real = port.blocks.ref_count
+
+    def counted(block_id: int) -> int:
+        reads.append(block_id)
+        return real(block_id)
+
+    port.blocks.ref_count = counted  # type: ignore[method-assign]
+    full = shadow._compare_full
+    shadow._compare_full = lambda *a: None  # type: ignore[method-assign]  # the ends' full comparisons: not here
+    steps = drive(port, shadow, workload(1, 12), cfg.eos)
+    shadow._compare_full = full  # type: ignore[method-assign]
+    assert steps > 10 and 0 < len(reads) < 40 * steps
+
+
+@pytest.mark.clause("CHECK-4")
+@pytest.mark.parametrize("seed", range(6))
+def test_full_every_step_and_every_k_agree_on_a_sound_scheduler(seed: int) -> None:
+    """CHECK-4: the optimized scheduler passes check mode with the full comparison after every step and every
+    K (aborts and prefix hits included): the comparisons raise nothing on a sound pair."""
+    for every in (1, 4):
+        cfg = config()
+        port = Scheduler(cfg)
+        shadow = Shadow(cfg, full_every=every)
+        steps = drive(port, shadow, workload(seed, 14), cfg.eos, abort_every=3)
+        assert port.is_finished() and shadow.step > 0 and steps < 400
+
+
+@pytest.mark.clause("CHECK-3")
+def test_check_full_every_is_refused_below_one() -> None:
+    """CHECK-3: check_full_every is an integer of at least 1, refused naming the field."""
+    with pytest.raises(ValueError, match="check_full_every"):
+        LLM(check=True, check_full_every=0)
+    with pytest.raises(ValueError, match="check_full_every"):
+        Shadow(config(), full_every=0)
+
+
+@pytest.mark.clause("CHECK-5")
+def test_bench_check_prints_both_sides_and_the_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    """CHECK-5: `nanoverify bench check` times both engines alternating on both workloads and prints every run,
+    both medians and the ratio against the 1.3x target."""
+    code = main(["bench", "check", "--model", str(checkpoint("qwen3")), "--num-requests", "3", "--prompt-len", "5",
+                 "--output-len", "3", "--run-requests", "4", "--rounds", "1", "--check-full-every", "2"])
+    out = capsys.readouterr().out
+    assert code in (0, 1)
+    for name in ("bench", "run"):
+        runs = [line for line in out.splitlines() if line.startswith(f"  {name} round 1 ")]
+        assert [line.split(":")[0].split()[-1] for line in runs] == ["unchecked", "checked", "checked", "unchecked"]
+        assert f"  {name}: unchecked median " in out
+    assert out.count("the 1.3x target") == 2 and "check_full_every=2" in out
