@@ -40,7 +40,7 @@ def _corrupt_hash(llm: LLM, long_seq: Any) -> int:
 
 
 def _corrupt_ref_count(llm: LLM, long_seq: Any) -> int:
-    block = long_seq.block_table[0]  # held by the running request; a decode step touches only its last blocks
+    block: int = long_seq.block_table[0]  # held by the running request; a decode step touches only its last blocks
     llm.engine.scheduler.blocks.pool._extra[block] += 1
     return block
 

@@ -101,10 +101,10 @@ def compare(engine: EngineArgs, make: Callable[[int], Workload], rounds: int) ->
                       f"{cpu:6.2f} s CPU")
         shadow = llms[True].shadow
         assert shadow is not None
-        unchecked, checked = statistics.median(walls[False]), statistics.median(walls[True])
-        ratio = checked / unchecked
+        unchecked_s, checked_s = statistics.median(walls[False]), statistics.median(walls[True])
+        ratio = checked_s / unchecked_s
         stats = llms[True].stats
-        print(f"  {w.name}: unchecked median {unchecked:.2f} s, checked median {checked:.2f} s: {ratio:.2f}x "
+        print(f"  {w.name}: unchecked median {unchecked_s:.2f} s, checked median {checked_s:.2f} s: {ratio:.2f}x "
               f"({'within' if ratio <= TARGET else 'ABOVE'} the {TARGET}x target); {stats.compared_steps} steps "
               f"compared, {shadow.full_comparisons} full comparisons (every {shadow.full_every} steps and at "
               "the ends)")
