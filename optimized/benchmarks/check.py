@@ -4,7 +4,9 @@ the same workloads, side by side in one run.
 Two engines of the same settings (``EngineArgs``; one with ``check=True``: check mode is fixed when an engine is
 built, and a shadow cannot skip a run) serve each workload, each warmed first, then timed in alternation,
 unchecked-checked-checked-unchecked and again, so that a neighbour's load on a shared machine falls on both. Each
-run's wall and CPU seconds are printed, then both medians and their ratio against the target (CHECK-5: at most
+engine's n-th timed run gets the n-th workload drawn from the seed (so the two engines serve the same requests in
+the same order, and no run finds its prompts already in the prefix cache from the run before). Each run's wall and
+CPU seconds are printed, then both medians and their ratio against the target (CHECK-5: at most
 ``TARGET``). The workloads: ``bench``, the issue's (requests of ``prompt_len`` random tokens, each generating
 ``output_len`` tokens greedily, eos ignored, on the engine's defaults), and ``run``, ``nanoverify run``'s (its
 prompts, output lengths and mix of greedy and sampled requests, on its engine settings: a KV cache small enough that
@@ -61,8 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p, exclude=("check", "trace", "trace_wall_times"))
 
 
-def bench_workload(args: argparse.Namespace, vocab: int) -> Workload:
-    rng = random.Random(args.seed)
+def bench_workload(args: argparse.Namespace, vocab: int, n: int) -> Workload:
+    rng = random.Random(f"{args.seed}/{n}")
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     params = [SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)] * len(prompts)
     return Workload("bench", prompts, params)
@@ -82,19 +84,21 @@ def _timed(llm: LLM, w: Workload) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def compare(engine: EngineArgs, make: Callable[[int], Workload], rounds: int) -> float:
-    """Print each run and both medians; return checked / unchecked (median wall). ``make`` builds the workload
-    from the vocabulary's size."""
+def compare(engine: EngineArgs, make: Callable[[int, int], Workload], rounds: int) -> float:
+    """Print each run and both medians; return checked / unchecked (median wall). ``make(vocab, n)`` builds the
+    n-th workload (0: the warm-up's)."""
     from optimized.entry.llm import LLM  # torch: loaded only when the benchmark runs
 
     llms = {checked: LLM(**replace(engine, check=checked).as_kwargs()) for checked in (False, True)}
     try:
-        w = make(llms[False].limits.vocab_size)
+        vocab = llms[False].limits.vocab_size
+        w = make(vocab, 0)
         for llm in llms.values():  # warm-up, untimed
             llm.generate(w.prompts[:8], w.params[:8], use_tqdm=False)
         walls: dict[bool, list[float]] = {False: [], True: []}
         for r in range(rounds):
             for checked in ORDER:
+                w = make(vocab, len(walls[checked]) + 1)
                 wall, cpu = _timed(llms[checked], w)
                 walls[checked].append(wall)
                 print(f"  {w.name} round {r + 1} {'checked  ' if checked else 'unchecked'}: {wall:6.2f} s wall, "
@@ -127,7 +131,7 @@ def main(args: argparse.Namespace, run_workload: RunWorkload | None = None,
     within = True
     for name in names:
         if name == "bench":
-            within &= compare(engine, lambda vocab: bench_workload(args, vocab), args.rounds) <= TARGET
+            within &= compare(engine, lambda vocab, n: bench_workload(args, vocab, n), args.rounds) <= TARGET
         else:
             if run_workload is None:
                 raise ValueError("the run workload needs nanoverify run's workload (the command line hands it in)")
@@ -138,9 +142,9 @@ def main(args: argparse.Namespace, run_workload: RunWorkload | None = None,
             print(f"  run workload: {args.run_requests} requests, on nanoverify run's engine settings "
                   f"({', '.join(f'{k}={v}' for k, v in defaults.items())})")
 
-            def make_run(vocab: int, run: RunWorkload = run_workload, run_args: argparse.Namespace = run_args
-                         ) -> Workload:
-                prompts, lens = run(run_args, vocab)
+            def make_run(vocab: int, n: int, run: RunWorkload = run_workload,
+                         run_args: argparse.Namespace = run_args) -> Workload:
+                prompts, lens = run(argparse.Namespace(**{**vars(run_args), "seed": run_args.seed * 1000 + n}), vocab)
                 return Workload("run", prompts, run_params(lens))
 
             within &= compare(settings, make_run, args.rounds) <= TARGET

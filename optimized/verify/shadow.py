@@ -253,8 +253,10 @@ class Shadow:
                                          f"used)={a} reference={b}")
         state = light_state(engine_scheduler)
         violations = check_live(state, between_steps=batch is None)
-        if batch is not None:
-            violations += check_batch(state, [seq_view(s) for s in batch], self.is_prefill)
+        if batch is not None:  # the batch's views are the state's own (every member is waiting or running)
+            views_by_id = {v.seq_id: v for v in (*state.running, *state.waiting)}
+            batch_views = [views_by_id.get(s.seq_id) or seq_view(s) for s in batch]
+            violations += check_batch(state, batch_views, self.is_prefill)
         views = [(BlockView(b, r, h, t), used) for b, (r, h, t, used) in zip(touched, read[0], strict=True)]
         violations += check_blocks(views, held_counts(engine_scheduler), state.block_size)
         if violations:
