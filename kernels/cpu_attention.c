@@ -11,7 +11,8 @@ double) with IEEE semantics: no -ffast-math, no contraction into fused multiply-
 order fixed by this source, an exponential of our own (nv_exp_*, no libm), so the result does not depend on the
 machine's vector width. A row with context 0 outputs zeros. Sequences are independent and each (row or sequence, KV
 head) is computed by one thread, so results do not depend on the thread count either; each thread keeps its own
-buffers.
+buffers and computes in the caller's floating-point environment (x86's MXCSR: flush-to-zero, denormals-are-zero),
+which OpenMP's workers do not inherit.
 
 The bodies below are written once for a type T and instantiated for float and double by including this file into
 itself (the C way to write a function template); they are GNU C (vector extensions, always_inline, prefetch).
@@ -54,6 +55,21 @@ itself (the C way to write a function template); they are GNU C (vector extensio
 #endif
 #define NV_INLINE inline __attribute__((always_inline))
 #define nv_prefetch(p) __builtin_prefetch((p), 0, 3)
+
+/* The caller's floating-point environment, set on every thread of a parallel region for its duration and the
+   thread's own restored after: OpenMP's workers keep their own MXCSR, so a caller that flushes denormals
+   (torch.set_flush_denormal, a library built with -ffast-math) would otherwise have the rows on the calling thread
+   rounded one way and the rows on a worker another. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+typedef unsigned int nv_fpenv;
+static NV_INLINE nv_fpenv nv_fpenv_get(void) { return _mm_getcsr(); }
+static NV_INLINE void nv_fpenv_set(nv_fpenv env) { _mm_setcsr(env); }
+#else
+typedef int nv_fpenv;
+static NV_INLINE nv_fpenv nv_fpenv_get(void) { return 0; }
+static NV_INLINE void nv_fpenv_set(nv_fpenv env) { (void)env; }
+#endif
 
 /* 0 when every row's context fits its table row and names existing blocks only, else 1 + the first bad row;
    *max_len gets the longest context. */
@@ -286,8 +302,11 @@ int64_t NV_NAME(nv_paged_decode)(const NV_T *q, int64_t q_row_stride, int64_t q_
     const int64_t chunk_heads = (kv_heads + chunks - 1) / chunks * rep;
     const int team = (int)(threads < 1 ? 1 : threads < units ? threads : units);
     int failed = 0;
+    const nv_fpenv env = nv_fpenv_get();
 #pragma omp parallel num_threads(team)
     {
+        const nv_fpenv own = nv_fpenv_get();
+        nv_fpenv_set(env);
         NV_T *scores = malloc(sizeof(NV_T) * (size_t)(chunk_heads * max_len + 1));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < units; u++) {
@@ -306,6 +325,7 @@ int64_t NV_NAME(nv_paged_decode)(const NV_T *q, int64_t q_row_stride, int64_t q_
             }
         }
         free(scores);
+        nv_fpenv_set(own);
     }
     return failed ? -1 : 0;
 }
@@ -517,8 +537,11 @@ int64_t NV_NAME(nv_paged_prefill)(const NV_T *q, int64_t q_row_stride, int64_t q
     const int64_t stride = (max_len + NV_KEYS - 1) / NV_KEYS * NV_KEYS;
     const int team = (int)(threads < 1 ? 1 : threads < units ? threads : units);
     int failed = 0;
+    const nv_fpenv env = nv_fpenv_get();
 #pragma omp parallel num_threads(team)
     {
+        const nv_fpenv own = nv_fpenv_get();
+        nv_fpenv_set(env);
         /* Whole vectors, so that the transposed keys' blocks are aligned to their size. */
         NV_T *kt = aligned_alloc(NV_VBYTES, sizeof(NV_T) * (size_t)(head_dim * stride + NV_KEYS));
         NV_T *scores = malloc(sizeof(NV_T) * (size_t)(NV_TILE * stride + 1));
@@ -537,6 +560,7 @@ int64_t NV_NAME(nv_paged_prefill)(const NV_T *q, int64_t q_row_stride, int64_t q
         }
         free(scores);
         free(kt);
+        nv_fpenv_set(own);
     }
     return failed ? -1 : 0;
 }

@@ -2,12 +2,14 @@
 
 Invariant: every output y[m][n] is computed by one fixed sequence of roundings that depends on K alone, never on M,
 N, the row's position, the tile that holds it, the thread count or the instruction set: 16 lanes, lane l taking
-k = l, l + 16, l + 32, ... in increasing k, each step one fused multiply-add (one rounding) starting from +0; then
-the lanes added in a fixed halving tree (lane l + lane l + 8, then + 4, + 2, + 1); then + bias[n]. Lanes past K in
-the last chunk take nothing. An accumulator that starts at +0 never becomes -0, so a masked lane adding 0 * 0 (the
-vector paths' tail) leaves it as the scalar path's skip does. The three paths below (AVX-512, AVX2 with FMA,
-portable C with fmaf) compute exactly these roundings: the build picks one with -march=native. Compiled with
--ffp-contract=off like cpu_attention.c: every fused multiply-add is written out, none is left to the compiler.
+k = l, l + 16, l + 32, ... in increasing k, each step one fused multiply-add (one rounding) starting from +0; when
+K is not a multiple of 16, the last chunk's lanes past K take one more step, fma(0, 0, acc) (which turns an
+accumulator of -0, left by a product that underflowed, into +0: zero-padding, as the emulation in linear.py pads);
+then the lanes added in a fixed halving tree (lane l + lane l + 8, then + 4, + 2, + 1); then + bias[n]. The three
+paths below (AVX-512, AVX2 with FMA, portable C with fmaf) compute exactly these roundings: the build picks one with
+-march=native; float64 follows the same rule with fma(). Compiled with -ffp-contract=off like cpu_attention.c: every
+fused multiply-add is written out, none is left to the compiler. Every thread computes in the caller's floating-point
+environment (flush-to-zero, denormals-are-zero, rounding: x86's MXCSR), which OpenMP's workers do not inherit.
 
 x is [M, K] with row stride ldx, w is [N, K] with row stride ldw (torch's Linear weight), both with unit stride
 along K; y is [M, N] with row stride ldy. Work is split into blocks of rows and columns, each block computed by one
@@ -31,8 +33,34 @@ thread, never along K.
 /* A unit of work: this many rows by this many columns, computed by one thread (multiples of 4 and 16). */
 #define NVL_ROW_BLOCK 64
 #define NVL_COL_BLOCK 64
-/* Below this many multiply-adds the call runs on one thread: waking a team costs more than it saves. */
-#define NVL_SERIAL_WORK (1 << 16)
+/* Each thread of a team gets at least this many multiply-adds (the call runs on one thread below twice this): waking
+   a worker costs microseconds on an idle machine and up to a scheduler slice on a loaded one, and a single row of the
+   default model's layers (65 to 200 thousand) takes tens of microseconds. How many threads run moves no bit: each
+   output is computed whole by one thread, by the rule above. */
+#define NVL_THREAD_WORK (1 << 20)
+
+/* The caller's floating-point environment, set on every thread of a parallel region for its duration and the
+   thread's own restored after: OpenMP's workers keep their own MXCSR, so a caller that flushes denormals
+   (torch.set_flush_denormal, a library built with -ffast-math) would otherwise have the blocks on the calling
+   thread rounded one way and the blocks on a worker another. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+typedef unsigned int nvl_fpenv;
+NVL_INLINE nvl_fpenv nvl_fpenv_get(void) { return _mm_getcsr(); }
+NVL_INLINE void nvl_fpenv_set(nvl_fpenv env) { _mm_setcsr(env); }
+#else
+typedef int nvl_fpenv;
+NVL_INLINE nvl_fpenv nvl_fpenv_get(void) { return 0; }
+NVL_INLINE void nvl_fpenv_set(nvl_fpenv env) { (void)env; }
+#endif
+
+/* How many threads a call of M * N * K multiply-adds in `units` blocks runs on. */
+static int64_t nvl_team(int64_t threads, int64_t units, int64_t M, int64_t N, int64_t K) {
+    const int64_t work = M * N * K / NVL_THREAD_WORK;
+    int64_t team = threads < 1 ? 1 : threads < units ? threads : units;
+    if (team > work) team = work < 1 ? 1 : work;
+    return team;
+}
 
 #if defined(__AVX512F__)
 
@@ -200,25 +228,32 @@ void nv_linear_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, con
     const int64_t row_blocks = (M + NVL_ROW_BLOCK - 1) / NVL_ROW_BLOCK;
     const int64_t col_blocks = (N + NVL_COL_BLOCK - 1) / NVL_COL_BLOCK;
     const int64_t units = row_blocks * col_blocks;
-    int64_t team = threads < 1 ? 1 : threads < units ? threads : units;
-    if (M * N * K < NVL_SERIAL_WORK) team = 1;
-#pragma omp parallel for schedule(static) num_threads((int)team)
-    for (int64_t u = 0; u < units; u++) {
-        /* Column blocks outer: a block of weight rows is reused by every row block a thread takes. */
-        const int64_t n0 = u / row_blocks * NVL_COL_BLOCK, m0 = u % row_blocks * NVL_ROW_BLOCK;
-        const int64_t n1 = n0 + NVL_COL_BLOCK < N ? n0 + NVL_COL_BLOCK : N;
-        const int64_t m1 = m0 + NVL_ROW_BLOCK < M ? m0 + NVL_ROW_BLOCK : M;
-        int64_t m = m0;
-        for (; m + 4 <= m1; m += 4) nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 4, 4);
-        /* The last rows: wider tiles, so each still keeps up to 16 accumulators busy. */
-        if (m1 - m == 3) nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 3, 4);
-        if (m1 - m == 2) nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 2, 8);
-        if (m1 - m == 1) nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 1, 16);
+    const int64_t team = nvl_team(threads, units, M, N, K);
+    const nvl_fpenv env = nvl_fpenv_get();
+#pragma omp parallel num_threads((int)team)
+    {
+        const nvl_fpenv own = nvl_fpenv_get();
+        nvl_fpenv_set(env);
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            /* Column blocks outer: a block of weight rows is reused by every row block a thread takes. */
+            const int64_t n0 = u / row_blocks * NVL_COL_BLOCK, m0 = u % row_blocks * NVL_ROW_BLOCK;
+            const int64_t n1 = n0 + NVL_COL_BLOCK < N ? n0 + NVL_COL_BLOCK : N;
+            const int64_t m1 = m0 + NVL_ROW_BLOCK < M ? m0 + NVL_ROW_BLOCK : M;
+            int64_t m = m0;
+            for (; m + 4 <= m1; m += 4)
+                nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 4, 4);
+            /* The last rows: wider tiles, so each still keeps up to 16 accumulators busy. */
+            if (m1 - m == 3) nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 3, 4);
+            if (m1 - m == 2) nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 2, 8);
+            if (m1 - m == 1) nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 1, 16);
+        }
+        nvl_fpenv_set(own);
     }
 }
 
-/* float64: the same rule in double (16 lanes of fused multiply-adds over k = l, l + 16, ... from +0, the halving
-   tree, then + bias[n]), each lane written as C's fma(), which the compiler turns into vector fused multiply-adds
+/* float64: the same rule in double (16 lanes of fused multiply-adds over k = l, l + 16, ... from +0, the last
+   chunk's lanes past K taking fma(0, 0, acc) as in float32, the halving tree, then + bias[n]), each lane written as C's fma(), which the compiler turns into vector fused multiply-adds
    where the target has them (one rounding each, as the standard requires, so any width gives the same bits). MKL's
    dgemm is M-dependent as its sgemm is (spec/batch-invariance.md, BI-6). */
 
@@ -237,7 +272,11 @@ NVL_INLINE void nvl_tile_f64(const double *x, int64_t ldx, const double *w, int6
     for (int i = 0; i < R; i++)
         for (int j = 0; j < C; j++) {
             double *a = acc[i][j];
-            for (int l = 0; l < K - k; l++) a[l] = fma(x[i * ldx + k + l], w[j * ldw + k + l], a[l]);
+            if (k < K)
+                for (int l = 0; l < NVL_LANES; l++) {
+                    const int in = l < K - k;
+                    a[l] = fma(in ? x[i * ldx + k + l] : 0.0, in ? w[j * ldw + k + l] : 0.0, a[l]);
+                }
             for (int width = NVL_LANES / 2; width > 0; width /= 2)
                 for (int l = 0; l < width; l++) a[l] = a[l] + a[l + width];
             y[i * ldy + j] = bias != NULL ? a[0] + bias[j] : a[0];
@@ -266,23 +305,29 @@ void nv_linear_f64(const double *x, int64_t ldx, const double *w, int64_t ldw, c
     const int64_t row_blocks = (M + NVL_ROW_BLOCK - 1) / NVL_ROW_BLOCK;
     const int64_t col_blocks = (N + NVL_COL_BLOCK - 1) / NVL_COL_BLOCK;
     const int64_t units = row_blocks * col_blocks;
-    int64_t team = threads < 1 ? 1 : threads < units ? threads : units;
-    if (M * N * K < NVL_SERIAL_WORK) team = 1;
-#pragma omp parallel for schedule(static) num_threads((int)team)
-    for (int64_t u = 0; u < units; u++) {
-        const int64_t n0 = u / row_blocks * NVL_COL_BLOCK, m0 = u % row_blocks * NVL_ROW_BLOCK;
-        const int64_t n1 = n0 + NVL_COL_BLOCK < N ? n0 + NVL_COL_BLOCK : N;
-        const int64_t m1 = m0 + NVL_ROW_BLOCK < M ? m0 + NVL_ROW_BLOCK : M;
-        for (int64_t m = m0; m < m1; m += 2) {
-            const int r = m1 - m < 2 ? 1 : 2;
-            for (int64_t n = n0; n < n1; n += 4) {
-                const int c = (int)(n1 - n < 4 ? n1 - n : 4);
-                const double *b = bias != NULL ? bias + n : NULL;
-                if (r == 2 && c == 4)
-                    nvl_tile_f64(x + m * ldx, ldx, w + n * ldw, ldw, b, y + m * ldy + n, ldy, K, 2, 4);
-                else
-                    nvl_tile_any_f64(x + m * ldx, ldx, w + n * ldw, ldw, b, y + m * ldy + n, ldy, K, r, c);
+    const int64_t team = nvl_team(threads, units, M, N, K);
+    const nvl_fpenv env = nvl_fpenv_get();
+#pragma omp parallel num_threads((int)team)
+    {
+        const nvl_fpenv own = nvl_fpenv_get();
+        nvl_fpenv_set(env);
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t n0 = u / row_blocks * NVL_COL_BLOCK, m0 = u % row_blocks * NVL_ROW_BLOCK;
+            const int64_t n1 = n0 + NVL_COL_BLOCK < N ? n0 + NVL_COL_BLOCK : N;
+            const int64_t m1 = m0 + NVL_ROW_BLOCK < M ? m0 + NVL_ROW_BLOCK : M;
+            for (int64_t m = m0; m < m1; m += 2) {
+                const int r = m1 - m < 2 ? 1 : 2;
+                for (int64_t n = n0; n < n1; n += 4) {
+                    const int c = (int)(n1 - n < 4 ? n1 - n : 4);
+                    const double *b = bias != NULL ? bias + n : NULL;
+                    if (r == 2 && c == 4)
+                        nvl_tile_f64(x + m * ldx, ldx, w + n * ldw, ldw, b, y + m * ldy + n, ldy, K, 2, 4);
+                    else
+                        nvl_tile_any_f64(x + m * ldx, ldx, w + n * ldw, ldw, b, y + m * ldy + n, ldy, K, r, c);
+                }
             }
         }
+        nvl_fpenv_set(own);
     }
 }

@@ -87,6 +87,13 @@ def compiled_path() -> str:
     return path.decode()
 
 
+def _no_products(x: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """The layer at in_features 0: every output is the sum of no products, +0, then + bias (BI-2's rule with no
+    chunk; F.linear's value, but for a bias of -0, which +0 + -0 makes +0)."""
+    y = torch.zeros(*x.shape[:-1], n, dtype=x.dtype)
+    return y if bias is None else y + bias
+
+
 def _unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as 2-D rows with unit stride along the last dimension (a copy only when it is not)."""
     rows = t.reshape(-1, t.shape[-1])
@@ -107,6 +114,8 @@ def compiled_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Callable[..., None] | None = None
 ) -> torch.Tensor:
     """The compiled kernel on checked tensors (``kernel``: another build's ``bind``, for tests)."""
+    if weight.shape[1] == 0:
+        return _no_products(x, weight.shape[0], bias)
     kernel = kernel or _kernel(x.dtype)
     rows, w = _unit_stride_rows(x), _unit_stride_rows(weight)
     b = bias.contiguous() if bias is not None else None
@@ -155,6 +164,8 @@ class BoundLinear:
         if x.dtype != self.dtype or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != k:
             raise ValueError(f"x {x.dtype} {tuple(x.shape)} on {x.device} does not fit this layer's "
                              f"[*, {k}] {self.dtype} on the CPU")  # fmt: skip
+        if k == 0:
+            return _no_products(x, n, self.bias)
         rows = x.reshape(-1, k)
         if rows.stride(-1) != 1 and k > 1:
             rows = rows.contiguous()
@@ -190,6 +201,8 @@ def fixed_order_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     _checked(x, weight, bias)
     if x.dtype != torch.float32:
         raise ValueError(f"x is {x.dtype}: fixed_order_linear emulates the float32 kernel only")
+    if weight.shape[1] == 0:
+        return _no_products(x, weight.shape[0], bias)
     rows, n, k = x.reshape(-1, x.shape[-1]), weight.shape[0], weight.shape[1]
     chunks = -(-k // LANES)
     pad = chunks * LANES - k
@@ -254,25 +267,32 @@ def relative_error(y: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def benchmark(
-    rows: tuple[int, ...] = (1, 8, 64, 256), threads: tuple[int, ...] = (1, 2), budget_s: float = 0.3
+    rows: tuple[int, ...] = (1, 8, 64, 256),
+    threads: tuple[int, ...] = (1, 2),
+    budget_s: float = 0.3,
+    dtype: torch.dtype = torch.float32,
 ) -> list[dict[str, object]]:
     """Time MKL (``F.linear``) and the invariant kernel side by side on the models' shapes and print one line each:
-    both medians, their ratio, and both errors against float64. Qwen3-0.6B's lm_head runs at 8 rows at most (the
-    engine computes it for a sequence's last token only)."""
+    both medians, their ratio, and both errors against float64 (in float64: against MKL's own result, so MKL's is
+    0 and the kernel's is their difference). Qwen3-0.6B's lm_head runs at 8 rows at most (the engine computes it
+    for a sequence's last token only), and not at all in float64 (a 1.2 GB weight)."""
     saved = torch.get_num_threads()
     results: list[dict[str, object]] = []
     g = torch.Generator().manual_seed(0)
-    print(f"invariant linear ({compiled_path()}) vs F.linear (MKL), float32, median seconds")
+    print(f"invariant linear ({compiled_path()}) vs F.linear (MKL), {str(dtype).removeprefix('torch.')}, "
+          "median seconds")  # fmt: skip
     print(f"{'model':<11} {'layer':<8} {'M':>4} {'K':>5} {'N':>6} {'th':>2} {'mkl_s':>10} {'kernel_s':>10} "
           f"{'ratio':>6} {'mkl_err':>9} {'kernel_err':>10}")  # fmt: skip
     try:
         for model, layers in MODEL_SHAPES.items():
             for layer, (k, n) in layers.items():
-                w = torch.randn(n, k, generator=g) / k**0.5
+                if n * k > 1 << 26 and dtype == torch.float64:
+                    continue
+                w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
                 for m in rows:
                     if n * k > 1 << 26 and m > 8:
                         continue
-                    x = torch.randn(m, k, generator=g)
+                    x = torch.randn(m, k, generator=g).to(dtype)
                     exact = float64_linear(x, w)
                     for t in threads:
                         torch.set_num_threads(t)
@@ -294,5 +314,17 @@ def benchmark(
     return results
 
 
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m kernels.linear", description=benchmark.__doc__)
+    parser.add_argument("--dtype", choices=sorted(n.removeprefix("torch.") for n in map(str, _SUFFIXES)),
+                        default="float32")  # fmt: skip
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256], help="the values of M")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args(argv)
+    benchmark(tuple(args.rows), tuple(args.threads), dtype=getattr(torch, args.dtype))
+
+
 if __name__ == "__main__":
-    benchmark()
+    main()

@@ -1,7 +1,8 @@
 """The batch-invariant kernels (spec/batch-invariance.md): a row of the invariant linear is the same bits alone or in
-any batch, at 1 or 2 threads, on every instruction-set path, and is exactly the order the spec states; MKL's is not
-(the negative control); its error against float64 is within 2x MKL's on the models' shapes; and the C decode
-attention of a query equals the C prefill's row for the same query and keys."""
+any batch, at 1 or 2 threads, with denormals flushed or not, on every instruction-set path, and is exactly the order
+the spec states; MKL's is not (the negative control); its error against float64 is within 2x MKL's on the models'
+shapes; and the C decode attention of a query equals the C prefill's row for the same query and keys. The builds
+for other instruction sets are made once per session, each of only the file its tests read."""
 
 from __future__ import annotations
 
@@ -133,23 +134,41 @@ def test_the_emulated_fma_rounds_once() -> None:
 PATH_FLAGS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
 
 
-@pytest.mark.clause("BI-2")
-def test_every_instruction_set_path_gives_the_same_bits(tmp_path: Path) -> None:
-    """BI-2: cpu_linear.c built for AVX2 and for no vector extension at all (the fallbacks of machines without
-    AVX-512) gives the very bits of this machine's build."""
+def build_for(source: Path, extra: tuple[str, ...], out: Path) -> ctypes.CDLL:
+    """``source`` alone, built with the library's flags plus ``extra`` (another instruction set), loaded."""
     compiler = cpu_build.find_compiler()
     assert compiler is not None
-    cases = [layer(m, n, k, m + n + k) for m, n, k in ((1, 5, 3), (4, 16, 16), (7, 33, 47), (300, 21, 99))]
+    cmd = [compiler, *cpu_build.FLAGS, *extra, "-o", str(out), str(source), *cpu_build.LIBS]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=cpu_build.BUILD_TIMEOUT_S)
+    return ctypes.CDLL(str(out))
+
+
+@pytest.fixture(scope="module")
+def linear_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL]:
+    """cpu_linear.c built once per session for each path this machine's build does not take."""
+    folder = tmp_path_factory.mktemp("linear-paths")
+    return {path: build_for(cpu_build.LINEAR_SOURCE, extra, folder / f"{path}.so")
+            for path, extra in PATH_FLAGS.items()}  # fmt: skip
+
+
+@pytest.mark.clause("BI-2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_every_instruction_set_path_gives_the_same_bits(
+    linear_paths: dict[str, ctypes.CDLL], dtype: torch.dtype
+) -> None:
+    """BI-2, BI-6: cpu_linear.c built for AVX2 and for no vector extension at all (the fallbacks of machines without
+    AVX-512) gives the very bits of this machine's build, float32 and float64."""
+    cases = []
+    for m, n, k in ((1, 5, 3), (4, 16, 16), (7, 33, 47), (300, 21, 99)):
+        x, w, b = layer(m, n, k, m + n + k)
+        assert b is not None
+        cases.append((x.to(dtype), w.to(dtype), b.to(dtype)))
     expected = [linear.compiled_linear(*case) for case in cases]
-    for path, extra in PATH_FLAGS.items():
-        out = tmp_path / f"linear-{path}.so"
-        cmd = [compiler, *cpu_build.FLAGS, *extra, "-o", str(out), str(cpu_build.LINEAR_SOURCE), *cpu_build.LIBS]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=cpu_build.BUILD_TIMEOUT_S)
-        library = ctypes.CDLL(str(out))
+    for path, library in linear_paths.items():
         named = library.nv_linear_path
         named.restype = ctypes.c_char_p
         assert named() == path.encode()
-        kernel = linear.bind(library)
+        kernel = linear.bind(library, dtype)
         for case, want in zip(cases, expected, strict=True):
             assert torch.equal(linear.compiled_linear(*case, kernel=kernel), want), (path, case[0].shape)
 
@@ -166,6 +185,77 @@ def test_error_against_float64_is_within_twice_mkls(model: str) -> None:
         mine = linear.relative_error(linear.invariant_linear(x, w), exact)
         mkl = linear.relative_error(F.linear(x, w), exact)
         assert mine <= 2 * mkl, (name, mine, mkl)
+
+
+@contextlib.contextmanager
+def flushing_denormals(warm: Callable[[], object]) -> Iterator[None]:
+    """The calling thread with flush-to-zero and denormals-are-zero on (torch.set_flush_denormal), off again after.
+    ``warm`` runs first at 2 threads, so OpenMP's worker exists before: a thread started later would inherit the
+    caller's flags, and the test could not fail."""
+    with at_threads(2):
+        warm()
+    assert torch.set_flush_denormal(True), "this CPU cannot flush denormals"
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+@pytest.mark.clause("BI-2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_flushed_denormals_change_no_row(dtype: torch.dtype) -> None:
+    """BI-2: with flush-to-zero and denormals-are-zero on in the calling thread (which OpenMP's workers do not
+    inherit), every thread computes in the caller's environment: products in the denormal range give each row the
+    same bits alone as in the batch, and at 1 thread as at 2 (before, every row differed)."""
+    g = torch.Generator().manual_seed(0)
+    tiny = 1e-20 if dtype == torch.float32 else 1e-155
+    m = 256  # 256 * 256 * 64 multiply-adds: enough work for 2 threads (NVL_THREAD_WORK)
+    x = (torch.rand(m, 64, generator=g, dtype=torch.float64) * tiny).to(dtype)
+    w = (torch.rand(m, 64, generator=g, dtype=torch.float64) * tiny * 10).to(dtype)
+    with flushing_denormals(lambda: linear.invariant_linear(x, w)):
+        with at_threads(2):
+            batch = linear.invariant_linear(x, w)
+            alone = [linear.invariant_linear(x[i : i + 1], w) for i in range(m)]
+        with at_threads(1):
+            single = linear.invariant_linear(x, w)
+    # Compared with denormals read as such again (a comparison under DAZ would call every denormal 0).
+    assert [i for i in range(m) if not torch.equal(batch[i : i + 1], alone[i])] == []
+    assert torch.equal(batch, single)
+    assert torch.equal(batch, torch.zeros_like(batch))  # every product flushed, as the caller asked
+
+
+@pytest.mark.clause("BI-2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_lanes_past_k_add_zero_times_zero(dtype: torch.dtype) -> None:
+    """BI-2's rule for a last chunk shorter than 16: its lanes past K take fma(0, 0, acc), in float32 and float64
+    alike, so a lane left at -0 by products that underflowed becomes +0. Every x = -tiny, w = tiny: at K = 16 each
+    lane is -0 and so is the output; at K = 17 lanes 1..15 add 0 * 0, +0, and the output is +0 (skipping them would
+    give -0)."""
+    tiny = 1e-30 if dtype == torch.float32 else 1e-200
+    for k, sign in ((16, -1.0), (17, 1.0), (33, 1.0)):
+        x, w = torch.full((3, k), -tiny, dtype=dtype), torch.full((2, k), tiny, dtype=dtype)
+        y = linear.invariant_linear(x, w)
+        assert torch.equal(y, torch.zeros(3, 2, dtype=dtype)) and bool((torch.copysign(torch.ones_like(y), y) == sign)
+                                                                      .all()), (k, y)  # fmt: skip
+        if dtype == torch.float32:
+            assert torch.equal(torch.copysign(torch.ones_like(y), linear.fixed_order_linear(x, w)),
+                               torch.copysign(torch.ones_like(y), y))  # fmt: skip
+
+
+@pytest.mark.clause("BI-5")
+def test_no_in_features_give_the_bias() -> None:
+    """BI-5: in_features 0 (an empty sum) gives +0 + bias, as F.linear gives the bias, through every entry point and
+    in both dtypes, never a reshape error."""
+    for dtype in (torch.float32, torch.float64):
+        x, w, b = torch.randn(3, 0, dtype=dtype), torch.randn(5, 0, dtype=dtype), torch.randn(5, dtype=dtype)
+        def bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+            return linear.BoundLinear(w, b)(x)
+
+        entries: list[Callable[..., torch.Tensor]] = [linear.invariant_linear, bound]
+        for fn in entries + ([linear.fixed_order_linear] if dtype == torch.float32 else []):
+            assert torch.equal(fn(x, w, b), F.linear(x, w, b))
+            assert torch.equal(fn(x, w, None), torch.zeros(3, 5, dtype=dtype))
+            assert fn(torch.randn(2, 4, 0, dtype=dtype), w, b).shape == (2, 4, 5)
 
 
 @pytest.mark.clause("BI-5")
@@ -281,12 +371,18 @@ def test_decode_row_equals_prefill_row_at_every_position(
 ATTENTION_PATHS = {"avx2": (("-mno-avx512f",), 32), "sse": (("-mno-avx512f", "-mno-avx"), 16)}
 
 
+@pytest.fixture(scope="module")
+def attention_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL]:
+    """cpu_attention.c built once per session for AVX2 and for SSE alone."""
+    folder = tmp_path_factory.mktemp("attention-paths")
+    return {path: build_for(cpu_build.SOURCE, extra, folder / f"{path}.so")
+            for path, (extra, _) in ATTENTION_PATHS.items()}  # fmt: skip
+
+
 @pytest.mark.clause("BI-4")
-def test_every_instruction_set_path_gives_the_same_attention_bits(tmp_path: Path) -> None:
+def test_every_instruction_set_path_gives_the_same_attention_bits(attention_paths: dict[str, ctypes.CDLL]) -> None:
     """BI-4: cpu_attention.c built for AVX2 and for SSE alone (the prefill's vectors a half and a quarter of AVX-512's)
     gives this machine's decode bits, from its decode and from its prefill alike."""
-    compiler = cpu_build.find_compiler()
-    assert compiler is not None
     cases = [
         (attention_case(seed, n, qlen, *gqa, d, block, dtype), n)
         for seed, (n, gqa, d, block) in enumerate([(75, (4, 2), 64, 16), (40, (2, 1), 128, 3), (29, (3, 1), 20, 4)])
@@ -294,11 +390,8 @@ def test_every_instruction_set_path_gives_the_same_attention_bits(tmp_path: Path
         for dtype in (torch.float32, torch.float64)
     ]
     expected = [decode_and_prefill(case, n)[0] for case, n in cases]
-    for path, (extra, vector_bytes) in ATTENTION_PATHS.items():
-        out = tmp_path / f"attention-{path}.so"
-        cmd = [compiler, *cpu_build.FLAGS, *extra, "-o", str(out), str(cpu_build.SOURCE)]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=cpu_build.BUILD_TIMEOUT_S)
-        library = ctypes.CDLL(str(out))
+    for path, (_, vector_bytes) in ATTENTION_PATHS.items():
+        library = attention_paths[path]
         width = library.nv_attention_vector_bytes
         width.restype = ctypes.c_int64
         assert width() == vector_bytes, path
@@ -306,3 +399,33 @@ def test_every_instruction_set_path_gives_the_same_attention_bits(tmp_path: Path
             decode, prefill = decode_and_prefill(case, n, library)
             assert torch.equal(decode, want), (path, "decode", case[0].shape, case[0].dtype)
             assert torch.equal(prefill, want), (path, "prefill", case[0].shape, case[0].dtype)
+
+
+@pytest.mark.clause("BI-4")
+def test_flushed_denormals_change_no_attention_bit() -> None:
+    """BI-4, KERN-26: with flush-to-zero and denormals-are-zero on in the calling thread, every thread of the C
+    attention computes in the caller's environment: values in the denormal range give the prefill the same bits at
+    1 and 2 threads, and the decode's (before, the KV head a worker took kept its denormals)."""
+    g = torch.Generator().manual_seed(0)
+    rows, n = 16, 300
+    blocks = n // 16 + 1
+    q = torch.randn(rows, 4, 64, generator=g)
+    k_cache = torch.randn(blocks, 16, 2, 64, generator=g)
+    v_cache = torch.rand(blocks, 16, 2, 64, generator=g) * 1e-39
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    cu, lens = torch.tensor([0, rows], dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
+    own, tables = torch.arange(n - rows + 1, n + 1, dtype=torch.int32), table.expand(rows, -1).contiguous()
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        decode = cpu_attention.paged_decode(q, k_cache, v_cache, own, tables, 0.125)
+        return decode, cpu_attention.paged_prefill(q, k_cache, v_cache, cu, lens, table, 0.125)
+
+    with flushing_denormals(both):
+        with at_threads(2):
+            decode2, prefill2 = both()
+        with at_threads(1):
+            decode1, prefill1 = both()
+    assert torch.equal(prefill2, prefill1)
+    assert torch.equal(decode2, decode1)
+    assert torch.equal(decode2, prefill2)
+    assert torch.equal(prefill2, torch.zeros_like(prefill2))  # every denormal read as 0, as the caller asked
