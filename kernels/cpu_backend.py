@@ -2,8 +2,10 @@
 
 Invariants: ``store_kv`` is the torch backend's (KERN-1); ``decode`` and ``prefill`` run the C kernels (KERN-22,
 KERN-27) whenever they take the tensors (float32 or float64, contiguous caches) and the torch ones otherwise, so the
-backend serves every dtype. Its decode reads exactly each row's context whatever the table width, so a caller gains
-nothing by sorting or splitting rows (``reads_cache_in_place``).
+backend serves every dtype; made for the batch-invariant mode (``batch_invariant=True``) it never falls back: tensors
+the C kernels cannot take are a ValueError with the reason, since torch's prefill and decode sum a query's keys in
+different orders (spec/batch-invariance.md BI-4, BI-7). Its decode reads exactly each row's context whatever the
+table width, so a caller gains nothing by sorting or splitting rows (``reads_cache_in_place``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,17 @@ class CpuBackend:
     capturable = False  # CPU only: there are no CUDA graphs to capture it in
     reads_cache_in_place = True
     needs_decode_plan = False
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
+
+    def _compiled(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """Whether the C kernels take these tensors; in the batch-invariant mode they must."""
+        reason = cpu_attention.refusal(q, k_cache, v_cache)
+        if reason is not None and self.batch_invariant:
+            raise ValueError(f"batch_invariant: the C attention cannot take these tensors ({reason}), and torch's "
+                             "would change bits between prefill and decode (BI-4)")  # fmt: skip
+        return reason is None
 
     def store_kv(
         self,
@@ -39,7 +52,7 @@ class CpuBackend:
         block_tables: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        if cpu_attention.supports(q, k_cache, v_cache):
+        if self._compiled(q, k_cache, v_cache):
             return cpu_attention.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
         return paged_attention.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
@@ -57,6 +70,6 @@ class CpuBackend:
         scale: float,
         plan: object | None = None,
     ) -> torch.Tensor:
-        if cpu_attention.supports(q, k_cache, v_cache):
+        if self._compiled(q, k_cache, v_cache):
             return cpu_attention.paged_decode(q, k_cache, v_cache, context_lens, block_tables, scale)
         return paged_attention.paged_decode(q, k_cache, v_cache, context_lens, block_tables, scale)

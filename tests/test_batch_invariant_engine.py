@@ -1,7 +1,8 @@
 """The engine's batch-invariant mode (spec/batch-invariance.md, BI-6..BI-10): refused with its reason where it cannot
-hold; in it every op of the forward pass gives a row the same bits alone or in a batch; and a request's tokens and
-final logits are the same bits alone, in a crowd, chunked, preempted, on a hot prefix cache, at 1 or 2 threads. The
-negative control: with the mode off the same checks find differences."""
+hold (and not even asked when it is off); its attention never falls back to torch's; in it every op of the forward
+pass gives a row the same bits alone or in a batch; and a request's tokens and final logits (the runner's raw logits,
+float64 unrounded) are the same bits alone, in a crowd, chunked, preempted, on a hot prefix cache, at 1 or 2 threads.
+The negative control: with the mode off the same checks find differences, in float32 and in float64."""
 
 from __future__ import annotations
 
@@ -179,6 +180,48 @@ def test_where_it_cannot_hold_it_is_refused_with_the_reason(monkeypatch: pytest.
     assert reason is not None and "no C compiler (a test)" in reason and "torch emulation" in reason
 
 
+@pytest.mark.clause("BI-7")
+def test_the_refusal_is_asked_only_when_the_mode_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BI-7: with the mode off (False or None) the build never computes the refusal, which would build the C library
+    (up to the build's timeout) even for torch's attention."""
+    from optimized.entry import build
+
+    def refuse(*args: Any) -> str:
+        raise AssertionError("batch_invariant_refusal called with the mode off")
+
+    monkeypatch.setattr(build, "batch_invariant_refusal", refuse)
+    for off in (False, None):
+        assert make(off, attention_backend="torch", num_kvcache_blocks=16).settings.batch_invariant is False
+    with pytest.raises(AssertionError, match="called with the mode off"):
+        make(True)
+
+
+@pytest.mark.clause("BI-4", "BI-7")
+def test_in_the_mode_the_attention_never_falls_back_to_torch() -> None:
+    """BI-4, BI-7: the mode's runner has the "cpu" backend made strict: tensors its C kernels cannot take (a cache
+    that is not contiguous) are a ValueError with the reason, where the plain backend quietly runs torch's attention,
+    whose prefill and decode sum keys in different orders."""
+    from kernels.cpu_backend import CpuBackend
+
+    backend = make().engine.runner.backend
+    assert isinstance(backend, CpuBackend) and backend.batch_invariant
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(4, 4, 2, 2, 8, generator=g)[:, :, :, 0]  # [blocks, block size, kv heads, dim], strided
+    q = torch.randn(3, 4, 8, generator=g)
+    lens, table = torch.tensor([5, 9, 1], dtype=torch.int32), torch.tensor([[0, 1, 2]] * 3, dtype=torch.int32)
+    plain, strict = CpuBackend(), CpuBackend(batch_invariant=True)
+    assert plain.decode(q, cache, cache, lens, table, 0.3).shape == q.shape  # torch's, quietly
+    with pytest.raises(ValueError, match=r"^batch_invariant: the C attention cannot take these tensors \(k_cache "
+                                         r"is not contiguous"):  # fmt: skip
+        strict.decode(q, cache, cache, lens, table, 0.3)
+    cu, ctx = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="k_cache is not contiguous"):
+        strict.prefill(q, cache, cache, cu, ctx, table[:1], 0.3)
+    contiguous = cache.contiguous()
+    assert torch.equal(strict.decode(q, contiguous, contiguous, lens, table, 0.3),
+                       plain.decode(q, contiguous, contiguous, lens, table, 0.3))  # fmt: skip
+
+
 # --- every op of the forward pass, row by row (BI-8) ---
 
 
@@ -345,11 +388,26 @@ def test_a_hot_prefix_cache_changes_no_bit_even_on_blocks_decode_wrote() -> None
 
 @pytest.mark.clause("BI-10")
 def test_float64_mode_holds_in_a_crowd() -> None:
-    """BI-10 in float64: the needle in a crowd, chunked, equals its run alone. (On this tiny checkpoint the mode off
-    happens to give the same bits too, so this checks the float64 wiring; BI-6's test is the float64 proof.)"""
+    """BI-10 in float64: the needle in a crowd, chunked, gets the same tokens and the same float64 logits bits (the
+    runner hands its observer the raw logits, not a float32 copy) as its run alone."""
     prompts, params, at = crowd(random.Random(5), 0, 6)
     got = run(make(dtype="float64", max_num_batched_tokens=16), prompts, params)[at]
+    assert got.logits.dtype == torch.float64
     assert same(got, alone(0, dtype="float64"))
+
+
+@pytest.mark.clause("BI-10")
+def test_with_the_mode_off_float64_logits_differ() -> None:
+    """BI-10's negative control in float64: with the mode off the needle's float64 logits in a crowd (whole or
+    chunked) differ from its run alone in some bit, so the float64 check above can fail."""
+    differ = 0
+    for seed in range(2):
+        for budget in (8192, 7):
+            prompts, params, at = crowd(random.Random(seed), 0, 5)
+            got = run(make(False, dtype="float64", max_num_batched_tokens=budget), prompts, params)[at]
+            assert got.logits.dtype == torch.float64
+            differ += not torch.equal(got.logits, alone(0, on=False, dtype="float64").logits)
+    assert differ > 0
 
 
 @pytest.mark.clause("BI-10")

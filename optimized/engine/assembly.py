@@ -142,9 +142,14 @@ def load_runner(
                              spec.cpu_kvcache_gib)
     if agree is not None:
         blocks = agree(blocks)
+    backend = get_backend(spec.attention_backend, device)
+    if spec.batch_invariant:  # refused unless "cpu" (BI-7): its C attention, never torch's as a fallback (BI-4)
+        from kernels.cpu_backend import CpuBackend
+
+        backend = CpuBackend(batch_invariant=True)
     return ModelRunner(
         net,
-        get_backend(spec.attention_backend, device),
+        backend,
         blocks,
         spec.kvcache_block_size,
         spec.max_model_len,

@@ -77,9 +77,10 @@ def build_engine(args: EngineArgs) -> EngineParts:
         raise ValueError(f"attention_backend: {e}") from None
     if args.enforce_eager is False and dev.type == "cuda" and not backend.capturable:
         raise ValueError("enforce_eager=False on CUDA needs attention_backend 'triton' or 'flash-attn'")
-    refusal = batch_invariant_refusal(dev, dtype, backend.name, args.tensor_parallel_size)
-    if args.batch_invariant and refusal is not None:
-        raise ValueError(f"batch_invariant cannot hold: {refusal}")
+    if args.batch_invariant:  # only when asked: the refusal builds the C library to learn whether it can hold
+        refusal = batch_invariant_refusal(dev, dtype, backend.name, args.tensor_parallel_size)
+        if refusal is not None:
+            raise ValueError(f"batch_invariant cannot hold: {refusal}")
     c = load_config(model_dir)
     launch.check_plan(args.tensor_parallel_size, c, dev)  # TP-1: refused before any process starts
     max_model_len = strict_int(c.max_position_embeddings if args.max_model_len is None else args.max_model_len,
