@@ -18,9 +18,11 @@ TP-10): TP=1 with the run's thread count, each of the N ranks with that count di
 use the same cores; the TP=N line adds rank 0's communication per step (all-reduces, their bytes and time).
 
 With ``--compare-batch-invariant`` the two sides are the engine with the batch-invariant mode off and on
-(spec/batch-invariance.md, BI-10): two engines of the same settings, each warmed, then timed in alternation
-(off, on, off, on, ...; ``INVARIANT_ROUNDS`` each) so that a neighbour's load falls on both; each round's wall and
-CPU seconds are printed, then both medians and their ratio, and how many requests got the same tokens from both.
+(spec/batch-invariance.md, BI-10): two engines of the same settings, each warmed, then timed in alternation, the
+order swapped each round (off then on, on then off, ...; ``INVARIANT_ROUNDS`` each) so that neither always runs
+first and a neighbour's load falls on both; each round's wall and CPU seconds are printed, then both medians and their
+ratio, and how many requests got the same tokens from both. With ``--with-transformers`` transformers' ``generate``
+serves the workload too, once, after the rounds, and the mode-on engine's median is set against it (wall and CPU).
 
 The engine's settings are ``EngineArgs`` (every engine flag; its seed seeds the workload too); the workload's are
 the command's own flags, ``DEFAULTS`` filling those not given.
@@ -232,8 +234,8 @@ def compare_batch_invariant(args: argparse.Namespace, engine: EngineArgs, thread
     for llm in sides.values():
         llm.generate(warmup.prompts, _params(warmup), use_tqdm=False)
     for r in range(INVARIANT_ROUNDS):
-        for on, llm in sides.items():
-            timing, outputs[on] = run_engine(llm, w, Workload([], []))
+        for on in (False, True) if r % 2 == 0 else (True, False):
+            timing, outputs[on] = run_engine(sides[on], w, Workload([], []))
             times[on].append(timing)
             print(f"round {r + 1}, mode {'on ' if on else 'off'}: {w.output_tokens / timing.wall:10.1f} output tok/s "
                   f"({timing.wall:.2f} s, {timing.cpu:.2f} CPU s)")
@@ -245,6 +247,18 @@ def compare_batch_invariant(args: argparse.Namespace, engine: EngineArgs, thread
     same = sum(a == b for a, b in zip(outputs[False], outputs[True], strict=True))
     print(f"requests with identical tokens in both modes: {same}/{len(w.prompts)}")
     print(f"ratio (on / off time): wall {wall[True] / wall[False]:.3f}, CPU {cpu[True] / cpu[False]:.3f}")
+    if getattr(args, "with_transformers", False):
+        dtype_name = off.settings.dtype
+        assert dtype_name is not None  # resolved when the LLM was built
+        hf_batch_size = int(_arg(args, "hf_batch_size"))
+        hf, hf_out, attn = run_transformers(str(off.model_dir), torch_dtype(dtype_name), off.device, w, hf_batch_size,
+                                            warmup)  # fmt: skip
+        print(f"transformers generate:      {w.output_tokens / hf.wall:10.1f} output tok/s ({hf.wall:.2f} s, "
+              f"{hf.cpu:.2f} CPU s, static left-padded batches of {hf_batch_size}, {attn} attention)")
+        same = sum(a == b for a, b in zip(outputs[True], hf_out, strict=True))
+        print(f"requests with identical tokens, mode on and transformers: {same}/{len(w.prompts)}")
+        print(f"ratio (mode-on engine / transformers): {hf.wall / wall[True]:.2f}x by wall time, "
+              f"{hf.cpu / cpu[True]:.2f}x by CPU seconds")
     return 0
 
 
@@ -261,6 +275,9 @@ def run(args: argparse.Namespace, engine: EngineArgs) -> int:
     size = engine.tensor_parallel_size
     if size > 1 and getattr(args, "trace", False):
         raise ValueError("--trace and --tensor-parallel-size each replace the transformers side: give one at a time")
+    if getattr(args, "with_transformers", False) and not getattr(args, "compare_batch_invariant", False):
+        raise ValueError("--with-transformers goes with --compare-batch-invariant (transformers is otherwise the "
+                         "other side already)")
     if getattr(args, "compare_batch_invariant", False):
         if size > 1 or getattr(args, "trace", False):
             raise ValueError("--compare-batch-invariant replaces the transformers side: give it without "

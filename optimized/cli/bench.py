@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     "a trace (spec/trace.md), alternating, and the cost")
     tp.add_argument("--compare-batch-invariant", action="store_true", help="instead of transformers: the engine "
                     "with the batch-invariant mode off and on (spec/batch-invariance.md), alternating, and the ratio")
+    tp.add_argument("--with-transformers", action="store_true", help="with --compare-batch-invariant: transformers' "
+                    "generate too, once, in the same run, and the engine with the mode on against it")
     threads = sub.add_parser("threads", help="the engine under each thread count and OpenMP wait policy, "
                              "idle and with another process spinning on one core")
     from optimized.benchmarks import busy_core
