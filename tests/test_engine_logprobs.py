@@ -121,16 +121,30 @@ def test_logprobs_in_every_regime(regime: dict[str, Any]) -> None:
 
 
 @pytest.mark.clause("ENG-30")
-def test_a_whole_prompt_from_the_cache_still_gets_its_prompt_logprobs() -> None:
+def test_a_whole_prompt_from_the_cache_still_gets_its_prompt_logprobs(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-30: a prompt the prefix cache holds but for its last token (every earlier position a hit) gets every
-    prompt logprob, recomputed by a forward that stores nothing: the cached KV is unchanged, bit for bit."""
+    prompt logprob, recomputed by a forward that stores nothing: no store is asked for a slot of the hit blocks
+    (a store of the same values would leave the cache unchanged, so the stores themselves are watched), and the
+    cached KV is unchanged, bit for bit."""
+    from kernels import paged_attention
+
     prompt = SHARED + SHARED[:8]  # 32 tokens: 7 whole blocks of 4 are hits the second time
     llm = make()
+    stored: list[int] = []
+    real_store = paged_attention.store_kv
+
+    def watched_store(k: Any, v: Any, k_cache: Any, v_cache: Any, slot_mapping: torch.Tensor) -> None:
+        stored.extend(int(s) for s in slot_mapping.tolist() if s >= 0)
+        real_store(k, v, k_cache, v_cache, slot_mapping)
+
     with one_thread():
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
         cache = llm.engine.runner.kv_cache.clone()
+        monkeypatch.setattr(paged_attention, "store_kv", watched_store)
         rid = llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, logprobs=1, prompt_logprobs=4))
         outs = llm.step()
+        hit_slots = {b * 4 + o for b in llm.engine.by_arrival[rid].seq.block_table[:7] for o in range(4)}
+        assert stored and not hit_slots & set(stored), sorted(hit_slots & set(stored))
         hits = llm.engine.by_arrival[rid].seq.block_table[:7]
         while llm.has_unfinished_requests():
             outs += llm.step()
@@ -257,3 +271,17 @@ def test_not_asked_is_none_and_an_abort_keeps_what_it_got() -> None:
     assert aborted is not None and aborted.logprobs is not None
     assert len(aborted.logprobs) == len(aborted.token_ids) > 0
     assert all(isinstance(v, Logprob) for d in aborted.logprobs for v in d.values())
+
+
+@pytest.mark.clause("ENG-29")
+def test_many_rows_taken_in_slices_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENG-29: a prompt's rows are ranked in slices (bounded memory); since every value is its own row's, the
+    slices give the bits of one pass over every row, counts differing per row included."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(70, VOCAB, generator=gen)
+    logits[5, :8] = logits[5, 8]  # ties, ranked by id
+    tokens = [int(t) for t in torch.randint(0, VOCAB, (70,), generator=gen)]
+    counts = [i % 5 for i in range(70)]
+    whole = logprobs.row_logprobs(logits, tokens, counts)
+    monkeypatch.setattr(logprobs, "ROWS_AT_ONCE", 16)
+    assert logprobs.row_logprobs(logits, tokens, counts) == whole

@@ -78,8 +78,18 @@ def asked(draws: Sequence[AskingDraw]) -> bool:
     return any(d.logprobs >= 0 or d.prompt_logprobs >= 0 for d in draws)
 
 
+ROWS_AT_ONCE = 256  # rows whose [rows, vocab] intermediates exist at once: a long prompt's are taken in slices
+
+
 def row_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int]) -> list[TokenLogprobs]:
-    """Row i's ``tokens[i]`` logprob, rank and ``counts[i]`` top alternatives (at most the vocabulary)."""
+    """Row i's ``tokens[i]`` logprob, rank and ``counts[i]`` top alternatives (at most the vocabulary).
+
+    Every value is a function of its own row (ENG-29), so taking the rows in slices of ``ROWS_AT_ONCE`` changes no
+    bit; it bounds the log-softmax copy and the ranking's masks by the slice, not by the prompt."""
+    if len(tokens) > ROWS_AT_ONCE:
+        return [got for a in range(0, len(tokens), ROWS_AT_ONCE)
+                for got in row_logprobs(logits[a : a + ROWS_AT_ONCE], tokens[a : a + ROWS_AT_ONCE],
+                                        counts[a : a + ROWS_AT_ONCE])]
     if not tokens:
         return []
     lp = log_probs(logits)
