@@ -5,6 +5,7 @@ model. Fast enough to judge a mutant of the optimized core by check mode (tests/
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +32,13 @@ def workload(seed: int, requests: int, vocab: int = 8) -> list[tuple[list[int], 
 
 
 def drive(port: SchedulerPort[Any], shadow: Shadow, work: list[tuple[list[int], int]], eos: int,
-          arrive_every: int = 2, abort_every: int = 0, max_steps: int = 400) -> int:
+          arrive_every: int = 2, abort_every: int = 0, max_steps: int = 400,
+          after_postprocess: Callable[[int], None] | None = None) -> int:
     """Admit ``work`` two requests per ``arrive_every`` steps (aborting every ``abort_every``-th arrival one step
     after it came, when set), step until done; tokens are a function of the step and the sequence's length (eos
-    now and then). Returns the steps taken; a divergence raises ``ShadowDivergence``."""
+    now and then). ``after_postprocess(step)``, when given, runs between the port's postprocess and the shadow's
+    (a test corrupts the engine's state there). Returns the steps taken; a divergence raises
+    ``ShadowDivergence``."""
     live: dict[int, Req] = {}
     pending = list(enumerate(work))
     step = 0
@@ -65,6 +69,8 @@ def drive(port: SchedulerPort[Any], shadow: Shadow, work: list[tuple[list[int], 
         shadow.scheduled(port, out, requests, live)
         tokens = [eos if (step + s.num_tokens) % 11 == 0 else (step * 7 + s.num_tokens) % 5 for s in out.batch]
         finished = [live.pop(s.seq_id) for s in port.postprocess(out.batch, tokens, out.is_prefill)]
+        if after_postprocess is not None:
+            after_postprocess(step)
         shadow.stepped(port, tokens, finished, 0.0)
         step += 1
     return step

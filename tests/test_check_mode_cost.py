@@ -10,9 +10,11 @@ import pytest
 
 from optimized import LLM, SamplingParams
 from optimized.cli import main
+from optimized.core.kv_cache_manager import KVCacheManager
 from optimized.core.scheduler import Scheduler
 from optimized.engine.args import EngineArgs
 from optimized.verify import shadow as shadow_module
+from optimized.verify.reference_port import ReferenceBlocks
 from optimized.verify.shadow import Shadow, ShadowDivergence
 from tests.check_driver import config, drive, workload
 from tests.engine_fixtures import checkpoint, make_llm
@@ -98,6 +100,81 @@ def test_a_decision_difference_is_caught_at_that_step_naming_it_with_both_states
     assert "id=" in str(err.value).split("--- reference scheduler ---")[1]  # the reference's state is shown
 
 
+@pytest.mark.clause("CHECK-2", "CHECK-4")
+@pytest.mark.parametrize(("budget", "at", "index"), [(16, 0, 0), (4, 1, 2)], ids=["one-shot", "middle-chunk"])
+def test_a_block_hashed_in_the_middle_of_a_prefill_corrupted_is_caught_at_that_step(budget: int, at: int,
+                                                                                     index: int) -> None:
+    """CHECK-2, CHECK-4: every block a prefill step fills is hashed, not only the table's last ones: one of the
+    first blocks a step hashed (block 0 of a one-shot prefill; the first of a middle chunk's, whose table the
+    step did not grow), its hash corrupted in the engine's cache right after that step's postprocess, is caught
+    at that very step with a large check_full_every."""
+    cfg = config(block_size=2, max_num_batched_tokens=budget)
+    port = Scheduler(cfg)
+    shadow = Shadow(cfg, full_every=1000)
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6]  # 6 blocks: one step at budget 16, three at budget 4
+    corrupted: list[int] = []
+
+    def corrupt(step: int) -> None:
+        if step == at:
+            blocks = port.blocks
+            block = [*port.running, *port.waiting][0].block_table[index]  # the one request
+            blocks.flush()
+            assert blocks.block_hash(block) != -1  # the step hashed it
+            blocks._hashes[block] ^= 1  # the port's internals: the hash the step just wrote
+            corrupted.append(block)
+
+    with pytest.raises(ShadowDivergence, match=rf"check mode, step {at}: block (\d+) \(touched by this step\)") as err:
+        drive(port, shadow, [(prompt, 4)], cfg.eos, after_postprocess=corrupt)
+    assert str(err.value).startswith(f"check mode, step {at}: block {corrupted[0]} ")
+
+
+@pytest.mark.clause("CHECK-3")
+def test_close_after_an_interrupted_step_compares_nothing_and_hides_nothing() -> None:
+    """CHECK-3: an interruption after the model ran and before the step's end (the engine untrusted, the
+    reference a part of a step behind) propagates out of ``with llm:`` as it is: close() compares nothing."""
+
+    class Interrupt(BaseException):
+        """A Ctrl-C, as the engine sees it (never a model fault)."""
+
+    llm = make(check_full_every=1000)
+    shadow = llm.shadow
+    assert shadow is not None
+    llm.engine.add([1, 2, 3, 4, 5, 6], GREEDY, seed=0)
+    runner = llm.engine.runner
+    real, calls = runner.take_logprobs, [0]
+
+    def take_logprobs() -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise Interrupt
+        return real()
+
+    runner.take_logprobs = take_logprobs  # type: ignore[method-assign]
+    before = shadow.full_comparisons
+    with pytest.raises(Interrupt) as err, llm:
+        for _ in range(5):
+            llm.engine.step()
+    assert not llm.trusted and shadow.step == 2
+    assert err.value.__context__ is None and not getattr(err.value, "__notes__", None)  # nothing was compared
+    llm.close()  # again, with nothing propagating: still nothing compared, nothing raised
+    assert shadow.full_comparisons == before
+
+
+@pytest.mark.clause("CHECK-3")
+def test_close_never_hides_an_exception_that_propagates() -> None:
+    """CHECK-3: with the engine trusted, close() still compares while another exception leaves ``with llm:``,
+    and a divergence it finds is noted on that exception instead of replacing it."""
+    llm = make(check_full_every=1000)
+    long = llm.engine.add([1, 2, 3, 4, 5, 6], GREEDY, seed=0)
+    with pytest.raises(LookupError, match="the caller's") as err, llm:
+        for _ in range(3):
+            llm.engine.step()
+        llm.engine.scheduler.blocks.pool._extra[long.seq.block_table[0]] += 1  # untouched by any step since
+        raise LookupError("the caller's")
+    assert llm.trusted
+    assert any("full check at close" in note for note in getattr(err.value, "__notes__", []))
+
+
 @pytest.mark.clause("CHECK-3")
 def test_full_comparisons_come_every_k_steps_and_at_the_end_of_a_run() -> None:
     """CHECK-3: every check_full_every-th step and whenever nothing is left live; the default is EngineArgs'."""
@@ -129,10 +206,12 @@ def test_close_compares_when_requests_are_still_live() -> None:
     assert shadow.full_comparisons == before
 
 
-@pytest.mark.clause("CHECK-2")
-def test_a_step_reads_only_the_blocks_it_touched() -> None:
-    """CHECK-2: between full comparisons a step reads a number of blocks that follows the batch, not num_blocks:
-    on a cache of 100,000 blocks, no step of the per-step check reads more than the touched blocks."""
+@pytest.mark.clause("CHECK-1", "CHECK-2", "CHECK-3")
+def test_a_step_reads_only_the_blocks_it_touched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CHECK-1, CHECK-2, CHECK-3: between full comparisons a step, or an abort, reads a number of blocks that
+    follows the batch, not num_blocks: on a cache of 100,000 blocks, no step of the per-step check reads more
+    than the touched blocks, neither scheduler's free queue nor prefix table is copied, and an abort brings no
+    full comparison (only the end of a run does, with nothing live)."""
     cfg = config(num_blocks=100_000, block_size=2)
     port = Scheduler(cfg)
     shadow = Shadow(cfg, full_every=10**9)
@@ -144,11 +223,21 @@ def test_a_step_reads_only_the_blocks_it_touched() -> None:
         return real(block_id)
 
     port.blocks.ref_count = counted  # type: ignore[method-assign]
-    full = shadow._compare_full
-    shadow._compare_full = lambda *a: None  # type: ignore[method-assign]  # the ends' full comparisons: not here
-    steps = drive(port, shadow, workload(1, 12), cfg.eos)
-    shadow._compare_full = full  # type: ignore[method-assign]
+    copies: list[str] = []
+    for side in (KVCacheManager, ReferenceBlocks):
+        for name in ("free_block_ids", "hash_to_block_id"):
+            getter = getattr(side, name).fget
+
+            def copied(blocks: Any, getter: Any = getter, name: str = name) -> Any:
+                copies.append(name)
+                return getter(blocks)
+
+            monkeypatch.setattr(side, name, property(copied))
+    full_with_live: list[bool] = []
+    shadow._compare_full = lambda *a: full_with_live.append(bool(shadow.by_arrival))  # type: ignore[method-assign]
+    steps = drive(port, shadow, workload(1, 12), cfg.eos, abort_every=3)
     assert steps > 10 and 0 < len(reads) < 40 * steps
+    assert copies == [] and full_with_live and not any(full_with_live)
 
 
 @pytest.mark.clause("CHECK-4")

@@ -267,8 +267,12 @@ class LLM:
             try:
                 launch.close(self._group)
             finally:  # the trace is closed even when stopping the workers raised
+                shadow = self.shadow
                 for observer in self.engine.observers:
-                    observer.close()
+                    if shadow is not None and observer is shadow:  # CHECK-3: no state a change left half done
+                        shadow.close(trusted=self.engine.trusted)
+                    else:
+                        observer.close()
 
     def __enter__(self) -> LLM:
         return self
