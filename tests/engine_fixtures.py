@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -138,12 +138,17 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_tokens: list[int]) -> 
 
 
 @contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch on one thread: these matrices are tiny, and on a shared 2-core machine OpenMP barriers
-    between busy cores cost more than the arithmetic (measured: 0.2 s vs 7.8 s for the same engine run)."""
+def at_threads(count: int) -> Iterator[None]:
+    """torch (and so the C kernels) on ``count`` threads, restored after."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(count)
     try:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def one_thread() -> AbstractContextManager[None]:
+    """Run torch on one thread: these matrices are tiny, and on a shared 2-core machine OpenMP barriers
+    between busy cores cost more than the arithmetic (measured: 0.2 s vs 7.8 s for the same engine run)."""
+    return at_threads(1)

@@ -6,9 +6,7 @@ The negative control: with the mode off the same checks find differences, in flo
 
 from __future__ import annotations
 
-import contextlib
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +25,7 @@ from optimized.engine.assembly import batch_invariant_refusal
 from optimized.engine.sampling_params import SamplingParams
 from optimized.entry.llm import LLM
 from optimized.models.decoder import MLP, Linear
-from tests.engine_fixtures import checkpoint
+from tests.engine_fixtures import at_threads, checkpoint
 
 pytestmark = [pytest.mark.usefixtures("engine_env")]
 VOCAB = 256
@@ -38,16 +36,6 @@ def _kernels_built() -> None:
     if cpu_build.find_compiler() is None:
         pytest.skip("no C compiler on the PATH: the mode is refused (tested below)")
     assert cpu_build.unavailable_reason() is None
-
-
-@contextlib.contextmanager
-def at_threads(count: int) -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def make(on: bool | None = True, **overrides: Any) -> LLM:

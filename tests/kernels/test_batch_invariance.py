@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import cpu_attention, cpu_build, linear
+from tests.engine_fixtures import at_threads
 
 ODD = st.integers(0, 40).map(lambda i: 2 * i + 1)
 
@@ -30,17 +31,6 @@ def _kernel_available() -> None:
         pytest.skip("no C compiler on the PATH")
     reason = cpu_build.unavailable_reason()
     assert reason is None, f"the C kernels did not build: {reason}"
-
-
-@contextlib.contextmanager
-def at_threads(count: int) -> Iterator[None]:
-    """torch (and so the C kernels) on ``count`` threads, restored after."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def layer(
