@@ -221,6 +221,22 @@ NVL_INLINE void nvl_row_group(const float *x, int64_t ldx, const float *w, int64
     }
 }
 
+/* The split both precisions share: units of NVL_ROW_BLOCK rows by NVL_COL_BLOCK columns, column blocks outer (a
+   block of weight rows is reused by every row block a thread takes); unit u covers rows [m0, m1), columns [n0, n1).
+   The split never reaches K, so it moves no bit. */
+typedef struct {
+    int64_t m0, m1, n0, n1;
+} nvl_unit;
+
+NVL_INLINE nvl_unit nvl_unit_of(int64_t u, int64_t row_blocks, int64_t M, int64_t N) {
+    nvl_unit b;
+    b.n0 = u / row_blocks * NVL_COL_BLOCK;
+    b.m0 = u % row_blocks * NVL_ROW_BLOCK;
+    b.n1 = b.n0 + NVL_COL_BLOCK < N ? b.n0 + NVL_COL_BLOCK : N;
+    b.m1 = b.m0 + NVL_ROW_BLOCK < M ? b.m0 + NVL_ROW_BLOCK : M;
+    return b;
+}
+
 /* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N] when bias is not NULL) on up to `threads` threads. */
 void nv_linear_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, float *y,
                    int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t threads) {
@@ -236,11 +252,9 @@ void nv_linear_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, con
         nvl_fpenv_set(env);
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
-            /* Column blocks outer: a block of weight rows is reused by every row block a thread takes. */
-            const int64_t n0 = u / row_blocks * NVL_COL_BLOCK, m0 = u % row_blocks * NVL_ROW_BLOCK;
-            const int64_t n1 = n0 + NVL_COL_BLOCK < N ? n0 + NVL_COL_BLOCK : N;
-            const int64_t m1 = m0 + NVL_ROW_BLOCK < M ? m0 + NVL_ROW_BLOCK : M;
-            int64_t m = m0;
+            const nvl_unit b = nvl_unit_of(u, row_blocks, M, N);
+            const int64_t n0 = b.n0, n1 = b.n1, m1 = b.m1;
+            int64_t m = b.m0;
             for (; m + 4 <= m1; m += 4)
                 nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 4, 4);
             /* The last rows: wider tiles, so each still keeps up to 16 accumulators busy. */
@@ -313,10 +327,9 @@ void nv_linear_f64(const double *x, int64_t ldx, const double *w, int64_t ldw, c
         nvl_fpenv_set(env);
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
-            const int64_t n0 = u / row_blocks * NVL_COL_BLOCK, m0 = u % row_blocks * NVL_ROW_BLOCK;
-            const int64_t n1 = n0 + NVL_COL_BLOCK < N ? n0 + NVL_COL_BLOCK : N;
-            const int64_t m1 = m0 + NVL_ROW_BLOCK < M ? m0 + NVL_ROW_BLOCK : M;
-            for (int64_t m = m0; m < m1; m += 2) {
+            const nvl_unit blk = nvl_unit_of(u, row_blocks, M, N);
+            const int64_t n0 = blk.n0, n1 = blk.n1, m1 = blk.m1;
+            for (int64_t m = blk.m0; m < m1; m += 2) {
                 const int r = m1 - m < 2 ? 1 : 2;
                 for (int64_t n = n0; n < n1; n += 4) {
                     const int c = (int)(n1 - n < 4 ? n1 - n : 4);

@@ -40,6 +40,8 @@ class AskingDraw(Protocol):
 
 
 class PromptSeq(Protocol):
+    """What the prompt logprobs read of a scheduled sequence (the runner's ``ScheduledSeq`` extends it)."""
+
     def stored_tokens(self) -> I64: ...
     @property
     def seq_id(self) -> int: ...

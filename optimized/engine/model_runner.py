@@ -39,7 +39,7 @@ from kernels.backend import AttentionBackend
 from kernels.rotary import rotary_cos_sin
 from kernels.sampling import sample
 from optimized.engine.graph_runner import DecodeMetadata, GraphFactory, GraphRunner, cuda_graph_factory
-from optimized.engine.logprobs import SeqLogprobs, asked, prompt_plan, step_logprobs
+from optimized.engine.logprobs import PromptSeq, SeqLogprobs, asked, prompt_plan, step_logprobs
 from optimized.models.decoder import AttentionContext, CausalLM, TensorParallel
 
 PLACEHOLDER = -1  # the token handed to postprocess for an unfinished prefill chunk
@@ -50,10 +50,9 @@ PLACEHOLDER = -1  # the token handed to postprocess for an unfinished prefill ch
 CPU_ROW_CHUNK = 256
 
 
-class ScheduledSeq(Protocol):
-    """What the runner reads from the optimized scheduler's sequence."""
+class ScheduledSeq(PromptSeq, Protocol):
+    """What the runner reads from the optimized scheduler's sequence: what the prompt logprobs read, and more."""
 
-    def stored_tokens(self) -> I64: ...
     @property
     def num_tokens(self) -> int: ...
     @property
@@ -61,13 +60,7 @@ class ScheduledSeq(Protocol):
     @property
     def num_scheduled_tokens(self) -> int: ...
     @property
-    def block_table(self) -> list[int]: ...
-    @property
     def last_token(self) -> int: ...
-    @property
-    def seq_id(self) -> int: ...
-    @property
-    def num_prompt_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True)
