@@ -137,6 +137,13 @@ def pytest_command(tests: Iterable[str], seed: int) -> tuple[str, ...]:
             *tests)
 
 
+def check_command(full_every: int | None, seed: int) -> tuple[str, ...]:
+    """Check mode as the judge (tests/mutation/check_killer.py) in a fresh interpreter, whole states compared
+    every ``full_every`` steps (the shadow's default when None)."""
+    every = () if full_every is None else ("--check-full-every", str(full_every))
+    return (sys.executable, "-m", "tests.mutation.check_killer", *every, "--seed", str(seed))
+
+
 def run(source: Path, mutants: list[Mutant], command: tuple[str, ...], copied: Iterable[str], *, workspace: Path,
         jobs: int = 1, timeout: float | None = None, report: Callable[[str], None] = print,
         explain: Callable[[Mutant, list[str]], str] = explanation) -> Score:

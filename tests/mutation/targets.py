@@ -30,6 +30,8 @@ OPTIMIZED_CORE = (
     "optimized/core/walk_memo.py",
 )
 TARGETS = REFERENCE + OPTIMIZED_CORE
+# What ``--killer check`` mutates: the optimized core, not block_math (the invariants check mode runs read it).
+CHECK_TARGETS = tuple(f for f in OPTIMIZED_CORE if f.startswith("optimized/core/"))
 
 # The tests that judge every mutant, in the order pytest runs them.
 TESTS = (
