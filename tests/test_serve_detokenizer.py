@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from optimized import SamplingParams
 from optimized.engine.detokenizer import IncrementalDetokenizer
@@ -134,3 +138,65 @@ def test_a_stop_string_ends_at_a_token_that_also_begins_a_character() -> None:
     assert d.take() == "a"
     d.add([2, 3])
     assert d.take() == "x\u20acb"
+
+
+def released_by_brute_force(text: str, stop: tuple[str, ...]) -> str:
+    """SERVE-5's rule read literally: all before the earliest stop string, else all but the longest tail that
+    begins one."""
+    hits = [at for s in stop if (at := text.find(s)) >= 0]
+    if hits:
+        return text[: min(hits)]
+    held = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - held]
+
+
+@pytest.mark.clause("SERVE-5", "SERVE-16")
+@settings(max_examples=150, deadline=None)
+@given(st.text(alphabet="aab\u20ac", max_size=24),
+       st.lists(st.text(alphabet="ab\u20ac", min_size=1, max_size=5), min_size=1, max_size=4))
+def test_the_stop_search_releases_what_the_rule_says(text: str, stops: list[str]) -> None:
+    """SERVE-5, SERVE-16: fed one character at a time, the released text is after every token what the rule
+    read literally gives (self-overlapping stop strings such as "aab" in "aaab" included), and all of it up to the
+    first stop string at the end."""
+    d = IncrementalDetokenizer(Bytes(), tuple(stops))
+    released = seen = ""
+    for char in text:
+        seen += char
+        if d.add(list(char.encode())):
+            assert any(s in seen for s in stops) and not any(s in seen[:-1] for s in stops)
+            break
+        released += d.take()
+        assert released == released_by_brute_force(seen, tuple(stops))
+    hits = [at for s in stops if (at := seen.find(s)) >= 0]
+    assert released + d.take_final() == seen[: min(hits, default=len(seen))]  # at the end a held tail is final
+
+
+def stop_search_seconds(stop: tuple[str, ...], chars: int = 1500) -> float:
+    """The CPU time of a ``chars``-token request with ``stop``, one character per token, released every step (the
+    least of three runs)."""
+    best = math.inf
+    for _ in range(3):
+        start = time.process_time()
+        d = IncrementalDetokenizer(Bytes(), stop)
+        for _ in range(chars):
+            d.add([ord("x")])
+            d.take()
+        best = min(best, time.process_time() - start)
+    return best
+
+
+@pytest.mark.clause("SERVE-16")
+def test_the_stop_search_costs_the_same_for_long_stop_strings() -> None:
+    """SERVE-16: every character is read once per stop string, so four stop strings of 1024 characters cost about
+    what four of 8 cost (a search that tried every tail that may begin one cost about 100 times as much)."""
+    short = stop_search_seconds(tuple(c * 8 for c in "yzwv"))
+    long = stop_search_seconds(tuple(c * 1024 for c in "yzwv"))
+    assert long < 10 * short + 0.01, (long, short)
+
+
+@pytest.mark.clause("SERVE-16")
+def test_sampling_params_bound_the_stop_strings_length() -> None:
+    """SERVE-16: the stop strings total at most 4096 characters; past it a ValueError names stop."""
+    assert SamplingParams(stop=("a" * 4000, "b" * 96)).stop[1] == "b" * 96
+    with pytest.raises(ValueError, match=r"^stop strings must total at most 4096 characters, got 4097$"):
+        SamplingParams(stop=("a" * 4000, "b" * 97))

@@ -6,11 +6,12 @@ incomplete (the decoded tail is U+FFFD) is held until a later token completes
 it, or until ``finish``. The released text (``take``) is always a prefix of
 ``finish()``'s result: it stops short of the first stop string and of any tail
 that is a proper prefix of a stop string, since that tail may still become one.
-A stop string is searched only in text decoded since the last search (with
-enough overlap to catch one straddling the boundary), so a request costs
-O(tokens x longest stop) in all; while a character is incomplete the whole
-characters before it are searched too, so the token that completes a stop
-string ends it even when it also begins the next character.
+Each stop string has a matcher (Knuth-Morris-Pratt) whose state is the longest
+tail of ``text`` that begins it, so every character is read once per stop
+string: a request costs O(text x stop strings + their total length), however
+long they are (SERVE-16). While a character is incomplete the whole characters
+before it are searched too (from a copy of the states), so the token that
+completes a stop string ends it even when it also begins the next character.
 """
 
 from __future__ import annotations
@@ -26,12 +27,43 @@ class Decoder(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+class _StopMatcher:
+    """One stop string's automaton; a state is how many of its first characters the text read so far ends with."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        # fallback[k]: the longest proper prefix of stop[:k + 1] that is also its suffix (the prefix function)
+        self.fallback = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.fallback[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self.fallback[i] = k
+
+    def read(self, state: int, text: str, start: int) -> tuple[int, int | None]:
+        """The state after ``text[start:]``, and where the first stop string completed in it begins (None: none;
+        the state is then not advanced past it)."""
+        stop, fallback = self.stop, self.fallback
+        for i in range(start, len(text)):
+            char = text[i]
+            while state and stop[state] != char:
+                state = fallback[state - 1]
+            if stop[state] == char:
+                state += 1
+                if state == len(stop):
+                    return state, i + 1 - len(stop)
+        return state, None
+
+
 class IncrementalDetokenizer:
     """The text of a growing list of completion tokens, and where the first stop string begins in it."""
 
     def __init__(self, tokenizer: Decoder, stop: Sequence[str] = ()) -> None:
         self._tokenizer = tokenizer
-        self._stop = tuple(stop)
+        self._matchers = [_StopMatcher(s) for s in stop]
+        self._states = [0] * len(self._matchers)  # each matcher's state after ``text``
         self._ids: list[int] = []
         self._context = 0  # decoding starts here: the previous read point, so a merge across tokens is seen
         self.num_decoded = 0  # tokens whose characters are all in ``text``
@@ -59,7 +91,7 @@ class IncrementalDetokenizer:
             if fresh is not None:
                 self._append(fresh, end)
                 break
-        if self.stop_at is None and self._stop and self.num_decoded < len(self._ids):
+        if self.stop_at is None and self._matchers and self.num_decoded < len(self._ids):
             self._search_incomplete()
         return self.stop_at is not None
 
@@ -71,8 +103,8 @@ class IncrementalDetokenizer:
         if len(after) <= len(before) or not after.startswith(before):
             return
         whole = self.text + after[len(before) :]
-        start = max(0, len(self.text) - max(len(s) for s in self._stop) + 1)
-        hits = [i for s in self._stop if (i := whole.find(s, start)) >= 0]
+        hits = [at for m, state in zip(self._matchers, self._states, strict=True)
+                if (at := m.read(state, whole, len(self.text))[1]) is not None]
         if hits:  # the request ends here: the text is final up to the stop string, which is all finish() keeps
             self.text, self.stop_at = whole, min(hits)
 
@@ -91,20 +123,22 @@ class IncrementalDetokenizer:
         self._search(searched)
 
     def _search(self, searched: int) -> None:
-        """Record the earliest stop string that ends past ``searched`` (the text before held none)."""
-        hits = [i for s in self._stop if (i := self.text.find(s, max(0, searched - len(s) + 1))) >= 0]
+        """Read ``text[searched:]`` into every matcher; record the earliest stop string completed in it (the text
+        before held none)."""
+        hits = []
+        for index, matcher in enumerate(self._matchers):
+            self._states[index], at = matcher.read(self._states[index], self.text, searched)
+            if at is not None:
+                hits.append(at)
         if hits:
             self.stop_at = min(hits)
 
     def _final_length(self) -> int:
-        """How much of ``text`` can never change: all before a stop string, or before a tail that may become one."""
+        """How much of ``text`` can never change: all before a stop string, or before the longest tail that begins
+        one (it may still become one)."""
         if self.stop_at is not None:
             return self.stop_at
-        text = self.text
-        for start in range(max(0, len(text) - max((len(s) for s in self._stop), default=1) + 1), len(text)):
-            if any(s.startswith(text[start:]) for s in self._stop):
-                return start
-        return len(text)
+        return len(self.text) - max(self._states, default=0)
 
     def take(self) -> str:
         """The text final since the last ``take`` (may be empty)."""

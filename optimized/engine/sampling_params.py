@@ -30,6 +30,7 @@ GREEDY_BELOW = 1e-5
 INT64_MAX = (1 << 63) - 1
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 4096  # SERVE-16: the stop strings' characters in all
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound, vLLM's default max_logprobs (ENG-28)
 
 
@@ -167,8 +168,8 @@ def _stop_ids(value: object) -> tuple[int, ...]:
 
 
 def stop_strings(value: object) -> tuple[str, ...]:
-    """SERVE-5: stop strings as a tuple of up to 4 non-empty UTF-8 strings; one string alone is a one-string
-    tuple."""
+    """SERVE-5: stop strings as a tuple of up to 4 non-empty UTF-8 strings, at most ``MAX_STOP_CHARS`` characters in
+    all (SERVE-16); one string alone is a one-string tuple."""
     if isinstance(value, str):
         value = (value,)
     if not isinstance(value, (list, tuple)):
@@ -182,4 +183,7 @@ def stop_strings(value: object) -> tuple[str, ...]:
             s.encode("utf-8")
         except UnicodeEncodeError:
             raise RequestRefused("stop", f"strings must be valid Unicode, got {s!r}") from None
+    total = sum(map(len, value))
+    if total > MAX_STOP_CHARS:
+        raise RequestRefused("stop", f"strings must total at most {MAX_STOP_CHARS} characters, got {total}")
     return tuple(value)
