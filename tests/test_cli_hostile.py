@@ -309,9 +309,9 @@ def test_fuzz_inf_runs_until_ctrl_c_then_reports_and_exits_130(monkeypatch: pyte
 
     monkeypatch.setattr(fuzz, "run_chunk", chunk)
     assert main(["fuzz", "--minutes", "inf", "--seed", "5", "--machine", "reference"]) == 130
-    out = capsys.readouterr().out
-    assert "seed 5, inf minutes" in out and "interrupted after" in out and "(3 chunks)" in out
-    assert "reference: 15 examples" in out.split("interrupted after")[0]  # the progress line, printed before
+    out, err = capsys.readouterr()
+    assert "seed 5, inf minutes" in out and "reference: 15 examples" in out  # the progress line
+    assert "interrupted after" in err and "(3 chunks)" in err  # CLI-4: on standard error
     assert calls == [5, 6, 7, 8]
 
 

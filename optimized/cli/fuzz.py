@@ -6,8 +6,9 @@ runs ``CHUNK_EXAMPLES`` examples seeded with ``seed + c``, so the same
 under headings of this command's own, the failing program, its
 ``@reproduce_failure`` blob and the commands that reproduce it; a run that
 finds nothing exits 0. ``--minutes inf`` runs until interrupted: Ctrl-C then
-prints the progress so far and exits 130 (spec/cli.md, CLI-6). A ``--reproduce``
-blob that does not decode is bad input (exit 2), not a finding.
+prints the progress so far, the line saying so on standard error (CLI-4), and
+exits 130 (spec/cli.md, CLI-6). A ``--reproduce`` blob that does not decode is
+bad input (exit 2), not a finding.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def fuzz(factories: dict[str, type[RuleBasedStateMachine]], seed: int, minutes: 
         except KeyboardInterrupt:
             report_progress(start, stats)
             print(f"nanoverify fuzz: interrupted after {time.monotonic() - start:.1f}s ({chunk} chunks), "
-                  "nothing found", flush=True)
+                  "nothing found", file=sys.stderr, flush=True)
             return INTERRUPTED
         if error is not None:
             report_progress(start, stats)

@@ -6,7 +6,10 @@ an id is an ``int`` that is not a ``bool`` (Python's ``True`` is an int, never a
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TypeGuard
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class EmptyDecodeError(RuntimeError):
@@ -31,3 +34,14 @@ def strict_int(value: object, name: str, minimum: int | None = None) -> int:
         bound = "" if minimum is None else f" >= {minimum}"
         raise ValueError(f"{name} must be an integer{bound}, got {value!r}")
     return value
+
+
+def stop_set(stop_token_ids: Collection[int]) -> frozenset[int]:
+    """The stop ids as a set, each a strict int that an int64 token can equal; else a ValueError naming the field.
+
+    A wider id could never be drawn, and numpy refuses to compare an int64 array with it (OPT-23).
+    """
+    stops = frozenset(stop_token_ids)
+    if not all(is_strict_int(t) and INT64_MIN <= t <= INT64_MAX for t in stops):
+        raise ValueError(f"stop_token_ids must be int64 integers, got {sorted(stops, key=repr)!r}")
+    return stops

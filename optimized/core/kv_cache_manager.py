@@ -394,10 +394,6 @@ class KVCacheManager:
     def can_append(self, seq: Sequence) -> bool:
         return self.free.count >= needs_new_block(seq.core.ntok, self.block_size)
 
-    def may_append(self, seq: Sequence) -> None:
-        if needs_new_block(seq.core.ntok, self.block_size):
-            seq.block_table.append(self.take_fresh())
-
     def hash_blocks(self, seq: Sequence) -> None:
         """The blocks this step's tokens filled enter the prefix cache (at the next flush)."""
         block_size = self.block_size

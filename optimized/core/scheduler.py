@@ -29,7 +29,7 @@ from invariants.block_math import prefill_grant
 from invariants.state import BlockView, SchedulerState, seq_view
 from optimized.core.config import SchedulerConfig
 from optimized.core.decode_group import DecodeGroup
-from optimized.core.errors import EmptyDecodeError, is_strict_int, strict_int
+from optimized.core.errors import EmptyDecodeError, stop_set, strict_int
 from optimized.core.kv_cache_manager import KVCacheManager
 from optimized.core.port import ScheduleOutput
 from optimized.core.sequence import I64, Sequence, SequenceParams, SequenceStatus
@@ -55,6 +55,7 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._last_batch: list[Sequence] | None = None
+        self._step_scheduled = False  # schedule() returned a batch that no postprocess or abort_step has taken
         self._packers: dict[int, struct.Struct] = {}  # by batch size, for _as_int64
 
     # --- the scheduler port (ARCH-4): the lesson's API and more ---------------------------------
@@ -94,9 +95,7 @@ class Scheduler:
         if core.arena is not None or core.own is None or core.status is not WAITING or seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} was already added to a scheduler")
         max_tokens = strict_int(core.max_tokens, "max_tokens", 1)
-        stops = frozenset(stop_token_ids)
-        if not all(map(is_strict_int, stops)):
-            raise ValueError(f"stop_token_ids must be integers, got {sorted(stops, key=repr)!r}")
+        stops = stop_set(stop_token_ids)
         core.stops = stops
         self._arena.place(core, core.own, seq.num_prompt_tokens + max_tokens)
         core.arena = self._arena
@@ -104,16 +103,26 @@ class Scheduler:
         self._waiting.append(seq)
 
     def schedule(self) -> ScheduleOutput[Sequence]:
+        self._step_scheduled = False
         if self._group.inflight:  # schedule twice without postprocess: back to per-sequence fields
             self._group.dissolve()
-        if self._waiting:
-            out = self._prefill()
-            if out is not None:
-                return out
-        return self._decode()
+        out = self._prefill() if self._waiting else None
+        if out is None:
+            out = self._decode()
+        self._step_scheduled = True
+        return out
 
     def postprocess(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> list[Sequence]:
-        """The lesson's postprocess; the sequences it finished, in batch order (OPT-22)."""
+        """The lesson's postprocess; the sequences it finished, in batch order (OPT-22).
+
+        RuntimeError, nothing changed, for a non-empty batch when no step awaits one: each schedule() is
+        postprocessed once (OPT-25).
+        """
+        if not self._step_scheduled:
+            if not seqs:
+                return []
+            raise RuntimeError("postprocess: no scheduled step awaits it (each schedule() is postprocessed once)")
+        self._step_scheduled = False
         group = self._group
         if seqs is self._last_batch and group.inflight and len(seqs) == len(group.members) <= len(token_ids):
             finished = self._postprocess_group(token_ids, len(seqs))
@@ -148,6 +157,7 @@ class Scheduler:
         if len(set(ids)) != len(ids) or set(ids) != {id(s) for s in scheduled}:
             raise ValueError("abort_step: batch must be exactly the sequences the last schedule() returned")
         self._group.inflight = False  # the members' grant of one token is withdrawn
+        self._step_scheduled = False
         for seq in batch:
             seq.core.nsched = 0
         self._last_batch = None

@@ -20,7 +20,7 @@ from collections.abc import Collection
 import reference
 from invariants import SchedulerState, snapshot
 from optimized.core.config import SchedulerConfig
-from optimized.core.errors import is_strict_int, strict_int
+from optimized.core.errors import stop_set, strict_int
 from optimized.core.port import EmptyDecodeError, ScheduleOutput
 from reference import extensions
 
@@ -86,6 +86,7 @@ class ReferencePort:
         self.blocks = ReferenceBlocks(self.lesson_scheduler.block_manager)
         self._stops: dict[int, frozenset[int]] = {}  # seq_id -> its stop set, for the sequences that have one
         self._added: set[int] = set()  # the seq_ids ever added: a second add is refused, as the optimized one does
+        self._step_scheduled = False  # as the optimized scheduler's: a step awaits its one postprocess (OPT-25)
 
     @property
     def waiting(self) -> deque[reference.Sequence]:
@@ -106,19 +107,18 @@ class ReferencePort:
     def add(self, seq: reference.Sequence, stop_token_ids: Collection[int] = ()) -> None:
         """The lesson's add; a stop set is honoured by ``extensions.postprocess_with_stops`` (OPT-23). The port's
         refusals first (the lesson takes anything): a sequence added before, ``max_tokens`` below 1, a stop id
-        that is not an int."""
+        that is not an int64 integer."""
         if seq.seq_id in self._added:
             raise ValueError(f"sequence {seq.seq_id} was already added to a scheduler")
         strict_int(seq.max_tokens, "max_tokens", 1)
-        stops = frozenset(stop_token_ids)
-        if not all(map(is_strict_int, stops)):
-            raise ValueError(f"stop_token_ids must be integers, got {sorted(stops, key=repr)!r}")
+        stops = stop_set(stop_token_ids)
         self.lesson_scheduler.add(seq)
         self._added.add(seq.seq_id)
         if stops:
             self._stops[seq.seq_id] = stops
 
     def schedule(self) -> ScheduleOutput[reference.Sequence]:
+        self._step_scheduled = False
         lesson = self.lesson_scheduler
         running_before = list(lesson.running)
         waiting = lesson.waiting
@@ -130,6 +130,7 @@ class ReferencePort:
                 raise
             raise EmptyDecodeError("schedule(): nothing fits and nothing is running (the lesson's assert "
                                    "scheduled_seqs)") from None
+        self._step_scheduled = True
         if is_prefill:  # only a decode step preempts; only a prefill step admits
             admitted = [s for s in batch if s is not holding]
             hits = sum(s.num_cached_tokens for s in admitted)  # allocate set it to the cached blocks' tokens
@@ -141,7 +142,12 @@ class ReferencePort:
     def postprocess(self, seqs: list[reference.Sequence], token_ids: list[int],
                     is_prefill: bool) -> list[reference.Sequence]:
         """The lesson's postprocess (with the stop rule when a member has a stop set); who finished, in batch
-        order."""
+        order. Refused as the optimized scheduler refuses it: a non-empty batch when no step awaits one."""
+        if not self._step_scheduled:
+            if not seqs:
+                return []
+            raise RuntimeError("postprocess: no scheduled step awaits it (each schedule() is postprocessed once)")
+        self._step_scheduled = False
         stops = self._stops
         if stops and any(s.seq_id in stops for s in seqs):
             extensions.postprocess_with_stops(self.lesson_scheduler, seqs, token_ids, is_prefill,
@@ -159,6 +165,7 @@ class ReferencePort:
 
     def abort_step(self, batch: list[reference.Sequence]) -> None:
         extensions.abort_step(self.lesson_scheduler, batch)
+        self._step_scheduled = False
         for seq in batch:
             self._stops.pop(seq.seq_id, None)
 
