@@ -60,6 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from optimized.benchmarks import check as check_bench
 
     check_bench.add_arguments(check)
+    determinism = sub.add_parser("determinism", help="requests alone and in a crowd (chunked, preempted, hot "
+                                 "prefix cache), batch-invariant mode off and on: tokens and logprob bits")
+    from optimized.benchmarks import determinism as determinism_bench
+
+    determinism_bench.add_arguments(determinism)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -76,6 +81,10 @@ def main(args: argparse.Namespace) -> int:
         from optimized.cli import run
 
         return check_bench.main(args, run.workload, run.ENGINE_DEFAULTS)
+    if args.bench == "determinism":
+        from optimized.benchmarks import determinism as determinism_bench
+
+        return determinism_bench.main(args)
     if args.bench == "threads":
         from optimized.benchmarks import busy_core
 
