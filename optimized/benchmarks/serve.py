@@ -14,7 +14,13 @@ Requests are greedy with ``ignore_eos`` (each yields exactly its length) and ask
 token ids, so every step's tokens arrive in a chunk and are counted exactly. With
 ``--rate inf`` the same requests then go through ``LLM.generate`` in this process
 (after the server has exited, so the two never share the CPU): both output
-throughputs and their ratio are printed.
+throughputs and their ratio are printed. ``--compare-check`` instead measures
+what ``serve --check`` costs (spec/check.md, CHECK-5): two servers of the same
+settings, one with ``--check``, each sent the same workloads in alternation
+(unchecked, checked, checked, unchecked per round; the n-th run of each side
+gets the n-th workload, so no run finds its prompts cached by the run before);
+it prints every run's output tok/s, both medians and checked / unchecked
+against the target (at least ``CHECK_TARGET``).
 """
 
 from __future__ import annotations
@@ -28,17 +34,24 @@ import math
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from optimized.engine.args import EngineArgs
 
 DATA = Path(__file__).parent / "data"
 AZURE_CODE = DATA / "azure-llm-2023-code-first1000.csv"
 MODEL_NAME_DEFAULT = "default"
+CHECK_TARGET = 0.75  # serve --check keeps at least this share of the unchecked output throughput (CHECK-5)
+CHECK_ORDER = (False, True, True, False)  # one round of --compare-check: unchecked, checked, checked, unchecked
 
 
 @dataclass(frozen=True)
@@ -357,6 +370,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval", type=bounded_int(1), default=1, metavar="N",
                    help="the server's --stream-interval (default 1: a chunk every step)")
     p.add_argument("--workload-seed", type=bounded_int(0, 1 << 62), default=0)
+    p.add_argument("--compare-check", action="store_true", help="instead of LLM.generate: the server unchecked "
+                   "and with --check, the same workloads alternating, and the ratio (spec/check.md)")
+    p.add_argument("--rounds", type=bounded_int(1), default=2,
+                   help="with --compare-check: rounds, each unchecked-checked-checked-unchecked (2)")
 
 
 def _positive(text: str) -> float:
@@ -373,23 +390,28 @@ def main(args: argparse.Namespace) -> int:
     from optimized.engine.args import EngineArgs
     from optimized.entry.llm import LLM
 
-    kwargs = EngineArgs.from_cli_args(args).as_kwargs()
+    engine = EngineArgs.from_cli_args(args)
+    kwargs = engine.as_kwargs()
     rows = None
     if args.trace_file is not None:  # read and checked first: a bad file is refused before any model loads
         rows = trace_rows(AZURE_CODE if str(args.trace_file) == "azure-code" else args.trace_file, args.requests)
     probe = LLM(**{**kwargs, "num_kvcache_blocks": 1, "check": False})  # vocabulary and max_model_len only
     vocab, max_len = probe.limits.vocab_size, probe.limits.max_model_len
     del probe
-    if rows is not None:
-        jobs = trace_jobs(rows, vocab, max_len, args.trace_prompt_scale, args.trace_output_scale, args.rate,
-                          args.workload_seed)
-    else:
+
+    def make_jobs(seed: int) -> list[Job]:
+        if rows is not None:
+            return trace_jobs(rows, vocab, max_len, args.trace_prompt_scale, args.trace_output_scale, args.rate, seed)
         rate = math.inf if args.rate is None else args.rate
-        jobs = random_jobs(args.requests, min(args.max_input_len, max_len - 1), args.max_output_len, vocab,
-                           rate, args.burstiness, args.workload_seed)
-        jobs = [Job(j.arrival, j.prompt, min(j.output_len, max_len - len(j.prompt))) for j in jobs]
-    server = ServerProcess(_server_flags(args))
+        drawn = random_jobs(args.requests, min(args.max_input_len, max_len - 1), args.max_output_len, vocab,
+                            rate, args.burstiness, seed)
+        return [Job(j.arrival, j.prompt, min(j.output_len, max_len - len(j.prompt))) for j in drawn]
+
     model = MODEL_NAME_DEFAULT if args.model is None else Path(args.model).resolve().name
+    if args.compare_check:
+        return compare_check(args, engine, model, lambda n: make_jobs(args.workload_seed * 1000 + n))
+    jobs = make_jobs(args.workload_seed)
+    server = ServerProcess(_server_flags(args))
     try:
         warm = [Job(0.0, j.prompt, min(j.output_len, 4)) for j in jobs[:4]]
         asyncio.run(run_clients(server.host, server.port, model, warm))
@@ -414,8 +436,51 @@ def main(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
-def _server_flags(args: argparse.Namespace) -> list[str]:
-    """The server's flags: every engine setting (the LLM it builds is the offline side's), the interval."""
+def _server_flags(args: argparse.Namespace, engine: EngineArgs | None = None) -> list[str]:
+    """The server's flags: every engine setting (the LLM it builds is the offline side's, or ``engine``'s), the
+    interval."""
     from optimized.engine.args import EngineArgs
 
-    return [*EngineArgs.from_cli_args(args).cli_flags(), "--stream-interval", str(args.stream_interval)]
+    settings = EngineArgs.from_cli_args(args) if engine is None else engine
+    return [*settings.cli_flags(), "--stream-interval", str(args.stream_interval)]
+
+
+def compare_check(args: argparse.Namespace, engine: EngineArgs, model: str, make_jobs: Callable[[int], list[Job]]
+                  ) -> int:
+    """Two servers, unchecked and ``--check`` (else ``engine``'s settings), both started and warmed, then sent the
+    n-th workload each in ``CHECK_ORDER``; every run printed, then the medians and checked / unchecked output
+    throughput. Exit 0 when every request succeeded and the ratio reaches ``CHECK_TARGET``, else 1."""
+    print(f"serve --check's cost (target: checked keeps at least {CHECK_TARGET:.0%} of the unchecked output tok/s), "
+          f"{args.rounds} rounds of {'-'.join('C' if c else 'U' for c in CHECK_ORDER)}, "
+          f"check_full_every={engine.check_full_every}")
+    servers: dict[bool, ServerProcess] = {}
+    try:
+        for checked in (False, True):
+            servers[checked] = ServerProcess(_server_flags(args, replace(engine, check=checked)))
+        warm = [Job(0.0, j.prompt, min(j.output_len, 4)) for j in make_jobs(0)[:4]]
+        for server in servers.values():
+            asyncio.run(run_clients(server.host, server.port, model, warm))
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        ok = True
+        for r in range(args.rounds):
+            for checked in CHECK_ORDER:
+                server = servers[checked]
+                jobs = make_jobs(len(rates[checked]) + 1)
+                cpu_before = server.cpu_seconds()
+                results, duration = asyncio.run(run_clients(server.host, server.port, model, jobs))
+                cpu_after = server.cpu_seconds()
+                tokens = sum(r.tokens for r in results if r.ok)
+                failed = sum(not r.ok for r in results)
+                ok &= failed == 0
+                rates[checked].append(tokens / duration)
+                cpu = "" if cpu_before is None or cpu_after is None else f", {cpu_after - cpu_before:6.2f} s CPU"
+                print(f"  round {r + 1} {'checked  ' if checked else 'unchecked'}: {tokens / duration:8.1f} output "
+                      f"tok/s ({tokens} tokens in {duration:.2f} s{cpu}{f', {failed} FAILED' if failed else ''})")
+    finally:
+        for server in servers.values():
+            server.stop()
+    unchecked, checked_rate = statistics.median(rates[False]), statistics.median(rates[True])
+    ratio = checked_rate / unchecked
+    print(f"  unchecked median {unchecked:.1f} output tok/s, checked median {checked_rate:.1f}: checked keeps "
+          f"{ratio:.1%} ({'within' if ratio >= CHECK_TARGET else 'BELOW'} the {CHECK_TARGET:.0%} target)")
+    return 0 if ok and ratio >= CHECK_TARGET else 1
