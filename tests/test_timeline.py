@@ -18,11 +18,12 @@ import pytest
 
 import reference
 from optimized.cli import main
-from optimized.trace.figures import FIGURES
+from optimized.trace.figures import EDGES, FIGURES, FLOW
 from optimized.trace.recorder import Recorder
 from optimized.trace.replay import replay_trace
 from optimized.trace.schema import Request, Trace, read_trace
-from optimized.trace.timeline import build_timeline, ordinal, perfetto, png, shown_rows, track_ids
+from optimized.trace.tables import shared_ids
+from optimized.trace.timeline import build_timeline, ordinal, perfetto, png, shown_rows, track_ids, usage
 from optimized.trace.workload import record_workload, workload_trace
 from optimized.verify.conformance import parse_workload
 from reference.extensions import abort, abort_step
@@ -184,7 +185,8 @@ def test_png_at_256_requests_samples_rows_and_says_so(tmp_path: Path) -> None:
         mp.setattr(matplotlib.axes.Axes, "set_title", spy)
         png(timeline, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert titles == ["showing every 2nd of 256 requests (128 rows)"]
+    assert titles == ["showing every 2nd of 256 requests (128 rows)\nblock_size 4, num_blocks 64, "
+                      "budget (max_num_batched_tokens) 64, max_num_seqs 32"]
     assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101)] == [
         "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st"]
 
@@ -238,10 +240,14 @@ def test_the_spec_figures_are_what_the_reference_does(name: str) -> None:
     assert (FIGURE_DIR / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     assert f"figures/{name}.png" in (ROOT / "spec" / "trace.md").read_text(encoding="utf-8")
     assert f"](figures/{name}.png)" in defining_chapter(figure.clause), "the figure sits beside its clause"
-    states = {s for f in build_timeline(trace).frames for s in f.states.values()}
+    frames = build_timeline(trace).frames
+    states = {s for f in frames for s in f.states.values()}
     shows = {"chunked-prefill": "chunk" in states, "preemption": "preempted" in states,
              "head-of-line-blocking": _blocked_behind_the_head(trace),
-             "empty-decode": trace.steps[-1].empty_decode, "prefix-cache-hit": _hit(trace)}
+             "empty-decode": trace.steps[-1].empty_decode, "prefix-cache-hit": _hit(trace),
+             "long-prompt-arrives": any(f.states.get(2) == "chunk" and f.states.get(0) == f.states.get(1) == "stalled"
+                                        for f in frames),
+             "worked-example": _hit(trace) and "preempted" in states}
     assert shows[name]
 
 
@@ -371,3 +377,98 @@ def test_each_figure_shows_what_its_caption_says() -> None:
     both_done = next(s.step for s in hit.steps if {0, 1} <= set(s.finished))
     revived = next(s for s in hit.steps if s.batch[0][0] == 2)  # after both finished, their freed blocks again
     assert revived.step > both_done and revived.batch[0][2][:3] == hit.steps[0].batch[0][2][:3]
+
+
+@pytest.mark.clause("TRACE-11")
+def test_an_idle_gap_holds_the_cache_the_last_step_left() -> None:
+    """TRACE-11: between steps 4 and 9 of prefix-cache-hit nothing runs; every block was released at step 3, so the
+    gap shows no block used and the five hashed ones free but cached (it showed step 3's six used before)."""
+    timeline = build_timeline(workload_trace(FIGURES["prefix-cache-hit"].workload()))
+    drawn = usage(timeline)
+    gap = drawn.edges.index(4.0)
+    assert drawn.edges[gap + 1] == 9.0 and drawn.batch[gap] == 0
+    assert (drawn.used[gap], drawn.used_and_cached[gap]) == (0, 5)
+    assert (drawn.used[gap - 1], drawn.used[gap + 1]) == (6, 4)  # step 3 ran with 6; step 9 with 4
+    # Whatever the trace, the gap is what the step before it left after its postprocess.
+    for name in FIGURES:
+        timeline = build_timeline(workload_trace(FIGURES[name].workload()))
+        drawn, by_start = usage(timeline), {f.start: f for f in timeline.frames}
+        for k in range(len(drawn.used)):
+            if drawn.edges[k] not in by_start:
+                before = timeline.frames[[f.end for f in timeline.frames].index(drawn.edges[k])]
+                assert (drawn.used[k], drawn.used_and_cached[k]) == (before.after[0], before.after[0] + before.after[2])
+
+
+MARKED = {"chunked-prefill": [0], "long-prompt-arrives": [2], "preemption": [2], "head-of-line-blocking": [2],
+          "empty-decode": [2], "prefix-cache-hit": [1, 9], "worked-example": [1, 5, 9]}
+
+
+@pytest.mark.clause("TRACE-11")
+@pytest.mark.parametrize("name", list(FIGURES))
+def test_each_figure_marks_its_decisive_step(name: str) -> None:
+    """TRACE-11: the dashed lines stand where the caption says the thing happens, found in the trace: the first
+    chunk, the first preemption, the first decode a fitting request waits through, the empty decode, each hit."""
+    trace = workload_trace(FIGURES[name].workload())
+    marks = FIGURES[name].marks(trace)
+    assert [step for step, _ in marks] == MARKED[name]
+    by_step = {s.step: s for s in trace.steps}
+    for step, words in marks:
+        record = by_step[step]
+        if "preempted" in words:
+            assert record.preempted
+        if "from the cache" in words:
+            assert record.prefill and any(n < len(e.prompt) for i, n, _ in record.batch for e in trace.events
+                                          if isinstance(e, Request) and e.id == i)
+
+
+@pytest.mark.clause("TRACE-11")
+@pytest.mark.parametrize("name", [n for n, f in FIGURES.items() if f.tables])
+def test_block_tables_and_block_states_are_read_off_the_reference(name: str) -> None:
+    """TRACE-11: a detailed timeline's tables are the trace's recorded ones for every request in the batch; a
+    block is held or shared exactly when some table holds it (shared: two or more), their count is the step's used
+    count, a revived block had been free but cached and kept its hash, and an evicted one had been cached."""
+    trace = workload_trace(FIGURES[name].workload())
+    timeline = build_timeline(trace, detail=True)
+    records = {s.step: s for s in trace.steps}
+    for k, frame in enumerate(timeline.frames):
+        for rid, _, table in records[frame.step].batch:
+            assert frame.tables[rid] == list(table)
+        holders = [b for table in frame.tables.values() for b in table]
+        shared = shared_ids(timeline, k)
+        assert {b for b in set(holders) if holders.count(b) > 1} == shared
+        held = [b for b, s in enumerate(frame.blocks) if s in ("held", "shared", "hit", "evicted")]
+        assert set(held) == set(holders) and len(held) == frame.used
+        assert {b for b, s in enumerate(frame.blocks) if s == "shared"} <= shared
+    seen = {s for f in timeline.frames for s in f.blocks}
+    assert {"shared", "hit", "cached"} <= seen
+    if name == "worked-example":  # spec/primer.md: block 5 evicted by request 1 at step 8, block 4 revived at 9
+        blocks = {f.step: f.blocks for f in timeline.frames}
+        assert (blocks[7][5], blocks[8][5], blocks[8][4], blocks[9][4]) == ("cached", "evicted", "cached", "hit")
+
+
+@pytest.mark.clause("TRACE-11")
+def test_the_flowchart_quotes_the_reference() -> None:
+    """TRACE-11: each box of the schedule() flowchart quotes a statement reference/scheduler.py holds and names a
+    clause spec/ defines; every edge joins two boxes; the drawing is committed."""
+    source = (ROOT / "reference" / "scheduler.py").read_text(encoding="utf-8")
+    for name, node in FLOW.items():
+        assert node.code in source, name
+        defining_chapter(node.clause)
+    assert {n for edge in EDGES for n in edge[:2]} == set(FLOW)
+    assert (FIGURE_DIR / "schedule-flowchart.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.clause("TRACE-11")
+def test_every_figure_is_shown_with_its_caption_under_it() -> None:
+    """TRACE-11: every PNG in spec/figures/ is shown by some chapter with a caption ("*Figure ...") on the line
+    under it, and every picture a chapter shows exists."""
+    chapters = {p.name: p.read_text(encoding="utf-8") for p in sorted((ROOT / "spec").glob("*.md"))}
+    shown: set[str] = set()
+    for chapter, text in chapters.items():
+        lines = text.splitlines()
+        for k, line in enumerate(lines):
+            for picture in re.findall(r"!\[[^\]]*\]\(figures/([^)]+\.png)\)", line):
+                assert (FIGURE_DIR / picture).exists(), (chapter, picture)
+                assert k + 1 < len(lines) and lines[k + 1].startswith("*Figure"), (chapter, picture)
+                shown.add(picture)
+    assert {p.name for p in FIGURE_DIR.glob("*.png")} == shown

@@ -33,6 +33,10 @@ COLOURS = {"waiting": "#c9c9c9", "chunk": "#f6b26b", "prefill": "#e06c00", "deco
            "stalled": "#a8d5a2", "preempted": "#cc2936"}
 STEP_US = 1000  # a step drawn on the step axis lasts 1 ms
 MAX_ROWS = 128  # the PNG draws at most this many request rows; past it, every k-th request
+# A block in a step (read right after schedule()): never hashed and free, free but still hashed (a prompt may hit
+# it), held by one table, held by several; "hit": held, taken from the free-but-cached state by a prefix hit;
+# "evicted": held, taken fresh from the free-but-cached state (its hash forgotten).
+BLOCK_STATES = ("free", "cached", "held", "shared", "hit", "evicted")
 
 
 @dataclass
@@ -50,6 +54,9 @@ class Frame:
     running: int
     waiting: int
     ended: dict[int, str] = field(default_factory=dict)  # request id -> "finished" / "failed" in this step
+    after: tuple[int, int, int] = (0, 0, 0)  # (used, free, free_cached) after its postprocess: what an idle gap holds
+    tables: dict[int, list[int]] = field(default_factory=dict)  # with detail: each live request's blocks in the step
+    blocks: list[str] = field(default_factory=list)  # with detail: each block's BLOCK_STATES entry in the step
 
     @property
     def tokens(self) -> int:
@@ -69,12 +76,17 @@ class Timeline:
     axis: str  # "steps" or "wall"
     difference: str | None = None  # why the drawing stops early, if it does
     empty_decode: int | None = None  # the step at which the trace ends in the empty decode (EDGE-2), if it does
+    config: dict[str, int] = field(default_factory=dict)  # the trace's scheduler configuration
 
 
 class _Observer:
-    def __init__(self, trace: Trace, wall: bool) -> None:
+    def __init__(self, trace: Trace, wall: bool, detail: bool = False) -> None:
         self.trace = trace
         self.wall = wall
+        self.detail = detail
+        self.tables: dict[int, list[int]] = {}  # seq_id -> table, right after schedule() (with detail)
+        self.block_states: list[str] = []
+        self.cached_after: set[int] = set()  # free-but-cached blocks after the last postprocess (with detail)
         self.frames: list[Frame] = []
         self.preempted: set[int] = set()
         self.running: set[int] = set()
@@ -83,6 +95,16 @@ class _Observer:
 
     def scheduled(self, scheduler: SchedulerPort[Any]) -> None:
         self.blocks = self.counts.look(scheduler)
+        if self.detail:
+            self.tables = {s.seq_id: list(s.block_table) for s in (*scheduler.running, *scheduler.waiting)}
+            self.block_states = [self._block_state(scheduler.blocks, b) for b in range(scheduler.blocks.num_blocks)]
+
+    def _block_state(self, blocks: Any, block_id: int) -> str:
+        if not blocks.is_used(block_id):
+            return "free" if blocks.block_hash(block_id) == -1 else "cached"
+        if block_id in self.cached_after:
+            return "hit" if blocks.block_hash(block_id) != -1 else "evicted"
+        return "shared" if blocks.ref_count(block_id) > 1 else "held"
 
     def stepped(self, record: Step, scheduler: SchedulerPort[Any], batch: list[Any], id_of: dict[int, int]) -> None:
         waiting = [id_of[s.seq_id] for s in scheduler.waiting]
@@ -103,8 +125,13 @@ class _Observer:
         # The empty decode runs nothing: the cache as its schedule() left it.
         after = self.counts.look(scheduler)  # the held blocks re-read once per step, so none is missed
         used, free, cached = after if record.empty_decode else self.blocks
+        tables = {id_of[k]: t for k, t in self.tables.items() if t} if self.detail else {}
         self.frames.append(Frame(record.step, start, end, states, granted, used, free, cached, len(running),
-                                 len(waiting), ended))
+                                 len(waiting), ended, after, tables, self.block_states))
+        if self.detail:
+            blocks = scheduler.blocks
+            self.cached_after = {b for b in range(blocks.num_blocks)
+                                 if not blocks.is_used(b) and blocks.block_hash(b) != -1}
 
     def _span(self, record: Step) -> tuple[float, float]:
         if self.wall and record.wall is not None:
@@ -138,20 +165,23 @@ class CacheCounts:
         return blocks.num_blocks - free, free, len(self.free_cached)
 
 
-def build_timeline(trace: Trace, axis: str = "steps") -> Timeline:
-    """Replay ``trace`` through the reference and observe every step; ``axis`` 'wall' needs recorded wall times."""
+def build_timeline(trace: Trace, axis: str = "steps", detail: bool = False) -> Timeline:
+    """Replay ``trace`` through the reference and observe every step; ``axis`` 'wall' needs recorded wall times.
+    ``detail`` also records each step's block tables and every block's state (a scan of the cache per step: for
+    the spec's small figures)."""
     if axis not in ("steps", "wall"):
         raise ValueError(f"axis must be 'steps' or 'wall', got {axis!r}")
     if axis == "wall" and any(s.wall is None for s in trace.steps):
         raise ValueError("axis 'wall' needs a trace recorded with wall times (--trace-wall-times)")
-    observer = _Observer(trace, axis == "wall")
+    observer = _Observer(trace, axis == "wall", detail)
     outcome = replay_trace(trace, "reference", observer)
     requests = [e.id for e in trace.events if isinstance(e, Request)]
     starts = {f.step: f.start for f in observer.frames}
     aborts = [(e.id, starts.get(e.before, observer.frames[-1].end if observer.frames else 0.0))
               for e in trace.events if isinstance(e, Aborted)]
     empty = next((s.step for s in trace.steps if s.empty_decode), None)
-    return Timeline(observer.frames, requests, trace.config["num_blocks"], aborts, axis, outcome.difference, empty)
+    return Timeline(observer.frames, requests, trace.config["num_blocks"], aborts, axis, outcome.difference, empty,
+                    dict(trace.config))
 
 
 # --- Perfetto / Chrome trace-event JSON -------------------------------------------------------------------
@@ -235,6 +265,11 @@ def require_matplotlib() -> None:
     _matplotlib()
 
 
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend; ValueError naming the ``plot`` extra without it."""
+    return _matplotlib()
+
+
 def _matplotlib() -> Any:
     try:
         import matplotlib
@@ -259,8 +294,9 @@ def ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def png(timeline: Timeline, path: str, title: str = "") -> None:
-    """Requests down, steps across, coloured by state; KV blocks and batch size underneath on the same axis."""
+def png(timeline: Timeline, path: str, title: str = "", marks: Iterable[tuple[int, str]] = ()) -> None:
+    """Requests down, steps across, coloured by state; KV blocks and batch size, then tokens per step against the
+    budget, underneath on the same axis. ``marks``: (step, words) drawn as a line at that step's start."""
     plt = _matplotlib()
     from matplotlib.colors import ListedColormap
     from matplotlib.lines import Line2D
@@ -272,8 +308,8 @@ def png(timeline: Timeline, path: str, title: str = "") -> None:
     index = {s: k + 1 for k, s in enumerate(STATES)}
     grid = [[index.get(f.states.get(rid, ""), 0) if f is not None else 0 for f in columns] for rid in rows]
     height = 2.2 + min(len(rows), MAX_ROWS) * 0.06
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, height + 2.2),
-                                      gridspec_kw={"height_ratios": [height, 2.2]})
+    fig, (top, bottom, budget) = plt.subplots(3, 1, sharex=True, figsize=(11, height + 4.0),
+                                              gridspec_kw={"height_ratios": [height, 2.2, 1.5]})
     cmap = ListedColormap(["#ffffff", *(COLOURS[s] for s in STATES)])
     small = len(frames) <= 60 and len(rows) <= 24
     top.pcolormesh(edges, range(len(rows) + 1), grid or [[0]], cmap=cmap, vmin=0, vmax=len(STATES),
@@ -295,13 +331,25 @@ def png(timeline: Timeline, path: str, title: str = "") -> None:
         note += f"; stopped early: {timeline.difference}"
     if timeline.empty_decode is not None:
         note += f"; step {timeline.empty_decode} is the empty decode (EDGE-2): the run stops there"
+    if timeline.config:
+        note += "\n" + config_line(timeline.config)
     top.set_title(f"{title}\n{note}" if title else note, fontsize=9)
     _usage(bottom, timeline)
-    bottom.set_xlabel(step_label)
+    _tokens(budget, timeline)
+    marks = list(marks)
+    budget.set_xlabel("\n".join([step_label, *(f"[{k}] step {step}: {words}"
+                                                for k, (step, words) in enumerate(marks, 1))]), fontsize=9)
     if timeline.axis == "steps":
         from matplotlib.ticker import MaxNLocator
 
-        bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+        budget.xaxis.set_major_locator(MaxNLocator(integer=True))
+    starts = {f.step: f.start for f in frames}
+    for k, (step, _) in enumerate(marks, 1):
+        for ax in (top, bottom, budget):
+            ax.axvline(starts[step], color="black", linestyle="--", linewidth=1.2, zorder=4)
+        top.annotate(f"[{k}]", (starts[step], len(rows)), xytext=(3, 3), textcoords="offset points", fontsize=8,
+                     va="bottom", ha="left", weight="bold", zorder=5,
+                     bbox={"boxstyle": "round,pad=0.2", "fc": "#fff8c4", "ec": "black", "lw": 0.6})
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -348,16 +396,64 @@ def _mark_ends(ax: Any, timeline: Timeline, rows: list[int]) -> None:
         ax.scatter(xs, ys, marker=marker, color=colour, s=40, linewidths=1.5, zorder=3)
 
 
-def _usage(ax: Any, timeline: Timeline) -> None:
+def config_line(config: dict[str, int]) -> str:
+    """The settings a figure's reader needs, in one line."""
+    return (f"block_size {config['block_size']}, num_blocks {config['num_blocks']}, "
+            f"budget (max_num_batched_tokens) {config['max_num_batched_tokens']}, "
+            f"max_num_seqs {config['max_num_seqs']}")
+
+
+@dataclass
+class Usage:
+    """What the PNG's lower panels draw, one value per column (``edges`` has one more)."""
+
+    edges: list[float]
+    used: list[int]
+    used_and_cached: list[int]
+    batch: list[int]
+    tokens: list[int]
+
+
+def usage(timeline: Timeline) -> Usage:
+    """An idle column (nothing ran between two steps) holds the cache as the step before it left it: after that
+    step's postprocess, which released the blocks of whatever finished there."""
     columns, edges = _columns(timeline.frames)
-    # An idle column keeps the cache as the step before it left it, and runs nothing.
-    frames = [f if f is not None else columns[k - 1] for k, f in enumerate(columns)]
-    batch = [0 if c is None else c.batch_size for c in columns]
-    used = [f.used if f is not None else 0 for f in frames]
-    cached = [f.used + f.free_cached if f is not None else 0 for f in frames]
+    used: list[int] = []
+    cached: list[int] = []
+    for k, column in enumerate(columns):
+        before = columns[k - 1] if k > 0 else None
+        if column is not None:
+            held, free_cached = column.used, column.free_cached
+        elif before is not None:
+            held, _, free_cached = before.after
+        else:
+            held, free_cached = 0, 0
+        used.append(held)
+        cached.append(held + free_cached)
+    return Usage(edges, used, cached, [0 if c is None else c.batch_size for c in columns],
+                 [0 if c is None else c.tokens for c in columns])
+
+
+def _tokens(ax: Any, timeline: Timeline) -> None:
+    drawn = usage(timeline)
+    ax.stairs(drawn.tokens, drawn.edges, fill=True, color="#e8a15c", label="tokens computed")
+    top = max([*drawn.tokens, 1])
+    if "max_num_batched_tokens" in timeline.config:
+        limit = timeline.config["max_num_batched_tokens"]
+        ax.axhline(limit, color="black", linestyle=":", linewidth=1, label=f"budget {limit}")
+        top = max(top, limit)
+    ax.set_ylim(0, top * 1.2)
+    ax.set_ylabel("tokens")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.06, 1.0), fontsize=8, frameon=False)
+
+
+def _usage(ax: Any, timeline: Timeline) -> None:
+    drawn = usage(timeline)
+    edges, used, cached, batch = drawn.edges, drawn.used, drawn.used_and_cached, drawn.batch
     ax.stairs(cached, edges, fill=True, color="#d8e4f0", label="KV blocks used + free-but-cached")
     ax.stairs(used, edges, fill=True, color="#4a78a8", label="KV blocks used")
-    ax.axhline(timeline.num_blocks, color="#4a78a8", linestyle=":", linewidth=1)
+    ax.axhline(timeline.num_blocks, color="#4a78a8", linestyle=":", linewidth=1,
+               label=f"num_blocks {timeline.num_blocks}")
     ax.set_ylabel("KV blocks")
     ax.set_ylim(0, timeline.num_blocks * 1.05)
     twin = ax.twinx()
