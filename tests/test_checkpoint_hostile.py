@@ -201,9 +201,9 @@ def test_eos_at_the_vocabulary_edge_is_served(source: Path, tmp_path: Path) -> N
     assert build(folder).engine.runner.model.config.eos_token_ids == (0, 255)
 
 
-@pytest.mark.clause("CKPT-2", "CKPT-3")
+@pytest.mark.clause("CKPT-5", "CKPT-3")
 def test_more_layers_than_the_checkpoint_holds_is_refused_at_once(source: Path, tmp_path: Path) -> None:
-    """CKPT-2, CKPT-3: num_hidden_layers beyond the checkpoint is refused from the headers, before the model is
+    """CKPT-5, CKPT-3: num_hidden_layers beyond the checkpoint is refused from the headers, before the model is
     built: 10**6 (beyond the bound) and 3 (on 2 layers) alike, each in well under a second."""
     folder = fresh(source, tmp_path)
     for layers, fragment in ((10**6, "at most 1024"), (3, "holds 2 layers"), (1000, "holds 2 layers")):
@@ -234,9 +234,9 @@ def test_huge_sizes_are_refused_by_name_before_allocating(field: str, source: Pa
     refused(folder, field, "at most")
 
 
-@pytest.mark.clause("CKPT-2")
+@pytest.mark.clause("CKPT-5")
 def test_a_config_larger_than_the_machine_is_refused_by_name(source: Path, tmp_path: Path) -> None:
-    """CKPT-2: sizes each within their bounds whose model needs more than the machine's physical memory are
+    """CKPT-5: sizes each within their bounds whose model needs more than the machine's physical memory are
     refused, naming the fields, before anything is allocated."""
     folder = fresh(source, tmp_path)
     big = {"hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_hidden_layers": 1000, "vocab_size": 1 << 22}
@@ -244,11 +244,11 @@ def test_a_config_larger_than_the_machine_is_refused_by_name(source: Path, tmp_p
     refused(folder, "hidden_size=65536", "num_hidden_layers=1000", "more than this machine's")
 
 
-@pytest.mark.clause("CKPT-2")
+@pytest.mark.clause("CKPT-5")
 def test_the_memory_check_counts_the_weights(
     source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """CKPT-2: the tiny model's float64 weights (about 0.8 MB) fit in 2 MB and not in 0.5 MB: the estimate is
+    """CKPT-5: the tiny model's float64 weights (about 0.8 MB) fit in 2 MB and not in 0.5 MB: the estimate is
     the weights' real size, not a bound that refuses nothing."""
     folder = fresh(source, tmp_path)
     model = load_model(folder, torch.float64, torch.device("cpu"))
@@ -260,11 +260,11 @@ def test_the_memory_check_counts_the_weights(
     refused(folder, "vocab_size=256", "more than this machine's 500000")
 
 
-@pytest.mark.clause("CKPT-2")
+@pytest.mark.clause("CKPT-5")
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("tied", [False, True])
 def test_required_tensors_are_the_models_parameters(family: str, tied: bool, tmp_path: Path) -> None:
-    """CKPT-2: the tensors the header check requires (names and shapes, from the config alone) are exactly the
+    """CKPT-5: the tensors the header check requires (names and shapes, from the config alone) are exactly the
     model's parameters as the checkpoint names them, so the check refuses no servable checkpoint."""
     folder = tmp_path / family
     shutil.copytree(checkpoint(family), folder)
@@ -419,10 +419,10 @@ def test_a_huge_value_makes_a_short_refusal(field: str, raw: str, source: Path, 
     assert len(str(info.value)) < 300
 
 
-@pytest.mark.clause("CKPT-1", "CKPT-3", "CKPT-5")
+@pytest.mark.clause("CKPT-1", "CKPT-3", "CKPT-2")
 @pytest.mark.parametrize("case", sorted(DAMAGED))
 def test_a_damaged_file_is_one_value_error_naming_it(case: str, source: Path, tmp_path: Path) -> None:
-    """CKPT-1, CKPT-3, CKPT-5: a damaged config.json, generation_config.json, tokenizer file or safetensors file
+    """CKPT-1, CKPT-3, CKPT-2: a damaged config.json, generation_config.json, tokenizer file or safetensors file
     (invalid, not an object, wrong types, huge or non-finite numbers, truncated, a garbage or huge header, a
     directory or a FIFO in its place) is one ValueError naming the file, never a library error, an OSError, a
     hang or a giant allocation."""

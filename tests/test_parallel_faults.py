@@ -608,7 +608,7 @@ def test_bad_rank_variable_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> N
 def test_checkpoint_and_memory_refused_before_any_process(
     no_spawn: None, monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
-    """TP-1: a checkpoint whose headers do not hold the model, a model whose rank's piece does not fit (CKPT-2), and
+    """TP-1: a checkpoint whose headers do not hold the model, a model whose rank's piece does not fit (CKPT-5), and
     num_kvcache_blocks beyond this machine's memory are refused by name before any worker starts."""
     from optimized.models import loader
 

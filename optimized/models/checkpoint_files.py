@@ -4,7 +4,7 @@ Invariant: nothing here follows a path that is not a regular file (a directory, 
 before it is opened, so nothing hangs), reads more than a stated bound, or lets an OSError, a decoding error or
 a RecursionError through. ``read_json_object`` serves config.json, generation_config.json and the tokenizer's
 JSON files (CKPT-1); ``read_safetensors_header`` reads a safetensors file's header alone, every tensor's
-name, dtype, shape and byte range, without touching the data, and checks it against the file's size (CKPT-5).
+name, dtype, shape and byte range, without touching the data, and checks it against the file's size (CKPT-2).
 """
 
 from __future__ import annotations

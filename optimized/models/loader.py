@@ -8,11 +8,11 @@ with tied embeddings ``lm_head`` is the embedding matrix (a stored
 ``lm_head.weight`` is then ignored). Tensors are cast to the engine's dtype as
 they are read.
 
-Nothing is allocated before the checkpoint is known to fit (CKPT-2): the safetensors headers alone (names,
+Nothing is allocated before the checkpoint is known to fit (CKPT-5): the safetensors headers alone (names,
 dtypes, shapes) must hold every tensor the config requires, each of a floating dtype and of the expected shape,
 and the model the config describes (weights plus the rotary table) must fit in the device's memory. Each weight
 is checked finite in the engine's dtype as it lands (CKPT-6). Any file the safetensors library still cannot read
-is a ValueError naming it (CKPT-5).
+is a ValueError naming it (CKPT-2).
 
 A tensor-parallel rank (spec/parallel.md, TP-2) reads only its own piece of each split tensor from the file
 (``safe_open(...).get_slice``), so no rank ever holds the whole model; the checks above stay on the whole
@@ -171,7 +171,7 @@ def _device_memory(device: torch.device) -> int:
 
 def check_fits(c: ModelConfig, dtype: torch.dtype, device: torch.device, shard: Shard | None = None) -> None:
     """Refuse, naming the sizes, a config whose model (with ``shard``: that rank's piece of it, TP-2) would not fit
-    in the device's memory (CKPT-2)."""
+    in the device's memory (CKPT-5)."""
     held = c if shard is None else shard.local_config(c)
     needed, available = _bytes_needed(held, dtype), _device_memory(device)
     if needed > available:
@@ -306,8 +306,8 @@ def load_weights(model: CausalLM, model_dir: Path, files: list[Path] | None = No
 def check_checkpoint(
     c: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, shard: Shard | None = None
 ) -> list[Path]:
-    """What is refused before any weight is read: the model (or ``shard``'s piece) not fitting the device (CKPT-2),
-    headers that do not hold the model (CKPT-2); the weights files."""
+    """What is refused before any weight is read: the model (or ``shard``'s piece) not fitting the device (CKPT-5),
+    headers that do not hold the model (CKPT-5); the weights files."""
     check_fits(c, dtype, device, shard)
     files = _safetensors_files(model_dir)
     check_headers(c, model_dir, files)

@@ -189,7 +189,7 @@ def _restore_threads(group: Group) -> None:
 
 def check_before_start(spec: RunnerSpec) -> None:
     """What this rank can refuse alone, refused before any process starts (TP-1): the checkpoint's headers
-    (CKPT-2), its piece's fit in memory (CKPT-2, TP-2) and a ``num_kvcache_blocks`` beyond this machine's memory."""
+    (CKPT-5), its piece's fit in memory (CKPT-5, TP-2) and a ``num_kvcache_blocks`` beyond this machine's memory."""
     from optimized.models.config import load_config
     from optimized.models.loader import check_checkpoint
 
