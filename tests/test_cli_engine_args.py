@@ -209,3 +209,20 @@ def test_a_refusal_names_fields_in_python_and_flags_on_the_command_line() -> Non
     args.kvcache_block_size = 1  # a value only a command's own default could hold (the parser refuses it)
     with pytest.raises(ValueError, match=r"^--block-size N must be an integer >= 2, got 1$"):
         EngineArgs.from_cli_args(args)
+
+
+@pytest.mark.clause("ENG-31")
+def test_numpy_numbers_are_taken_as_the_numbers_they_stand_for() -> None:
+    """ENG-31: `num_kvcache_blocks=np.int64(64)` was refused ('must be an integer >= 1, got np.int64(64)'); numpy
+    integers and reals are now Python's int and float, checked as any value, and numpy's bool is no number."""
+    import numpy as np
+
+    args = EngineArgs.of(num_kvcache_blocks=np.int64(64), max_num_seqs=np.uint8(4), cpu_kvcache_gib=np.float32(0.5))
+    assert (args.num_kvcache_blocks, args.max_num_seqs, args.cpu_kvcache_gib) == (64, 4, 0.5)
+    assert type(args.num_kvcache_blocks) is int and type(args.max_num_seqs) is int
+    assert type(args.cpu_kvcache_gib) is float
+    for bad, field_name in ((dict(num_kvcache_blocks=np.int64(0)), "num_kvcache_blocks"),
+                            (dict(max_num_seqs=np.bool_(True)), "max_num_seqs"), (dict(check=np.bool_(True)), "check"),
+                            (dict(cpu_kvcache_gib=np.float64("nan")), "cpu_kvcache_gib")):
+        with pytest.raises(ValueError, match=f"^{field_name} must be "):
+            EngineArgs.of(**bad)

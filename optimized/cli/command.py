@@ -2,7 +2,8 @@
 
 Bad input never gives a traceback: a bad argument, a ``ValueError`` or an
 ``OSError`` from any subcommand is one line on standard error, ``nanoverify
-<command>: <message>``, and exit status 2 (spec/cli.md, CLI-1, CLI-2). A reader
+<command>: <message>``, and exit status 2 (spec/cli.md, CLI-1, CLI-2); running out of memory is one line and
+exit status 3, never 1, which means a run diverged (CLI-8). A reader
 that closes standard output early ends the command quietly with status 141
 (CLI-3); Ctrl-C ends it with 130 (CLI-4).
 
@@ -33,6 +34,7 @@ COMMANDS = {
     "serve": serve,
 }
 BAD_INPUT = 2
+OUT_OF_MEMORY = 3  # our own failure, never 1 (a replay's or a check's "diverged")
 BROKEN_PIPE = 128 + 13  # what a shell reports for a command ended by SIGPIPE
 INTERRUPTED = 128 + 2  # ... and by SIGINT
 
@@ -90,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{command}: interrupted", file=sys.stderr)
         return INTERRUPTED
+    except MemoryError:
+        print(f"{command}: out of memory (the machine, or a ulimit, holds less than this command needs)",
+              file=sys.stderr)
+        return OUT_OF_MEMORY
     return code
 
 

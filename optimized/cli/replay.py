@@ -68,8 +68,13 @@ def read_stream(stream: BinaryIO) -> list[Workload] | Trace:
 def read_input(name: str) -> list[Workload] | Trace:
     """The workloads, or the trace, of file ``name`` ('-': standard input); ValueError or OSError when unreadable."""
     if name != "-":
-        with open(name, "rb") as f:
-            return read_stream(f)
+        try:
+            with open(name, "rb") as f:
+                return read_stream(f)
+        except OSError as error:
+            if error.filename is None:  # a read that failed (/proc/self/mem: EIO) names no file: CLI-1 needs it
+                error.filename = name
+            raise
     if sys.stdin is None:  # started with standard input closed (<&-)
         raise OSError(0, "standard input is closed")
     return read_stream(sys.stdin.buffer)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import numbers
+import operator
 import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields
@@ -111,6 +113,14 @@ class Knob:
         return str(default)
 
 
+def _plain_number(value: object) -> object:
+    """A numpy (or other registered) integer or real as the ``int`` or ``float`` it stands for, so a value computed
+    with numpy is taken as Python's would be (ENG-31); bools, numpy's included, and anything else unchanged."""
+    if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Real):
+        return value
+    return operator.index(value) if isinstance(value, numbers.Integral) else float(value)
+
+
 def _number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -189,7 +199,11 @@ class EngineArgs:
         if torch is not None and isinstance(self.device, torch.device):
             object.__setattr__(self, "device", str(self.device))  # torch.device("cuda", 1) is 'cuda:1'
         for f in fields(self):
-            knob_of(f.name).check(f.name, getattr(self, f.name), f.default is None)
+            value = getattr(self, f.name)
+            plain = _plain_number(value)
+            if plain is not value:
+                object.__setattr__(self, f.name, plain)
+            knob_of(f.name).check(f.name, plain, f.default is None)
         if self.trace_wall_times and self.trace is None:
             raise EngineArgsError("trace_wall_times", lambda n: f"{n('trace_wall_times')} needs {n('trace')} "
                                   "(the file the wall times are recorded in)")

@@ -14,6 +14,7 @@ before the step that follows. No line is written that the reader would refuse
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -97,8 +98,21 @@ class Recorder:
             if flush:
                 self.file.flush()
         except OSError as error:
+            if error.filename is None:
+                error.filename = self.name  # a failed write names no file; the user needs to know which
             self.broken = _describe(error)
+            self._abandon_file()
             raise
+
+    def _abandon_file(self) -> None:
+        """Close a file this recorder opened after a write failed, dropping what its buffer still holds: the trace
+        is incomplete whatever follows, and a later flush (by ``close()`` or at exit) would only fail again."""
+        closer = getattr(self, "_closer", None)
+        if closer is None:
+            return
+        closer.detach()
+        with contextlib.suppress(OSError):  # the buffer's flush fails as the write did; the descriptor is closed
+            self.file.close()
 
     # --- between steps ----------------------------------------------------------------------------------
     def at_step(self, number: int) -> None:
@@ -305,4 +319,12 @@ def _writable(path: Path) -> Path:
         raise ValueError(f"trace {str(path)!r}: its folder {str(folder)!r} does not exist")
     if not os.access(path if path.exists() else folder, os.W_OK):
         raise ValueError(f"trace {str(path)!r} cannot be written (no write permission)")
+    existed = path.exists()
+    try:  # what the filesystem allows only an open tells (procfs, a read-only mount): asked before anything loads
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as error:
+        raise ValueError(f"trace {str(path)!r} cannot be written ({error.strerror or error})") from None
+    if not existed:
+        path.unlink(missing_ok=True)  # only a probe: the file is made when the run starts
     return path

@@ -18,14 +18,55 @@ the replay and is named by step and field.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import resource
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from optimized.core.config import SchedulerConfig
 from optimized.core.port import EmptyDecodeError, PortFactory, SchedulerPort
 from optimized.trace.checks import FULL_EVERY, batch_violations, state_violations
-from optimized.trace.schema import Aborted, Step, Trace
+from optimized.trace.schema import Aborted, Step, Trace, TraceError
 from optimized.verify.conformance import Request, implementation
+
+# What a replay holds per block at its peak, with margin: measured (tracemalloc) about 650 bytes a block for the
+# reference and 530 for the optimized scheduler during a full state check (TRACE-13).
+REPLAY_BYTES_PER_BLOCK = 1024
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate, as far as the system says: the kernel's MemAvailable, or less under an
+    address-space or data limit (ulimit -v, -d); None where neither can be read."""
+    known: list[int] = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    known.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit in (resource.RLIMIT_AS, resource.RLIMIT_DATA):
+        soft = resource.getrlimit(limit)[0]
+        if soft != resource.RLIM_INFINITY:
+            known.append(soft)
+    if not known and hasattr(os, "sysconf"):
+        with contextlib.suppress(OSError, ValueError):
+            known.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return min(known) if known else None
+
+
+def require_memory(num_blocks: int) -> None:
+    """TRACE-13: a TraceError naming ``config.num_blocks`` when replaying that many blocks needs more memory than
+    the machine has available, before any block is built (the header's bound alone, 2**31, is 2 TiB)."""
+    need, have = num_blocks * REPLAY_BYTES_PER_BLOCK, available_memory()
+    if have is not None and need > have:
+        raise TraceError(f"config.num_blocks: {num_blocks} blocks need about {_gib(need)} of memory to replay "
+                         f"({REPLAY_BYTES_PER_BLOCK} bytes a block), more than the {_gib(have)} available here")
+
+
+def _gib(size: int) -> str:
+    return f"{size / (1 << 30):.1f} GiB"
 
 
 class Observer(Protocol):
@@ -69,6 +110,7 @@ class _Driver:
     def __init__(self, trace: Trace, factory: PortFactory, observer: Observer | None) -> None:
         self.trace = trace
         self.observer = observer
+        require_memory(trace.config["num_blocks"])
         self.scheduler = factory(SchedulerConfig(**trace.config))
         self.replayed = 0  # step records replayed so far
         self.full = False  # whether the current step checks the whole state

@@ -263,7 +263,8 @@ def _json_line(raw: bytes) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise WorkloadError(f"not JSON ({e.msg} at column {e.colno})") from None
+        message = e.msg.removesuffix(" at")  # "Invalid control character at": the column follows
+        raise WorkloadError(f"not JSON ({message} at column {e.colno})") from None
     except ValueError as e:  # e.g. an integer of more digits than int() converts
         raise WorkloadError(f"not JSON ({_shown(str(e))})") from None
 
