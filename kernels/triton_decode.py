@@ -2,12 +2,15 @@
 """Triton paged decode attention (flash-decoding): one query per sequence, context split, then a reduce.
 
 Invariants: program (b, head, split) covers context positions ``[split * T, min((split + 1) * T, ctx_b))`` with T
-``tokens_per_split``; it reads each key through the block table (slot = table[b, j // block_size] * block_size +
-j % block_size) so any block size works, and keeps an online softmax in float32 (running max, running sum, running
-weighted value). A split with no positions leaves max = NEG, sum = 0, acc = 0, which the reduce weighs to nothing.
-The reduce rescales the partials to the global max and divides by the total sum; a sequence with context length 0
-(every split empty) gets zeros. The split count depends only on the table width, never on context lengths, so the
-launch needs no host sync (CUDA-graph safe). Accumulation is float32 whatever the input dtype (fp16/bf16/fp32).
+``tokens_per_split``, a constant of the call that nothing in the batch changes; it reads each key through the block
+table (slot = table[b, j // block_size] * block_size + j % block_size) so any block size works, and keeps an online
+softmax in float32 (running max, running sum, running weighted value) over tiles of BLOCK_N keys aligned to the
+split's start. The reduce walks sequence b's own splits, ``ceil(ctx_b / T)`` of them, in index order: their global
+max first, then the rescaled sums, one addition after another. So a row's bits depend on its query, its context and
+T alone, never on the table's width (the batch's longest context) or on its batch mates (KERN-28). The grid has
+``ceil(width / T)`` splits, a function of the table's shape, so the launch needs no host sync (CUDA-graph safe);
+splits past a row's context compute nothing and are never read. A sequence with context 0 gets zeros.
+Accumulation is float32 whatever the input dtype (fp16/bf16/fp32).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import triton.language as tl
 
 NEG = -1.0e30
 DEFAULT_TOKENS_PER_SPLIT = 256
-MAX_SPLITS = 64
 
 
 @triton.jit
@@ -36,12 +38,12 @@ def _decode_split_kernel(
     q_stride_h,
     table_stride,
     num_heads,
+    num_splits,
     BLOCK_SIZE: tl.constexpr,
     KV_HEADS: tl.constexpr,
     DIM: tl.constexpr,
     GROUP: tl.constexpr,
     TOKENS_PER_SPLIT: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -75,7 +77,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
-    part = (b * num_heads + head) * NUM_SPLITS + split
+    part = (b * num_heads + head) * num_splits + split
     tl.store(acc_ptr + part * BLOCK_D + dims, acc)
     tl.store(max_ptr + part, m_i)
     tl.store(sum_ptr + part, l_i)
@@ -86,34 +88,39 @@ def _decode_reduce_kernel(
     acc_ptr,
     max_ptr,
     sum_ptr,
+    lens_ptr,
     out_ptr,
     o_stride_b,
     o_stride_h,
     num_heads,
+    num_splits,
     DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    TOKENS_PER_SPLIT: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, BLOCK_S)
-    smask = splits < NUM_SPLITS
     dims = tl.arange(0, BLOCK_D)
-    base = (b * num_heads + head) * NUM_SPLITS
-    m = tl.load(max_ptr + base + splits, mask=smask, other=NEG)
-    l_s = tl.load(sum_ptr + base + splits, mask=smask, other=0.0)
-    acc = tl.load(acc_ptr + (base + splits)[:, None] * BLOCK_D + dims[None, :], mask=smask[:, None], other=0.0)
-    weight = tl.exp(m - tl.max(m, axis=0))
-    total = tl.sum(weight * l_s, axis=0)
-    # total == 0 only when every split was empty (context length 0): emit zeros instead of 0/0.
-    denom = tl.where(total > 0.0, total, 1.0)
-    out = tl.sum(weight[:, None] * acc, axis=0) / denom
+    base = (b * num_heads + head) * num_splits
+    # Only this sequence's own splits, in index order: how many the grid has (the table width) changes nothing.
+    own = tl.cdiv(tl.load(lens_ptr + b), TOKENS_PER_SPLIT)
+    m = tl.full([], NEG, tl.float32)
+    for s in range(0, own):
+        m = tl.maximum(m, tl.load(max_ptr + base + s))
+    total = tl.zeros([], tl.float32)
+    out = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(0, own):
+        weight = tl.exp(tl.load(max_ptr + base + s) - m)
+        total = total + weight * tl.load(sum_ptr + base + s)
+        out = out + weight * tl.load(acc_ptr + (base + s) * BLOCK_D + dims)
+    # total == 0 only when the context is empty (no splits): emit zeros instead of 0/0.
+    out = out / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + b * o_stride_b + head * o_stride_h + dims, out.to(out_ptr.dtype.element_ty), mask=dims < DIM)
 
 
 def num_splits_for(width_tokens: int, tokens_per_split: int) -> int:
-    return max(1, min(MAX_SPLITS, -(-width_tokens // tokens_per_split)))
+    """The grid's splits: enough of ``tokens_per_split`` tokens each to cover the table's width (at least one)."""
+    return max(1, -(-width_tokens // tokens_per_split))
 
 
 def paged_decode(
@@ -126,14 +133,13 @@ def paged_decode(
     out: torch.Tensor | None = None,
     tokens_per_split: int = DEFAULT_TOKENS_PER_SPLIT,
 ) -> torch.Tensor:
-    """Triton twin of kernels.paged_attention.paged_decode (KERN-4, KERN-5)."""
+    """Triton twin of kernels.paged_attention.paged_decode (KERN-4, KERN-5); a row is its own (KERN-28)."""
+    if tokens_per_split < 1:
+        raise ValueError(f"tokens_per_split must be >= 1, got {tokens_per_split}")
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
     batch, heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    width_tokens = block_tables.shape[1] * block_size
-    # Enough splits to cover the widest possible context, each split a whole number of tokens.
-    splits = num_splits_for(width_tokens, tokens_per_split)
-    per_split = triton.cdiv(width_tokens, splits)
+    splits = num_splits_for(block_tables.shape[1] * block_size, tokens_per_split)
     block_d = triton.next_power_of_2(dim)
     if out is None:
         out = torch.empty_like(q)
@@ -156,26 +162,27 @@ def paged_decode(
         q.stride(1),
         block_tables.stride(0),
         heads,
+        splits,
         BLOCK_SIZE=block_size,
         KV_HEADS=kv_heads,
         DIM=dim,
         GROUP=heads // kv_heads,
-        TOKENS_PER_SPLIT=per_split,
-        NUM_SPLITS=splits,
-        BLOCK_N=min(64, triton.next_power_of_2(per_split)),
+        TOKENS_PER_SPLIT=tokens_per_split,
+        BLOCK_N=min(64, triton.next_power_of_2(tokens_per_split)),
         BLOCK_D=block_d,
     )
     _decode_reduce_kernel[(batch, heads)](
         acc,
         part_max,
         part_sum,
+        context_lens,
         out,
         out.stride(0),
         out.stride(1),
         heads,
+        splits,
         DIM=dim,
-        NUM_SPLITS=splits,
-        BLOCK_S=triton.next_power_of_2(splits),
+        TOKENS_PER_SPLIT=tokens_per_split,
         BLOCK_D=block_d,
     )
     return out
