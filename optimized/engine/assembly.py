@@ -65,7 +65,8 @@ def batch_invariant_refusal(
     device: torch.device, dtype: str, attention_backend: str, tensor_parallel_size: int
 ) -> str | None:
     """Why the batch-invariant mode cannot hold for these settings (BI-7), naming the one at fault; None when it
-    can. It needs every kernel of the forward pass invariant: the C linear and the C attention (BI-1, BI-4)."""
+    can. It needs every kernel of the forward pass invariant: the C linear and the C attention (BI-1, BI-4).
+    Every ``tensor_parallel_size`` holds: in the mode the model's all-reduces add in rank order (TP-11)."""
     from kernels import cpu_build
 
     if device.type != "cpu":
@@ -79,9 +80,6 @@ def batch_invariant_refusal(
     if attention_backend != "cpu":
         return (f"attention backend {attention_backend!r}: its prefill and decode sum a query's keys in different "
                 "orders, so preemption and prefix-cache hits would change bits; the 'cpu' backend is invariant (BI-4)")
-    if tensor_parallel_size > 2:
-        return (f"tensor_parallel_size {tensor_parallel_size}: gloo's all-reduce over 3 or more ranks adds in an "
-                "order that depends on the tensor's size; 1 or 2 ranks add each element once")
     return None
 
 

@@ -13,8 +13,9 @@ transformers' modeling code op for op so that float64 greedy output matches it.
 
 Under tensor parallelism (spec/parallel.md, TP-2) a model is one rank's piece: its modules are built from the
 shard's local config, o_proj and down_proj all-reduce their partial sums before adding their bias, the embedding
-looks up only its vocabulary slice (other ids give zeros) and all-reduces, and ``logits`` gathers the vocabulary
-slices to rank 0. With no ``tp`` every module is the plain one.
+looks up only its vocabulary slice (other ids give -0) and all-reduces, and ``logits`` gathers the vocabulary
+slices to rank 0. In the batch-invariant mode those all-reduces add in rank order, and a row-parallel layer sums its
+K in ``REDUCTION_CHUNKS`` fixed chunks, at TP = 1 too (TP-11, TP-12). With no ``tp`` every module is the plain one.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.backend import AttentionBackend, DecodePlan
-from kernels.linear import BoundLinear
+from kernels.linear import BoundLinear, compiled_linear, linear_refusal
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.rotary import rotary_rows, rotate
 from optimized.models.config import ModelConfig
-from optimized.models.sharding import Shard
+from optimized.models.sharding import Shard, fixed_order_sum
 
 Rows = tuple[tuple[int, int], ...]
 
@@ -61,16 +62,46 @@ class TensorParallel(Protocol):
         """The element-wise sum of every rank's ``t``, on every rank."""
         ...
 
+    def all_reduce_in_rank_order(self, t: torch.Tensor) -> torch.Tensor:
+        """That sum added by ``fixed_order_sum`` over the ranks' ``t`` in rank order, the same bits on every rank
+        whatever ``t``'s size (TP-11)."""
+        ...
+
     def gather_columns(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t`` side by side along the last dimension, in rank order, on rank 0 (``t`` elsewhere)."""
         ...
+
+
+class ChunkedInvariantLinear:
+    """``x @ weight.T`` with K cut into ``chunks`` equal consecutive chunks: each chunk's sum by the invariant kernel
+    (BI-2's rule over the chunk's K), the chunks' sums added by ``fixed_order_sum`` (TP-12); no bias. The kernel
+    reads each chunk in place (its row stride), so nothing is copied. Needs the compiled library."""
+
+    def __init__(self, weight: torch.Tensor, chunks: int) -> None:
+        reason = linear_refusal(torch.empty(0, weight.shape[-1] if weight.dim() else 0, dtype=weight.dtype),
+                                weight, None)
+        if reason is not None:
+            raise ValueError(reason)
+        k = weight.shape[1]
+        if chunks < 1 or k % chunks:
+            raise ValueError(f"in_features {k} does not split into {chunks} equal chunks")
+        self.weight = weight.contiguous()
+        self.in_features = k
+        step = k // chunks
+        self.bounds = tuple((a, a + step) for a in range(0, k, step)) if k else ((0, 0),)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"x {x.dtype} {tuple(x.shape)} on {x.device} does not fit this layer's "
+                             f"[*, {self.in_features}] {self.weight.dtype} on the CPU")
+        return fixed_order_sum([compiled_linear(x[..., a:b], self.weight[:, a:b], None) for a, b in self.bounds])
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose product is MKL's or, once ``bind_invariant(True)``, the batch-invariant kernel bound to
     this layer's weight (bind again after replacing the weight)."""
 
-    invariant: BoundLinear | None = None
+    invariant: BoundLinear | ChunkedInvariantLinear | None = None
 
     def bind_invariant(self, on: bool) -> None:
         self.invariant = BoundLinear(self.weight.detach(), self._fused_bias()) if on else None
@@ -86,39 +117,49 @@ class Linear(nn.Linear):
 
 
 class RowParallelLinear(Linear):
-    """A linear layer over this rank's input columns: partial sums all-reduced, then the (whole) bias added."""
+    """A linear layer over this rank's input columns: partial sums all-reduced, then the (whole) bias added. In the
+    batch-invariant mode its K is summed in fixed chunks, the partial sums added in rank order, then the bias (TP-11,
+    TP-12): at TP = 1 too, so 1, 2 and 4 ranks give the same bits."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
 
-    def _fused_bias(self) -> torch.Tensor | None:
-        return super()._fused_bias() if self.tp is None else None  # added after the all-reduce
+    def bind_invariant(self, on: bool) -> None:
+        shard = Shard(0, 1) if self.tp is None else self.tp.shard
+        chunks = shard.reduction_chunks(self.in_features)
+        self.invariant = ChunkedInvariantLinear(self.weight.detach(), chunks) if on else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp is None:
-            return super().forward(x)
-        out = self.tp.all_reduce(F.linear(x, self.weight) if self.invariant is None else self.invariant(x))
+        if self.invariant is None:
+            if self.tp is None:
+                return F.linear(x, self.weight, self.bias)
+            out = self.tp.all_reduce(F.linear(x, self.weight))
+        else:
+            out = self.invariant(x)
+            if self.tp is not None:
+                out = self.tp.all_reduce_in_rank_order(out)
         return out if self.bias is None else out + self.bias
 
 
 class VocabParallelEmbedding(nn.Embedding):
     """An embedding of this rank's vocabulary slice ``[start, end)`` (its first ``end - start`` rows; the rest is
-    padding): ids outside it give zeros, and the all-reduce gives every rank every id's row (exactly: the other
-    ranks add zeros)."""
+    padding): ids outside it give -0, and the all-reduce gives every rank every id's row exactly, signed zeros
+    included (x + -0 is x for every x); in rank order in the batch-invariant mode (TP-11)."""
 
     def __init__(self, rows: int, hidden: int, held: tuple[int, int], tp: TensorParallel | None) -> None:
         super().__init__(rows, hidden)
         self.start, self.end = held
         self.tp = tp
+        self.batch_invariant = False
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return super().forward(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.end - self.start)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), -0.0)
+        return self.tp.all_reduce_in_rank_order(out) if self.batch_invariant else self.tp.all_reduce(out)
 
 
 def row_slices(n: int, chunk: int) -> Rows:
@@ -273,7 +314,7 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.bind_invariant(on)
-            elif isinstance(module, MLP):
+            elif isinstance(module, MLP | VocabParallelEmbedding):
                 module.batch_invariant = on
         self.batch_invariant = on
 

@@ -10,13 +10,36 @@ piece padded with zero rows whose logits are dropped when gathered, so any vocab
 it). KV heads are split like query heads; when ``size`` exceeds their count, each rank holds one
 KV head, the one its query heads read (replicated over ``size // num_kv_heads`` ranks, as vLLM does), which needs
 ``size`` to be a multiple of the KV head count (TP-3).
+
+In the batch-invariant mode a row-parallel layer's K is also cut into ``REDUCTION_CHUNKS`` equal consecutive chunks,
+whose sums are added by ``fixed_order_sum``, so a shard holds whole chunks and 1, 2 or 4 ranks add the same sums in
+the same order (TP-12).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import torch
+
 from optimized.models.config import ModelConfig
+
+REDUCTION_CHUNKS = 4  # a row-parallel layer's K chunks in the batch-invariant mode (TP-12)
+
+
+def fixed_order_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The element-wise sum of ``parts`` in an order fixed by their count alone: neighbours added in pairs, level
+    after level (``(p0 + p1) + (p2 + p3)``; an odd last part joins the next level as it is). For a count that is a
+    power of two, the sum of each aligned half is this sum of that half, so ranks that each add their own
+    consecutive parts, then the ranks' sums, round exactly as one process adding every part (TP-11, TP-12)."""
+    level = list(parts)
+    if not level:
+        raise ValueError("fixed_order_sum of no parts")
+    while len(level) > 1:
+        paired = [level[i] + level[i + 1] for i in range(0, len(level) - 1, 2)]
+        level = paired + level[len(paired) * 2 :]
+    return level[0]
 
 
 def check_divisible(c: ModelConfig, size: int) -> None:
@@ -71,6 +94,15 @@ class Shard:
     def mlp_rows(self, c: ModelConfig) -> tuple[int, int]:
         part = c.intermediate_size // self.size
         return self.rank * part, (self.rank + 1) * part
+
+    def reduction_chunks(self, in_features: int) -> int:
+        """How many of the ``REDUCTION_CHUNKS`` chunks of a row-parallel layer's K this rank's ``in_features``
+        columns hold (TP-12): ``REDUCTION_CHUNKS // size`` when ``size`` divides ``REDUCTION_CHUNKS`` and the columns
+        split into that many equal chunks; else 1, the whole shard summed as one chunk."""
+        if REDUCTION_CHUNKS % self.size:
+            return 1
+        chunks = REDUCTION_CHUNKS // self.size
+        return chunks if in_features % chunks == 0 and in_features >= chunks else 1
 
 
 # Checkpoint module suffix -> (dimension split, which range); dimension 0: rows (column-parallel), 1: columns.

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 
 from optimized.engine.model_runner import CollectiveError, StepMessage
-from optimized.models.sharding import Shard
+from optimized.models.sharding import Shard, fixed_order_sum
 from optimized.parallel.step import send_step
 
 TIMEOUT_VARIABLE = "NANOVERIFY_TP_TIMEOUT"  # seconds a collective may take (default 60)
@@ -185,6 +185,19 @@ class Group:
         self.stats.all_reduce_bytes += t.numel() * t.element_size()
         self.stats.all_reduce_seconds += seconds
         return t
+
+    def all_reduce_in_rank_order(self, t: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum of every rank's ``t`` on every rank, added in one fixed order (TP-11): every rank's
+        ``t`` gathered, then ``fixed_order_sum`` over them in rank order, so an element's bits depend on the ranks'
+        values alone, never on ``t``'s size or the transport's algorithm (gloo's all-reduce over 3 or more ranks
+        adds in an order that depends on the size). A new tensor; counted as an all-reduce."""
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        seconds = self._wait(lambda: self.compute.allgather([parts], [t]))
+        self.stats.all_reduces += 1
+        self.stats.all_reduce_bytes += t.numel() * t.element_size()
+        self.stats.all_reduce_seconds += seconds
+        return fixed_order_sum(parts)
 
     def gather_columns(self, t: torch.Tensor) -> torch.Tensor:
         opts = dist.GatherOptions()
