@@ -7,7 +7,7 @@ scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 "${PYTHON:-python3}" -m venv "$scratch/venv"
 "$scratch/venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
-"$scratch/venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
+"$scratch/venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,docs]"
 {
   echo "# Every package the setup installs, at the version the suite passed with. Made by scripts/lock.sh."
   # torch without its local label (+cpu): pip still prefers the CPU wheel where one lies on disk, and the pin

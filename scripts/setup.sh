@@ -11,4 +11,4 @@ venv_python=$(project_venv)
 "$venv_python" -m pip install -q --disable-pip-version-check -c requirements/lock.txt torch setuptools
 # No build isolation: the editable install is built by the pinned setuptools just installed, not the newest one.
 "$venv_python" -m pip install -q --disable-pip-version-check --no-build-isolation -c requirements/lock.txt \
-  -e ".[test]"
+  -e ".[test,docs]"

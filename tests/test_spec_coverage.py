@@ -189,3 +189,28 @@ def test_a_fully_cited_spec_has_no_problem() -> None:
     tests = {"tests/test_x.py": "import pytest\n\n\n@pytest.mark.clause('AB-1', 'AB-2')\ndef test() -> None:\n"
                                 "    pass\n"}
     assert coverage_problems(chapters, tests) == []
+
+
+# Chapters whose clause ids read in order (1, 2, 3, ... per prefix, as defined top to bottom). The others were
+# numbered as they grew and are renumbered by their owners: engine, invariants, mutation, optimized-scheduler,
+# parallel and serve.
+IN_ORDER = ["README.md", "primer.md", "questions.md", "glossary.md", "tuning.md", "differences.md", "scheduler.md",
+            "block-manager.md", "caches.md", "conformance.md", "known-edges.md", "knobs.md", "contracts.md",
+            "abort.md", "architecture.md", "checkpoints.md"]
+
+
+def out_of_order(text: str) -> dict[str, list[int]]:
+    """Each clause prefix whose ids, in the order the chapter defines them, are not 1, 2, ..., n."""
+    seen: dict[str, list[int]] = {}
+    for clause in DEFINITION.findall(text):
+        prefix, number = clause.rsplit("-", 1)
+        seen.setdefault(prefix, []).append(int(number))
+    return {p: ids for p, ids in seen.items() if ids != list(range(1, len(ids) + 1))}
+
+
+def test_clause_ids_read_in_order() -> None:
+    """The chapters of IN_ORDER define their clauses in numeric order without gaps (a reader meets CKPT-2 after
+    CKPT-1); out_of_order finds a swap and a gap."""
+    assert out_of_order("**AB-1** **AB-3** **AB-2** **CD-1** **CD-3**") == {"AB": [1, 3, 2], "CD": [1, 3]}
+    for name in IN_ORDER:
+        assert not out_of_order((ROOT / "spec" / name).read_text(encoding="utf-8")), name
