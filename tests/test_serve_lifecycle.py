@@ -112,7 +112,7 @@ class InProcess:
         assert not self.thread.is_alive(), "the in-process server did not stop"
 
 
-@pytest.mark.clause("SERVE-11")
+@pytest.mark.clause("SERVE-11", "SERVE-21")
 def test_a_divergence_fails_requests_and_turns_health_503(caplog: pytest.LogCaptureFixture,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """SERVE-11: when check mode's shadow raises ShadowDivergence, the requests in flight fail with a 500 that
@@ -158,6 +158,8 @@ def test_a_divergence_fails_requests_and_turns_health_503(caplog: pytest.LogCapt
         assert "--- engine scheduler ---" in logged and "--- reference scheduler ---" in logged
         assert "injected by the test" in logged
         assert "nanoverify:check_divergences_total 1.0" in server.metrics.text().decode()
+        for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):  # SERVE-21
+            assert server.metrics.registry.get_sample_value("nanoverify:" + gauge) == 0, gauge
     finally:
         server.close()
 
@@ -346,11 +348,11 @@ def test_an_idle_loop_sleeps_even_after_aborting_everything(monkeypatch: pytest.
         loop.stop()
 
 
-@pytest.mark.clause("SERVE-10", "SERVE-1")
+@pytest.mark.clause("SERVE-10", "SERVE-1", "SERVE-23")
 def test_the_key_comes_from_the_flag_or_the_environment() -> None:
     """SERVE-10: --api-key wins over NANOVERIFY_API_KEY; an empty variable means no key; a blank one is refused.
     SERVE-1: the served name is "default" for the embedded model, else the checkpoint folder's name."""
-    from optimized.cli.serve import api_key, served_name
+    from optimized.cli.serve import api_key, served_names
 
     assert api_key("flag", {"NANOVERIFY_API_KEY": "env"}) == "flag"
     assert api_key(None, {"NANOVERIFY_API_KEY": "env"}) == "env"
@@ -362,7 +364,9 @@ def test_the_key_comes_from_the_flag_or_the_environment() -> None:
         flag, env = (bad, {}) if source == "--api-key" else (None, {"NANOVERIFY_API_KEY": bad})
         with pytest.raises(ValueError, match=source):
             api_key(flag, env)
-    assert served_name(None) == "default" and served_name("/models/qwen3-0.6b/") == "qwen3-0.6b"
+    assert served_names(None) == ("default",)
+    assert served_names("/models/qwen3-0.6b/") == ("/models/qwen3-0.6b/", "qwen3-0.6b")  # SERVE-23
+    assert served_names("/models/qwen3-0.6b/", ["a", "b", "a"]) == ("a", "b")
 
 
 @pytest.mark.clause("SERVE-6")

@@ -44,7 +44,7 @@ from optimized.serve.engine_process import (
     Submit,
 )
 from optimized.serve.loop import EngineInfo, FailEvent, FinishEvent, Stream, TokenEvent, Unavailable
-from optimized.serve.metrics import Admitted, AfterStep, Diverged, Finished, Generated, Metrics, MetricUpdate
+from optimized.serve.metrics import Admitted, AfterStep, Diverged, Finished, Generated, Lost, Metrics, MetricUpdate
 from tests.engine_fixtures import with_config
 from tests.test_serve import ROOT, Served, spawn, stop
 
@@ -117,17 +117,21 @@ def stream_in_background(url: str, model: str, max_tokens: int) -> tuple[threadi
     return thread, first, lines
 
 
-@pytest.mark.clause("SERVE-2", "SERVE-11")
+@pytest.mark.clause("SERVE-2", "SERVE-11", "SERVE-21")
 def test_a_killed_engine_process_fails_its_requests_and_turns_health_503(serve_cache: Path) -> None:
     """SERVE-2: the engine runs in the server's one child process. SERVE-11: when that process dies, a stream in
     flight ends with an error event that says so, /health is 503 with the reason, new requests are 503, and the
-    server still shuts down cleanly."""
+    server still shuts down. SERVE-21: the gauges drop to 0 (they read 1 running and blocks in use before), and
+    SIGTERM then ends the server with status 3, not 0."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
     served = spawn(["--model", str(folder)], serve_cache / "engine-killed.log")
     try:
         engine = engine_pid(served)
         thread, first, lines = stream_in_background(served.url, folder.name, 8000)
         assert first.wait(60)
+        before = served.get("/metrics").text
+        assert metric_value(before, "nanoverify:num_requests_running") == 1
+        assert metric_value(before, "nanoverify:kv_cache_usage_perc") > 0
         os.kill(engine, signal.SIGKILL)
         thread.join(30)
         assert lines[-1] == "[DONE]", lines[-3:]
@@ -138,9 +142,12 @@ def test_a_killed_engine_process_fails_its_requests_and_turns_health_503(serve_c
         assert health.status_code == 503 and "engine process ended unexpectedly" in health.json()["status"]
         late = httpx.post(served.url + "/v1/completions", json={"model": folder.name, "prompt": [1], "max_tokens": 2})
         assert late.status_code == 503 and "no longer trusted" in late.json()["error"]["message"]
+        after = served.get("/metrics").text
+        for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            assert metric_value(after, "nanoverify:" + gauge) == 0, gauge
     finally:
         status = stop(served)
-    assert status == 0
+    assert status == 3
 
 
 @pytest.mark.clause("SERVE-2")
@@ -498,7 +505,7 @@ def pipe_messages() -> list[Any]:
                 (2, FailEvent(500, "why"))]),
         StateAnswer(2, EngineState(128, 120, 3, 1, 2, ["a violation"], 9)), StateAnswer(3, None, "stopped"),
         Failed("why"), Admitted(5), Generated(6), Finished("length"), Diverged(),
-        AfterStep(EngineStats(steps=3, preemptions=2), Gauges(1, 2, 96, 128)),
+        Lost(), AfterStep(EngineStats(steps=3, preemptions=2), Gauges(1, 2, 96, 128)),
     ]
 
 

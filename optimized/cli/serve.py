@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from optimized.engine.arg_types import bounded_int, minutes
+from optimized.engine.arg_types import bounded_int, minutes, utf8_text
 from optimized.engine.args import EngineArgs
 
 HELP = "serve the model over HTTP with OpenAI's API (completions, chat, streaming, /health, /metrics)"
@@ -28,11 +28,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stream a chunk once N tokens wait (the first at once; default 1: every step)")
     p.add_argument("--shutdown-timeout", type=minutes, default=10.0, metavar="S",
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 10)")
+    p.add_argument("--served-model-name", type=served_model_name, nargs="+", default=None, metavar="NAME",
+                   help="the names clients pass as 'model', the first in answers (default: the --model argument "
+                        "as given and its folder's name; 'default' for the embedded model)")
+    p.add_argument("--step-timeout", type=minutes, default=60.0, metavar="S",
+                   help="/health is 503 while requests are in flight and the engine has not finished a step for "
+                        "S seconds (0: never; default 60)")
 
 
-def served_name(model: str | None) -> str:
-    """The name clients pass as ``model``: "default" for the embedded model, else the folder's name."""
-    return "default" if model is None else Path(model).resolve().name
+def served_model_name(text: str) -> str:
+    """A name a client can send: UTF-8 text, not blank."""
+    name = utf8_text(text)
+    if not name.strip():
+        raise argparse.ArgumentTypeError("must not be blank")
+    return name
+
+
+def served_names(model: str | None, given: list[str] | None = None) -> tuple[str, ...]:
+    """SERVE-23: the names clients may pass as ``model``, the first the one answers carry: ``--served-model-name``'s,
+    else the ``--model`` argument as given and its folder's name, else "default" (the embedded model)."""
+    if given:
+        return tuple(dict.fromkeys(given))
+    if model is None:
+        return ("default",)
+    return tuple(dict.fromkeys((model, Path(model).resolve().name)))
 
 
 def api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
@@ -56,21 +75,29 @@ def main(args: argparse.Namespace) -> int:
     from optimized.serve.app import ServerOptions
     from optimized.serve.engine_process import EngineProcess
     from optimized.serve.metrics import Metrics
-    from optimized.serve.server import serve
+    from optimized.serve.server import listening_socket, serve
 
     engine_args = EngineArgs.from_cli_args(args)
     key = api_key(args.api_key, os.environ)
-    options = ServerOptions(served_model=served_name(args.model), api_key=key, stream_interval=args.stream_interval)
+    names = served_names(args.model, args.served_model_name)
+    options = ServerOptions(served_model=names[0], other_names=names[1:], api_key=key,
+                            stream_interval=args.stream_interval)
     kwargs = engine_args.as_kwargs()
     if torchrun_rank() not in (None, 0):  # a torchrun worker rank: the LLM serves rank 0, then ends the process
         from optimized import LLM  # (TP-6): it never returns
 
         LLM(**kwargs)
         return 0
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    metrics = Metrics()
-    engine = EngineProcess(kwargs, metrics)  # the LLM is built there; its refusals are raised here
+    sock = listening_socket(args.host, args.port)  # SERVE-24: a busy port is refused before the model loads
     try:
-        return serve(engine, engine.info, metrics, args.host, args.port, options, args.shutdown_timeout)
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        metrics = Metrics()
+        engine = EngineProcess(kwargs, metrics, args.step_timeout)  # the LLM is built there; its refusals raise here
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        return serve(engine, engine.info, metrics, sock, options, args.shutdown_timeout)
     finally:
         engine.stop()  # the engine process closes its LLM: the trace flushed, tensor-parallel workers stopped

@@ -10,7 +10,9 @@ timeout) for every rank to have loaded, and sizes its KV cache, the same number 
 ``build_runner`` is that one sequence, run by rank 0 and by every worker alike, so their collectives pair up (its
 loading and sizing are ``load_runner``'s of optimized/engine/assembly.py, which a single process runs too). A
 worker exits when rank 0 says stop, when a collective with rank 0 fails (rank 0 died or ended the group: its
-connections closed), or when its parent process is gone (the watchdog).
+connections closed), or when its parent process is gone (the watchdog). Rank 0 can also ask between steps,
+idle or not, whether a worker it spawned has exited (``group_fault``): a server learns of a dead group before
+any request finds it (SERVE-20).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import shutil
 import sys
 import time
+import weakref
 from dataclasses import asdict
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -47,6 +50,7 @@ from optimized.parallel.step import receive_step, send_stop
 from optimized.parallel.watchdog import watch_parent
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_LED: weakref.WeakSet[Group] = weakref.WeakSet()  # the open groups this process leads as rank 0
 _JOINED = "nanoverify/joined/"
 _SETUP = "nanoverify/setup/"
 
@@ -169,7 +173,9 @@ def engine_runner(spec: RunnerSpec) -> tuple[ModelRunner, Group]:
     group.threads_before = torch.get_num_threads()
     torch.set_num_threads(spec.threads)  # TP-10: rank 0 runs on its share of the cores, as every worker does
     try:
-        return build_runner(spec, group), group
+        runner = build_runner(spec, group)
+        _LED.add(group)
+        return runner, group
     except TensorParallelError:
         _restore_threads(group)
         raise
@@ -208,6 +214,7 @@ def close(group: Group | None) -> None:
     (no tensor parallelism) has nothing to stop."""
     if group is None:
         return
+    _LED.discard(group)
     _restore_threads(group)
     if group.failure is not None:
         return
@@ -218,6 +225,18 @@ def close(group: Group | None) -> None:
     # Freed now, while the interpreter is whole: gloo's groups left to the interpreter's exit were seen to abort
     # the process (std::terminate) under torchrun once in a loaded CI run.
     group.compute = group.control = None
+
+
+def group_fault() -> str | None:
+    """Why an open tensor-parallel group this process leads is dead, or None while each is whole: its failure
+    (TP-8), or a worker it spawned that has exited, which ends the group now (the rank named, as a step would have
+    found it). Call it from the thread that steps the engine, between steps."""
+    for group in list(_LED):
+        if group.failure is None and any(proc.exitcode is not None for proc in group.workers):
+            group.fail(RuntimeError("a tensor-parallel worker exited"))  # names the rank and how it ended
+        if group.failure is not None:
+            return group.failure
+    return None
 
 
 # Rank 0 spawns the workers --------------------------------------------------------------------------------------

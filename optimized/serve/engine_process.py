@@ -19,7 +19,10 @@ outright leaves no engine behind. If the engine process ends without being
 told to stop, or a message cannot cross the pipe or be carried out (a defect of
 ours: the engine process sends ``Failed`` before it stops, so its stop's aborts
 are never taken for a clean end), every open stream fails with a 500 and
-``failure`` says why, as when the loop fails (SERVE-11).
+``failure`` says why, as when the loop fails (SERVE-11). Every message up is
+also the engine's heartbeat: while a request is in flight and nothing has come
+up for ``step_timeout`` seconds, ``failure`` says the engine is stalled and for
+how long, until a message comes again (SERVE-22).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -56,6 +60,7 @@ from optimized.serve.metrics import Metrics, MetricsRecorder, MetricUpdate
 
 log = logging.getLogger("nanoverify.serve")
 _STOP_SECONDS = 60  # for the engine process to abort what is left, close its LLM (a trace's flush) and exit
+STEP_TIMEOUT_SECONDS = 60.0  # SERVE-22: silence while requests are in flight before the engine is called stalled
 
 
 # --- down the pipe: the server's commands -----------------------------------------------------------------------
@@ -123,14 +128,18 @@ Report = Ready | NotBuilt | Events | MetricUpdate | StateAnswer | Failed
 class EngineProcess:
     """The HTTP side's handle on an engine loop in a spawned process (an ``EngineHandle``)."""
 
-    def __init__(self, llm_kwargs: dict[str, Any], metrics: Metrics) -> None:
-        """Spawn the engine process and wait until its ``LLM`` is built; what the ``LLM`` raised is raised here."""
+    def __init__(self, llm_kwargs: dict[str, Any], metrics: Metrics,
+                 step_timeout: float = STEP_TIMEOUT_SECONDS) -> None:
+        """Spawn the engine process and wait until its ``LLM`` is built; what the ``LLM`` raised is raised here.
+        ``step_timeout``: SERVE-22's bound (0: never stalled)."""
         context = multiprocessing.get_context("spawn")  # torch's thread pools do not survive a fork
         self._conn, child = context.Pipe()
         # Not a daemon: a daemon may not start processes, and the engine starts tensor-parallel workers.
         self.process = context.Process(target=engine_main, args=(child, llm_kwargs), name="nanoverify-engine")
         self.metrics = metrics
-        self.failure: str | None = None
+        self._failure: str | None = None  # why the engine is lost for good (SERVE-11)
+        self.step_timeout = step_timeout
+        self._quiet_since = time.perf_counter()  # the last message up, or the last time nothing was in flight
         self._lock = threading.RLock()  # reentrant: a finalizer's cancel may run while this thread holds it
         self._streams: dict[int, Stream] = {}
         self._states: dict[int, Future[EngineState]] = {}
@@ -164,6 +173,20 @@ class EngineProcess:
                 raise error
         raise RuntimeError(f"the engine process sent {type(message).__name__} before saying it was ready")
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine serves nothing: lost for good (SERVE-11), or stalled while requests wait (SERVE-22)."""
+        return self._failure or self._stalled()
+
+    def _stalled(self) -> str | None:
+        if not self.step_timeout or not self._streams:
+            return None
+        quiet = time.perf_counter() - self._quiet_since
+        if quiet <= self.step_timeout:
+            return None
+        return (f"the engine process has not finished a step for {quiet:.1f} s while {len(self._streams)} "
+                f"requests are in flight (the bound is {self.step_timeout:g} s, --step-timeout): it is stalled")
+
     # --- the HTTP side's calls ------------------------------------------------------------------------
     def start(self) -> None:
         """Start reading and writing the pipe (once; a later call does nothing)."""
@@ -176,6 +199,8 @@ class EngineProcess:
         with self._lock:
             if self._closing or self.failure is not None or self._gone:
                 raise Unavailable(self.failure or "the server is shutting down")
+            if not self._streams:  # the engine was idle: its silence so far is no stall
+                self._quiet_since = time.perf_counter()
             stream.key = next(self._keys)
             self._streams[stream.key] = stream
         self._outbox.put(Submit(stream.key, stream.prompt_ids, stream.params))
@@ -234,6 +259,8 @@ class EngineProcess:
         if self.process.is_alive():
             log.warning("the engine process did not stop within %.0f s and is killed", timeout)
             self._kill()
+            with self._lock:
+                self._failure = self._failure or f"the engine process did not stop within {timeout:g} s"
         if self._reader.ident is not None:
             self._reader.join(10)  # the engine process is gone, so the pipe has ended
         self._conn.close()
@@ -248,7 +275,7 @@ class EngineProcess:
         """Send every command until told to stop. One that cannot be sent (a defect of ours: it does not pickle)
         ends trust like ``_untrusted``; submits still queued then are dropped, and stop still goes."""
         while (command := self._outbox.get()) is not None:
-            if isinstance(command, Submit) and self.failure is not None:
+            if isinstance(command, Submit) and self._failure is not None:
                 continue  # its stream has failed already
             try:
                 self._conn.send(command)
@@ -266,6 +293,7 @@ class EngineProcess:
         while True:
             try:
                 message = self._conn.recv()
+                self._quiet_since = time.perf_counter()
                 if trusted:
                     self._take(message)
             except (EOFError, OSError):  # the engine process has ended
@@ -328,8 +356,9 @@ class EngineProcess:
     def _fail(self, why: str) -> None:
         """SERVE-11: the engine is no longer trusted: every open stream fails with a 500."""
         with self._lock:
-            if self.failure is None:
-                self.failure = why
+            if self._failure is None:
+                self._failure = why
+        self.metrics.lost()  # SERVE-21: nothing runs or waits any more
         self._fail_rest(500, why)
 
     def _fail_rest(self, status: int, why: str) -> None:
@@ -394,7 +423,9 @@ def engine_main(conn: Connection, llm_kwargs: dict[str, Any]) -> None:
         return
     streams: dict[int, Stream] = {}
     lock = threading.Lock()
-    loop = EngineLoop(llm, MetricsRecorder(send), PipeOutlet(send, streams, lock))
+    from optimized.parallel.launch import group_fault
+
+    loop = EngineLoop(llm, MetricsRecorder(send), PipeOutlet(send, streams, lock), watch=group_fault)
     try:
         send(Ready(EngineInfo.of(llm)))
         loop.start()

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from optimized.engine.model_runner import CollectiveError
 from optimized.engine.sampling_params import Logprob, SamplingParams
 from optimized.engine.validation import EngineLimits
 from optimized.entry.llm import LLM, EngineState, RequestOutput
@@ -142,7 +143,9 @@ class EngineInfo:
 class EngineHandle(Protocol):
     """The HTTP side's view of the engine loop, in this process (``EngineLoop``) or another (``EngineProcess``)."""
 
-    failure: str | None  # why the engine is no longer trusted (SERVE-11)
+    @property
+    def failure(self) -> str | None:
+        """Why the engine serves nothing now: no longer trusted (SERVE-11), or stalled (SERVE-22)."""
 
     def start(self) -> None: ...
 
@@ -167,17 +170,29 @@ class Unavailable(Exception):
     """The loop admits nothing: shutting down, or the engine is no longer trusted."""
 
 
+class EngineLost(Exception):
+    """``EngineLoop.watch`` found that the engine can no longer step (SERVE-20); the text says why."""
+
+
 def refuse(future: Future[Any], why: str) -> None:
     """Fail ``future`` with Unavailable, unless its caller has cancelled it already."""
     if future.set_running_or_notify_cancel():
         future.set_exception(Unavailable(why))
 
 
+WATCH_SECONDS = 0.5  # SERVE-20: how often an idle loop asks ``watch`` whether the engine can still step
+
+
 class EngineLoop:
-    def __init__(self, llm: LLM, metrics: EngineMetrics, outlet: Outlet | None = None) -> None:
+    def __init__(self, llm: LLM, metrics: EngineMetrics, outlet: Outlet | None = None,
+                 watch: Callable[[], str | None] | None = None) -> None:
+        """``watch``: asked at every turn and every ``WATCH_SECONDS`` while idle, from the loop's thread; a text
+        (why the engine can no longer step: a tensor-parallel worker died, SERVE-20) ends the loop as
+        ``_die`` does."""
         self.llm = llm
         self.metrics = metrics
         self.outlet: Outlet = outlet or QueueOutlet()
+        self.watch = watch
         self.failure: str | None = None  # why the engine is no longer trusted (SERVE-11)
         self._cv = threading.Condition()
         self._arrivals: list[Stream] = []
@@ -275,12 +290,17 @@ class EngineLoop:
         with self._cv:
             while not (self._arrivals or self._hangups or self._probes or self._live or self._stop
                        or self._abort_all):
-                self._cv.wait()
+                if self.watch is None:
+                    self._cv.wait()
+                elif not self._cv.wait(WATCH_SECONDS):
+                    break  # idle a while: ``watch`` is asked below, outside the lock
             arrivals, self._arrivals = self._arrivals, []
             hangups, self._hangups = self._hangups, []
             probes, self._probes = self._probes, []
             abort_all, stop = self._abort_all, self._stop
             self._abort_all = False  # done below; admission stays closed, so nothing new comes to abort
+        if self.watch is not None:
+            self._watch()
         for stream in arrivals:
             self._admit(stream)
         for stream in hangups:
@@ -299,6 +319,12 @@ class EngineLoop:
         if self._live or self.llm.has_unfinished_requests():  # FAULT-1's outputs come with a step, too
             self._step()
         return True
+
+    def _watch(self) -> None:
+        assert self.watch is not None
+        fault = self.watch()
+        if fault is not None:
+            raise EngineLost(fault)
 
     def _admit(self, stream: Stream) -> None:
         if stream.cancelled:
@@ -337,8 +363,8 @@ class EngineLoop:
         try:
             outputs = self.llm.step()
         except Exception as e:
-            if isinstance(e, ShadowDivergence) or not self.llm.trusted:
-                raise
+            if isinstance(e, ShadowDivergence | CollectiveError) or not self.llm.trusted:
+                raise  # a collective's failure leaves the tensor-parallel group dead (TP-8): no step can run again
             log.error("a step failed and its batch ended with an error (FAULT-1): %s", e)
             self._publish()
             return  # the failed requests' outputs (finish_reason "error") come with the next step
@@ -407,6 +433,8 @@ class EngineLoop:
         if isinstance(error, ShadowDivergence):  # found by a step or by an abort's mirror
             self.metrics.diverged()
             why = "check mode found the engine's scheduler diverging from the reference scheduler"
+        elif isinstance(error, EngineLost | CollectiveError):
+            why = f"the tensor-parallel group is dead ({error})"
         else:
             why = f"the engine loop failed ({type(error).__name__}: {error})"
         log.error("%s; the engine is no longer trusted and the server admits nothing more:\n%s", why, error)
@@ -419,6 +447,7 @@ class EngineLoop:
             probes, self._probes = self._probes, []
         for stream in streams:
             stream.done = True
+        self.metrics.lost()  # SERVE-21: nothing runs or waits any more
         self.outlet.send([(stream, FailEvent(500, self.failure)) for stream in streams])
         self.outlet.failed(self.failure)
         for _, future in probes:

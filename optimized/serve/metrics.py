@@ -31,8 +31,8 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class EngineMetrics(Protocol):
-    """What the engine loop reports: admitted prompt tokens, generated tokens, finishes, a divergence, and the
-    engine's state after a step or a turn that changed it."""
+    """What the engine loop reports: admitted prompt tokens, generated tokens, finishes, a divergence, the
+    engine's state after a step or a turn that changed it, and its loss (SERVE-21)."""
 
     def admitted(self, prompt_tokens: int) -> None: ...
 
@@ -43,6 +43,8 @@ class EngineMetrics(Protocol):
     def diverged(self) -> None: ...
 
     def after_step(self, stats: EngineStats, gauges: Gauges) -> None: ...
+
+    def lost(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,11 @@ class Finished(MetricUpdate):
 
 @dataclass(frozen=True)
 class Diverged(MetricUpdate):
+    pass
+
+
+@dataclass(frozen=True)
+class Lost(MetricUpdate):
     pass
 
 
@@ -96,6 +103,9 @@ class MetricsRecorder:
 
     def after_step(self, stats: EngineStats, gauges: Gauges) -> None:
         self._send(AfterStep(copy.copy(stats), gauges))
+
+    def lost(self) -> None:
+        self._send(Lost())
 
 
 class Metrics:
@@ -160,6 +170,8 @@ class Metrics:
                 self.diverged()
             case AfterStep(stats, gauges):
                 self.after_step(stats, gauges)
+            case Lost():
+                self.lost()
             case _:
                 raise TypeError(f"not a metrics update: {update!r}")
 
@@ -172,6 +184,13 @@ class Metrics:
         self.advance(self.prefix_queries, "prefix_queries", stats.prefix_cache_query_tokens)
         self.advance(self.prefix_hits, "prefix_hits", stats.prefix_cache_hit_tokens)
         self.advance(self.compared_steps, "compared_steps", stats.compared_steps)
+
+    def lost(self) -> None:
+        """SERVE-21: the engine is gone or no longer trusted: nothing runs, waits or holds a block any more (the
+        counters keep what was counted)."""
+        self.running.set(0)
+        self.waiting.set(0)
+        self.kv_usage.set(0)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
