@@ -12,8 +12,10 @@ OpenAI's JSON with a status that says whose fault it is (400 bad input, 401
 key, 404 model or path, 413 body, 503 not admitting, 500 engine failure). Text
 reaches the client only through ``IncrementalDetokenizer`` (whole characters,
 never a possible stop string's beginning), and the streamed pieces add up to
-the non-streamed text. A handler that ends before its request finished (the
-client went away, SERVE-6) cancels it in ``finally``.
+the non-streamed text; a stream sends nothing before the first output, then a
+chunk per engine step, empty while its text is held (SERVE-17). A handler that
+ends before its request finished (the client went away, SERVE-6) cancels it in
+``finally``.
 """
 
 from __future__ import annotations
@@ -323,18 +325,19 @@ class _Handlers:
                 return event
 
     async def _sse(self, stream: Stream, call: _Call) -> AsyncIterator[str]:
-        """SERVE-4: Server-Sent Events as OpenAI sends them; cancelled by a disconnect (SERVE-6)."""
+        """SERVE-4, SERVE-17: Server-Sent Events as vLLM sends them: nothing before the first output (chat's role
+        chunk goes with it), then a chunk per engine step (per ``stream_interval`` steps), its text empty while
+        nothing can be released; cancelled by a disconnect (SERVE-6)."""
         self.life.handlers += 1
         model = self.options.served_model
         detokenizer = IncrementalDetokenizer(self.tokenizer, stream.params.stop)
         timing = _Timing(self.metrics, stream)
         ended = False
-        pending: list[int] = []  # tokens whose text is not sent yet
+        role_due = call.kind == "chat.completion"  # chat's first chunk names the role, with the first output
+        pending: list[int] = []  # tokens whose chunk is not sent yet
         pending_logprobs: list[dict[int, Logprob]] = []  # theirs, when asked (SERVE-14)
         chunks = 0  # content chunks sent
         try:
-            if call.kind == "chat.completion":
-                yield call.chunk(model, None, None, role=True)
             while not ended:
                 event: Event = await stream.queue.get()
                 while isinstance(event, TokenEvent):  # every step's tokens that are here: one chunk for all
@@ -348,11 +351,12 @@ class _Handlers:
                 if isinstance(event, TokenEvent):
                     if len(pending) < self.options.stream_interval and chunks:
                         continue  # fewer tokens than the interval: they go with the next chunk
-                    text = detokenizer.take()
-                    if text or call.body.return_token_ids:  # asked for ids: every step's, text or not
-                        yield call.chunk(model, text, None, token_ids=pending, logprobs=pending_logprobs)
-                        pending, pending_logprobs = [], []
-                        chunks += 1
+                    if role_due:
+                        yield call.chunk(model, None, None, role=True)
+                        role_due = False
+                    yield call.chunk(model, detokenizer.take(), None, token_ids=pending, logprobs=pending_logprobs)
+                    pending, pending_logprobs = [], []
+                    chunks += 1
                     continue
                 ended = True
                 if isinstance(event, FailEvent):
@@ -362,6 +366,8 @@ class _Handlers:
                                              kind="server_error").body())
                 else:
                     timing.finish(event)
+                    if role_due:
+                        yield call.chunk(model, None, None, role=True)
                     yield call.chunk(model, detokenizer.take_final(), event.output.finish_reason, token_ids=pending,
                                      logprobs=pending_logprobs)
                     if call.include_usage:

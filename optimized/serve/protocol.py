@@ -14,12 +14,16 @@ ARCH-6), and app.py answers its ``RequestRefused``.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 M = TypeVar("M", bound="_Sampling")
+MAX_BODY_DEPTH = 32  # SERVE-15: arrays and objects in a body; OpenAI's deepest field here nests 5 levels
+_FINITE = Field(default=None, allow_inf_nan=False)  # SERVE-15: JSON's NaN and Infinity are no temperature
 
 
 class ApiError(Exception):
@@ -50,8 +54,8 @@ class _Sampling(_Strict):
     """Fields common to both endpoints (OpenAI's, then vLLM's extras); None: ``SamplingParams``' default."""
 
     model: str
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = _FINITE
+    top_p: float | None = _FINITE
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -92,14 +96,38 @@ class ChatRequest(_Sampling):
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or a 400 saying what is wrong with it."""
+    """SERVE-15: the body as a JSON object, or a 400 saying what is wrong with it: not UTF-8 (RFC 8259; UTF-16
+    and UTF-32 too), nested deeper than MAX_BODY_DEPTH, an integer past Python's digit limit, not JSON."""
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff") or b"\x00" in raw[:4]:
+        raise ApiError(400, "the request body must be JSON in UTF-8; this one looks like UTF-16 or UTF-32")
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body must be JSON in UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} "
+                            "is not UTF-8") from None
+    if _too_deep(text):
+        raise ApiError(400, f"the request body nests arrays and objects deeper than {MAX_BODY_DEPTH} levels")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except ValueError as e:  # an integer of more digits than int() converts (sys.get_int_max_str_digits)
+        raise ApiError(400, f"the request body cannot be read: {str(e).split(';')[0]}") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     return data
+
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_NESTING = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def _too_deep(text: str) -> bool:
+    """Whether ``text``'s arrays and objects nest deeper than MAX_BODY_DEPTH (brackets inside strings do not count);
+    the loops run in C, a 1 MiB body of brackets in about the time ``json.loads`` takes."""
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    return max(accumulate(map(_NESTING.__getitem__, brackets)), default=0) > MAX_BODY_DEPTH
 
 
 def parse_request(model: type[M], raw: bytes) -> M:
