@@ -399,7 +399,7 @@ def test_an_idle_gap_holds_the_cache_the_last_step_left() -> None:
                 assert (drawn.used[k], drawn.used_and_cached[k]) == (before.after[0], before.after[0] + before.after[2])
 
 
-MARKED = {"chunked-prefill": [0], "long-prompt-arrives": [2], "preemption": [2], "head-of-line-blocking": [2],
+MARKED = {"chunked-prefill": [2], "long-prompt-arrives": [2], "preemption": [2], "head-of-line-blocking": [2],
           "empty-decode": [2], "prefix-cache-hit": [1, 9], "worked-example": [1, 5, 9]}
 
 

@@ -63,8 +63,15 @@ def _first_preemption(trace: Trace) -> Marks:
 
 
 def _chunk_blocks_the_rest(trace: Trace) -> Marks:
-    step = next(s for s in trace.steps if s.prefill and s.batch[0][1] < _prompt_lengths(trace)[s.batch[0][0]])
-    return [(step.step, f"budget spent on request {step.batch[0][0]}'s chunk: the rest wait (CHUNK-1)")]
+    """The first prefill step that leaves budget unused while a request that needs more waits behind it."""
+    budget, lengths = trace.config["max_num_batched_tokens"], _prompt_lengths(trace)
+    for s in trace.steps:
+        left = budget - sum(n for _, n, _ in s.batch)
+        behind = [i for i in lengths if i > s.batch[-1][0]]  # all arrive at step 0 in this figure
+        if s.prefill and left > 0 and behind and lengths[behind[0]] > left:
+            return [(s.step, f"{left} tokens of budget left; request {behind[0]} needs {lengths[behind[0]]} "
+                             "and is not first: it waits (CHUNK-1)")]
+    return []
 
 
 def _head_blocks(trace: Trace) -> Marks:
