@@ -124,3 +124,46 @@ def test_conformance_states_the_trace_version_the_recorder_writes() -> None:
     text = (SPEC / "conformance.md").read_text(encoding="utf-8")
     assert f'{{"version": {VERSION}, "config": {{...}}}}' in text
     assert re.findall(r'"version": (\d+)', text) == [str(VERSION)]
+
+
+def _blocks(language: str) -> list[str]:
+    """The fenced code blocks of spec/README.md in ``language``, in order."""
+    text = (SPEC / "README.md").read_text(encoding="utf-8")
+    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.M | re.S)
+
+
+@pytest.mark.clause("ASK-2")
+def test_the_readme_quickstarts_run_as_written(tmp_path: Path) -> None:
+    """ASK-2: the Python API quickstart runs; `nanoverify serve --model ./FOLDER` started as written (on a free
+    port, the folder a copy of the default checkpoint under the quickstart's name) answers the openai client
+    quickstart, chat and streamed completion, with the folder's name as the model."""
+    from optimized.models.default_model import default_model_dir
+
+    api, client = _blocks("python")[:2]
+    done = subprocess.run([sys.executable, "-c", api], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout.splitlines()
+    assert len(printed) == 2 and all(line.startswith(("length ", "stop ")) for line in printed)
+
+    command = next(line for block in _blocks("sh") for line in block.splitlines() if "nanoverify serve" in line)
+    args = command.split("#", 1)[0].split()
+    folder = args[args.index("--model") + 1]
+    shutil.copytree(default_model_dir(), tmp_path / folder)
+    args[args.index("--port") + 1] = "0"
+    nanoverify = str(Path(sys.executable).parent / "nanoverify")
+    server = subprocess.Popen([nanoverify, *args[1:]], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        while line and "listening on" not in line:
+            line = server.stdout.readline()
+        port = line.strip().rsplit(":", 1)[1]
+        ran = subprocess.run([sys.executable, "-c", client.replace(":8000/", f":{port}/")], cwd=tmp_path, env=ENV,
+                             capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 0, ran.stderr
+        assert Path(folder).name in client and ran.stdout.strip()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
