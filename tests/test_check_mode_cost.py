@@ -41,6 +41,14 @@ def _corrupt_hash(llm: LLM, long_seq: Any) -> int:
     return block
 
 
+def _corrupt_tokens(llm: LLM, long_seq: Any) -> int:
+    block = _cached_free_block(llm)
+    contents = llm.engine.scheduler.blocks._contents  # the port's internals: the block's tokens, kept while free
+    contents[block] = (int.from_bytes(contents[block][:8], "little", signed=True) + 1).to_bytes(
+        8, "little", signed=True) + contents[block][8:]
+    return block
+
+
 def _corrupt_ref_count(llm: LLM, long_seq: Any) -> int:
     block: int = long_seq.block_table[0]  # held by the running request; a decode step touches only its last blocks
     llm.engine.scheduler.blocks.pool._extra[block] += 1
@@ -48,7 +56,8 @@ def _corrupt_ref_count(llm: LLM, long_seq: Any) -> int:
 
 
 @pytest.mark.clause("CHECK-2", "CHECK-3", "CHECK-4")
-@pytest.mark.parametrize("corrupt", [_corrupt_hash, _corrupt_ref_count], ids=["cached-free-hash", "ref-count"])
+@pytest.mark.parametrize("corrupt", [_corrupt_hash, _corrupt_tokens, _corrupt_ref_count],
+                         ids=["cached-free-hash", "cached-free-tokens", "ref-count"])
 def test_an_untouched_block_corrupted_is_caught_at_the_next_full_comparison(corrupt: Any) -> None:
     """CHECK-2, CHECK-3, CHECK-4: a block the steps do not touch, corrupted in the engine's cache, passes every
     per-step comparison and is caught by the next full one, within check_full_every steps, naming the block."""
@@ -64,8 +73,9 @@ def test_an_untouched_block_corrupted_is_caught_at_the_next_full_comparison(corr
     for _ in range(every - 2):  # the steps before the next full comparison: not caught
         llm.engine.step()
     assert shadow.step % every == every - 1  # the next step's end compares the whole states
-    with pytest.raises(ShadowDivergence, match=rf"(?s)check mode, step {shadow.step}: .*full check.*"
-                                               rf"block {block}\b.*--- engine scheduler ---.*--- reference scheduler"):
+    with pytest.raises(ShadowDivergence, match=rf"(?s)check mode, step {shadow.step}: (.*full check.*block {block}\b"
+                                               rf"|block {block}\b.*full check).*--- engine scheduler ---.*"
+                                               "--- reference scheduler"):
         llm.engine.step()
 
 
@@ -275,3 +285,21 @@ def test_bench_check_prints_both_sides_and_the_ratio(capsys: pytest.CaptureFixtu
         assert [line.split(":")[0].split()[-1] for line in runs] == ["unchecked", "checked", "checked", "unchecked"]
         assert f"  {name}: unchecked median " in out
     assert out.count("the 1.3x target") == 2 and "check_full_every=2" in out
+
+
+@pytest.mark.clause("CHECK-5")
+def test_bench_serve_compare_check_prints_both_sides_and_the_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    """CHECK-5: `nanoverify bench serve --compare-check` starts two real servers (one with --check and the given
+    check_full_every), sends both the same workloads alternating, and prints every run's output tok/s, both medians
+    and the ratio against the 75% target."""
+    code = main(["bench", "serve", "--compare-check", "--model", str(checkpoint("qwen3")), "--requests", "3",
+                 "--max-input-len", "5", "--max-output-len", "3", "--rounds", "1", "--check-full-every", "2"])
+    out = capsys.readouterr().out
+    assert code in (0, 1), out
+    servers = [line for line in out.splitlines() if " server: nanoverify serve " in line]
+    assert len(servers) == 2 and "--check" not in servers[0].split()
+    assert {"--check", "--check-full-every"} <= set(servers[1].split()), servers
+    runs = [line for line in out.splitlines() if line.startswith("  round 1 ")]
+    assert [line.split(":")[0].split()[-1] for line in runs] == ["unchecked", "checked", "checked", "unchecked"]
+    assert all(" output tok/s (" in line and "FAILED" not in line for line in runs), runs
+    assert "  unchecked median " in out and "checked keeps" in out and "the 75% target" in out

@@ -456,11 +456,14 @@ def compare_check(args: argparse.Namespace, engine: EngineArgs, model: str, make
     servers: dict[bool, ServerProcess] = {}
     try:
         for checked in (False, True):
-            servers[checked] = ServerProcess(_server_flags(args, replace(engine, check=checked)))
+            flags = _server_flags(args, replace(engine, check=checked))
+            print(f"  {'checked  ' if checked else 'unchecked'} server: nanoverify serve {' '.join(flags)}")
+            servers[checked] = ServerProcess(flags)
         warm = [Job(0.0, j.prompt, min(j.output_len, 4)) for j in make_jobs(0)[:4]]
         for server in servers.values():
             asyncio.run(run_clients(server.host, server.port, model, warm))
         rates: dict[bool, list[float]] = {False: [], True: []}
+        per_cpu: dict[bool, list[float]] = {False: [], True: []}
         ok = True
         for r in range(args.rounds):
             for checked in CHECK_ORDER:
@@ -473,7 +476,10 @@ def compare_check(args: argparse.Namespace, engine: EngineArgs, model: str, make
                 failed = sum(not r.ok for r in results)
                 ok &= failed == 0
                 rates[checked].append(tokens / duration)
-                cpu = "" if cpu_before is None or cpu_after is None else f", {cpu_after - cpu_before:6.2f} s CPU"
+                cpu = ""
+                if cpu_before is not None and cpu_after is not None:
+                    per_cpu[checked].append(tokens / max(cpu_after - cpu_before, 1e-9))
+                    cpu = f", {cpu_after - cpu_before:6.2f} s server CPU"
                 print(f"  round {r + 1} {'checked  ' if checked else 'unchecked'}: {tokens / duration:8.1f} output "
                       f"tok/s ({tokens} tokens in {duration:.2f} s{cpu}{f', {failed} FAILED' if failed else ''})")
     finally:
@@ -483,4 +489,8 @@ def compare_check(args: argparse.Namespace, engine: EngineArgs, model: str, make
     ratio = checked_rate / unchecked
     print(f"  unchecked median {unchecked:.1f} output tok/s, checked median {checked_rate:.1f}: checked keeps "
           f"{ratio:.1%} ({'within' if ratio >= CHECK_TARGET else 'BELOW'} the {CHECK_TARGET:.0%} target)")
+    if per_cpu[False] and len(per_cpu[True]) == len(rates[True]):  # the servers' CPU seconds were readable
+        unchecked_cpu, checked_cpu = statistics.median(per_cpu[False]), statistics.median(per_cpu[True])
+        print(f"  per server CPU second: unchecked median {unchecked_cpu:.1f} output tok/s, checked median "
+              f"{checked_cpu:.1f}: checked keeps {checked_cpu / unchecked_cpu:.1%}")
     return 0 if ok and ratio >= CHECK_TARGET else 1

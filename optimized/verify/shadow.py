@@ -110,8 +110,10 @@ def _filled(table: list[int], cached: int, granted: int, block_size: int) -> lis
 
 
 class _FullState:
-    """One side's whole state, read through the port's ``BlockReader`` (no per-block copy beyond one column read):
-    its block views are kept between full comparisons and rebuilt only where a column changed."""
+    """One side's whole state, read through the port's ``BlockReader``: its columns (reference count, hash, tokens
+    per block) and block views are kept between full comparisons, and a block's tokens and view replaced only where
+    the block changed, so that a comparison leaves behind objects in proportion to what changed, not to
+    ``num_blocks`` (thousands of new lists kept at each would wake the garbage collector's full pass)."""
 
     def __init__(self) -> None:
         self.columns: tuple[list[int], list[int], list[list[int]]] = ([], [], [])
@@ -120,10 +122,8 @@ class _FullState:
     def read(self, port: SchedulerPort[Any]) -> SchedulerState:
         blocks = port.blocks
         ids = range(blocks.num_blocks)
-        ref_count, block_hash, token_ids_of, is_used = (blocks.ref_count, blocks.block_hash, blocks.token_ids_of,
-                                                        blocks.is_used)
-        columns = [ref_count(b) for b in ids], [block_hash(b) for b in ids], [token_ids_of(b) for b in ids]
-        self._refresh(columns)
+        ref_count, block_hash, is_used = blocks.ref_count, blocks.block_hash, blocks.is_used
+        self._refresh(blocks, [ref_count(b) for b in ids], [block_hash(b) for b in ids])
         config = port.config
         return SchedulerState(
             block_size=config.block_size, max_num_seqs=config.max_num_seqs,
@@ -132,17 +132,20 @@ class _FullState:
             hash_to_block_id=blocks.hash_to_block_id, waiting=[seq_view(s) for s in port.waiting],
             running=[seq_view(s) for s in port.running])
 
-    def _refresh(self, columns: tuple[list[int], list[int], list[list[int]]]) -> None:
-        refs, hashes, tokens = columns
-        old_refs, old_hashes, old_tokens = self.columns
+    def _refresh(self, blocks: Any, refs: list[int], hashes: list[int]) -> None:
+        token_ids_of = blocks.token_ids_of
+        old_refs, old_hashes, tokens = self.columns
         if len(refs) != len(self.views):
+            tokens = [token_ids_of(b) for b in range(len(refs))]
             self.views = [BlockView(b, r, h, t) for b, (r, h, t) in enumerate(zip(refs, hashes, tokens, strict=True))]
-        elif columns != self.columns:
+        else:
             views = self.views
             for b in range(len(refs)):
-                if refs[b] != old_refs[b] or hashes[b] != old_hashes[b] or tokens[b] != old_tokens[b]:
-                    views[b] = BlockView(b, refs[b], hashes[b], tokens[b])
-        self.columns = columns
+                read = token_ids_of(b)
+                if read != tokens[b] or refs[b] != old_refs[b] or hashes[b] != old_hashes[b]:
+                    tokens[b] = read
+                    views[b] = BlockView(b, refs[b], hashes[b], read)
+        self.columns = refs, hashes, tokens
 
 
 class Shadow:
