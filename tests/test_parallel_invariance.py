@@ -24,12 +24,14 @@ import pytest
 import torch
 
 from kernels import cpu_build
+from kernels.linear import BoundLinear, invariant_linear
 from optimized.entry.llm import LLM
 from optimized.models.config import ModelConfig
-from optimized.models.decoder import VocabParallelEmbedding
-from optimized.models.sharding import REDUCTION_CHUNKS, fixed_order_sum
+from optimized.models.decoder import ChunkedInvariantLinear, VocabParallelEmbedding
+from optimized.models.sharding import REDUCTION_CHUNKS, Shard, fixed_order_sum
 from optimized.parallel import launch
 from optimized.parallel.group import Group, open_store, private_store
+from tests.engine_fixtures import at_threads
 from tests.test_batch_invariant_engine import NEEDLES, Done, crowd, make, run, same
 
 pytestmark = pytest.mark.usefixtures("engine_env")
@@ -43,6 +45,62 @@ WIDTH = 64
 def _kernels_built() -> None:
     if cpu_build.find_compiler() is None:
         pytest.skip("no C compiler on the PATH: the mode is refused")
+
+
+# --- the fixed order and the chunked linear, in one process ---
+
+
+@pytest.mark.clause("TP-11", "TP-12")
+def test_the_fixed_order_sum_adds_neighbours_in_pairs() -> None:
+    """TP-11, TP-12: ``fixed_order_sum`` adds neighbours in pairs, level after level, an odd last part carried:
+    ``(p0 + p1) + (p2 + p3)`` for 4 parts (which a chain, ``((p0 + p1) + p2) + p3``, does not round alike: 0
+    against 1 here), ``(p0 + p1) + p2`` for 3, and the sum of 4 is the sum of its two halves' sums."""
+    big = [torch.tensor([1e8]), torch.tensor([1.0]), torch.tensor([-1e8]), torch.tensor([1.0])]
+    assert fixed_order_sum([t.clone() for t in big]).item() == 0.0
+    assert (((big[0] + big[1]) + big[2]) + big[3]).item() == 1.0
+    g = torch.Generator().manual_seed(3)
+    p = [torch.randn(5, 7, generator=g) * 10.0 ** (3 * i) for i in range(4)]
+    assert torch.equal(fixed_order_sum([t.clone() for t in p]), (p[0] + p[1]) + (p[2] + p[3]))
+    assert torch.equal(fixed_order_sum([t.clone() for t in p[:3]]), (p[0] + p[1]) + p[2])
+    halves = [fixed_order_sum([t.clone() for t in p[:2]]), fixed_order_sum([t.clone() for t in p[2:]])]
+    assert torch.equal(fixed_order_sum(halves), fixed_order_sum([t.clone() for t in p]))
+    with pytest.raises(ValueError, match="no parts"):
+        fixed_order_sum([])
+
+
+@pytest.mark.clause("TP-12")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_chunked_linear_is_its_chunks_sums_and_a_shard_computes_whole_chunks(dtype: torch.dtype) -> None:
+    """TP-12: a row-parallel layer's product in 4 chunks is ``fixed_order_sum`` of the invariant kernel over each
+    chunk; in 1 chunk it is the bound kernel's; two shards of 2 chunks each, their sums added, give the 4-chunk
+    product's bits (what 2 ranks compute), and 4 shards of 1 chunk (4 ranks) too; each row is the same bits alone
+    as in the batch, at 1 and 2 threads. Which chunks a rank holds follows from the size: 4 / N when N divides 4
+    and its columns split, else 1."""
+    g = torch.Generator().manual_seed(11)
+    k, n = 96, 37
+    w = torch.randn(n, k, generator=g, dtype=dtype)
+    x = torch.randn(45, k, generator=g, dtype=dtype)
+    four = ChunkedInvariantLinear(w, 4)
+    with at_threads(2):
+        got = four(x)
+    q = k // 4
+    chunks = [invariant_linear(x[:, a : a + q], w[:, a : a + q]) for a in range(0, k, q)]
+    assert torch.equal(got, fixed_order_sum(chunks))
+    assert torch.equal(ChunkedInvariantLinear(w, 1)(x), BoundLinear(w)(x))
+    halves = [ChunkedInvariantLinear(w[:, a : a + k // 2], 2)(x[:, a : a + k // 2]) for a in (0, k // 2)]
+    assert torch.equal(fixed_order_sum(halves), got)
+    quarters = [ChunkedInvariantLinear(w[:, a : a + q], 1)(x[:, a : a + q]) for a in range(0, k, q)]
+    assert torch.equal(fixed_order_sum(quarters), got)
+    assert not torch.equal(BoundLinear(w)(x), got)  # 4 chunks round otherwise than one chain per lane over K
+    for threads in (1, 2):
+        with at_threads(threads):
+            assert all(torch.equal(four(x[i : i + 1])[0], got[i]) for i in range(x.shape[0]))
+    assert [Shard(0, size).reduction_chunks(k // size) for size in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
+    assert [Shard(0, size).reduction_chunks(66 // size) for size in (1, 2, 3)] == [1, 1, 1]
+    with pytest.raises(ValueError, match="does not split into 4 equal chunks"):
+        ChunkedInvariantLinear(w[:, :66], 4)
+    with pytest.raises(ValueError, match="does not fit this layer"):
+        four(x[:, :10])
 
 
 # --- the collective alone, at 4 ranks ---

@@ -32,12 +32,13 @@ def fixed_order_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """The element-wise sum of ``parts`` in an order fixed by their count alone: neighbours added in pairs, level
     after level (``(p0 + p1) + (p2 + p3)``; an odd last part joins the next level as it is). For a count that is a
     power of two, the sum of each aligned half is this sum of that half, so ranks that each add their own
-    consecutive parts, then the ranks' sums, round exactly as one process adding every part (TP-11, TP-12)."""
+    consecutive parts, then the ranks' sums, round exactly as one process adding every part (TP-11, TP-12). The
+    parts are consumed: each pair's sum is written into its left part, and the result is the first part."""
     level = list(parts)
     if not level:
         raise ValueError("fixed_order_sum of no parts")
     while len(level) > 1:
-        paired = [level[i] + level[i + 1] for i in range(0, len(level) - 1, 2)]
+        paired = [level[i].add_(level[i + 1]) for i in range(0, len(level) - 1, 2)]
         level = paired + level[len(paired) * 2 :]
     return level[0]
 
