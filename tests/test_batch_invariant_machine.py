@@ -138,7 +138,7 @@ class BatchInvariantMachine(RuleBasedStateMachine):
 
     @invariant()
     def nothing_lost(self) -> None:
-        """Every request asked is live or accounted for, and the engine holds no more than the live ones."""
+        """The engine holds no more requests than those still live (finished and aborted ones are gone)."""
         if self.llm is not None:
             g = self.llm.gauges()
             assert g.running + g.waiting <= len(self.live)

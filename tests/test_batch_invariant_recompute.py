@@ -57,7 +57,7 @@ def sampled(seed: int | None, n: int) -> SamplingParams:
     return SamplingParams(temperature=1.0, top_p=0.9, seed=seed, max_tokens=n, ignore_eos=True, logprobs=K)
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**16), greedy=st.booleans(), budget=st.sampled_from([8192, 16, 5]),
        threads=st.sampled_from([1, 2]))
 def test_decode_logprobs_equal_the_prompt_logprobs_of_a_re_prefill(seed: int, greedy: bool, budget: int,
