@@ -1,12 +1,11 @@
-"""MUT-7: a program the differential machine's own strategies drew reaches a walk-memo mutant the ci run misses.
+"""MUT-7: a program the differential machine's own strategies drew reaches a walk-memo mutant.
 
 The mutant (``False`` to ``True`` in ``WalkMemo.freed``) keeps a freed cache
-hit marked as held; it shows only when a waiting request's remembered walk is
-cut after one of its hits was freed, and the request is admitted on the stale
-count. ``nanoverify fuzz --machine differential --minutes 10 --seed 19
---no-shrink`` found it after about six minutes (spec/mutation.md); this test
-replays the program that run found, from the ``@reproduce_failure`` blob it
-printed, so that a change to the strategies (the blob no longer decodes to
+hit marked as held. ``nanoverify fuzz --machine differential --minutes 2
+--seed 1 --no-shrink`` finds it in its first chunk (spec/mutation.md): the
+machine's OPT-14 check sees the remembered walk differ from a fresh one. This
+test replays the program that run found, from the ``@reproduce_failure`` blob
+it printed, so that a change to the strategies (the blob no longer decodes to
 that program) or a fix that no longer tells the mutant apart fails here and
 the reach is measured again. The same program runs to its end on the
 unmutated code. Each replay runs in a fresh interpreter.
@@ -23,8 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # Printed by the run above (hypothesis 6.170.17, the version the lock pins).
 HYPOTHESIS = "6.170.17"
-BLOB = ("AXicRU9JDgMxCDMhaebQai49VHPoX/z/TxWbkaogQsALAQ+Cg8kPIliRjiqGo4tu9jMAUVCcFPXkVbkGk0++aswJ5YSvLbjAX2G2mOACD+E"
-        "Mq9nJd2mUil1L55IBgiusI8ywnrlTnQkXLaLutlHwYb8GD1sHbtzNSZ/oBQN//uxl67HqO/qv4Nt5tMgP1Ssc0A==")
+BLOB = ("AXicLY9REgIhDEMTFpZRZ/THcc9TD+l5fS0M0JYkpEXhOELRyU/ZssS12Q52qwiKagUhz/zVj9yoACblq5xaQnHwhtUFcxXqYli4l+dQ"
+        "9R0m3Fyg1hiU1aXD3DnvMljWregzaQSOR3xWw91ijxvbH+FkF5DTOf824gRK4dQffdQbsQ==")
 
 MUTANT = """
 from optimized.core.walk_memo import WalkMemo
@@ -34,10 +33,11 @@ def freed_keeps_held(self, block_ids):
     # WalkMemo.freed with the mutant: held[index] = True where the code says False.
     if self.blocks.keys().isdisjoint(block_ids):
         return
-    for block_id in block_ids:
-        index = self.blocks.get(block_id, -1)
-        if 0 <= index < self.cached and self.held[index]:
-            self.held[index] = True
+    gone = set(block_ids)
+    held, hits = self.held, self.hits
+    for index in range(self.cached):
+        if held[index] and hits[index] in gone:
+            held[index] = True
             self.used -= 1
 
 
@@ -67,9 +67,9 @@ def _replay(with_mutant: bool) -> str:
 
 @pytest.mark.clause("MUT-7")
 def test_the_fuzzers_program_finds_the_walk_memo_mutant() -> None:
-    """MUT-7: the machine, replaying its own finding, reports the mutant as an OPT-1 disagreement."""
+    """MUT-7: the machine, replaying its own finding, reports the mutant: the remembered walk is stale (OPT-14)."""
     out = _replay(with_mutant=True)
-    assert out.startswith("Disagreement OPT-1"), out
+    assert out.startswith("Disagreement optimized after schedule: OPT-14: the walk remembered"), out
 
 
 @pytest.mark.clause("MUT-7")

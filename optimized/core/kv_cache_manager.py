@@ -350,7 +350,27 @@ class KVCacheManager:
         return memo.cached
 
     def _walk(self, seq: Sequence) -> WalkMemo:
-        """The reference's lookup walk over the sequence's full blocks but its last."""
+        """The reference's lookup walk over the sequence's full blocks but its last, remembered (OPT-14)."""
+        memo = self._memo = self._fresh_walk(seq)
+        return memo
+
+    def stale_walk(self) -> str:
+        """"" while the remembered walk is the one a fresh walk would make now; else what differs (OPT-14).
+
+        For a checker (the differential machine): it flushes and hashes, as a lookup would, and keeps the memo.
+        """
+        self.flush()
+        memo = self._memo
+        if memo is None:
+            return ""
+        kept = (memo.hits[: memo.cached], memo.held[: memo.cached], memo.used)
+        fresh = self._fresh_walk(memo.seq)
+        if kept == (fresh.hits, fresh.held, fresh.used):
+            return ""
+        return (f"OPT-14: the walk remembered for sequence {memo.seq.seq_id} (hits, held, used) {kept} is not a "
+                f"fresh walk's {(fresh.hits, fresh.held, fresh.used)}")
+
+    def _fresh_walk(self, seq: Sequence) -> WalkMemo:
         block_size = self.block_size
         last = blocks_for(seq.core.ntok, block_size) - 1
         # Hash only what the walk reads: the first block, and the rest once the first one hits (the
@@ -374,8 +394,7 @@ class KVCacheManager:
         m = len(hits)
         looked = chain[: m + 1] if m < last else chain[:m]
         held = self.pool.held(hits) if m else []
-        memo = self._memo = WalkMemo(seq, hits, held, looked)
-        return memo
+        return WalkMemo(seq, hits, held, looked)
 
     def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
         """Take the walk's first ``num_cached_blocks`` hits (can_allocate just walked for ``seq``), then fresh ones."""

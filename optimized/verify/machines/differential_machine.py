@@ -1,14 +1,19 @@
 """A hypothesis state machine that drives the reference and the optimized scheduler with the same operations.
 
-Each run draws a tiny configuration (block size 2-16, mostly 2-4 so that
-prompts fill several blocks; a handful of blocks, small budgets) and whether
-requests must obey the admission rule (ADMIT-1) or may overflow the cache.
-Rules add requests whose prompts share prefixes (so the prefix cache hits): a
-prompt starts with a drawn prefix or with all or part of an earlier request's
-tokens (prompt and output so far), then goes on, so prompts share and extend
-each other and hit blocks that decode filled; cache hits are freed and walked
-again while a request waits (MUT-7). Rules run steps (the same model tokens,
-EOS now and then, to both), give one request in eight stop tokens that
+Each run draws a tiny configuration (half the runs a tight one: blocks of two
+tokens, two to six of them, short budgets; the others block size 2-16, mostly
+2-4, a handful of blocks), whether requests must obey the admission rule
+(ADMIT-1) or may overflow the cache, and its swarm (``Swarm``, MUT-7): which
+rules may fire, whether the model is greedy (a token per length, so equal
+prompts continue alike) or drawn, how often a request has stop tokens, and
+whether arrivals follow earlier requests. Rules add requests whose prompts
+share prefixes (so the prefix cache hits): a prompt starts with a drawn prefix
+or with all or part of an earlier request's tokens (prompt and output so far;
+in a following run most often a running request's, with a tail up to the
+whole cache), then goes on, so prompts share and extend each other and hit
+blocks that decode filled; cache hits are freed and walked again while a
+request waits (MUT-7). Rules run steps (the same model tokens to both), give
+some requests stop tokens that
 finish it beside EOS (OPT-23: the port's ``add`` takes the stop set), and
 sometimes hand the batch back to postprocess as a copy of the list schedule()
 returned, which the optimized scheduler must treat like the list itself. At most MAX_LIVE
@@ -18,7 +23,8 @@ postprocess() the two must agree on every decision, compared by arrival
 index: batch order, num_scheduled_tokens, block tables, the prefill flag,
 preemptions, finishes, queue orders, every sequence's counters and tokens, and
 the whole block-manager state (free-queue order, ref counts, hashes, prefix
-table). Both must hit the empty decode (the port's EmptyDecodeError; the
+table), and the walk the optimized scheduler remembers for a waiting request
+must be the walk it would make afresh (OPT-14). Both must hit the empty decode (the port's EmptyDecodeError; the
 reference's adapter raises it where the lesson's assert fires) at the same
 step, and leave the same state behind it: the run goes on after it, so later
 steps compare too. Beyond the lesson
@@ -35,6 +41,7 @@ only outside effect is the ``Stats`` it was handed.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import strategies as st
@@ -43,6 +50,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 from invariants import SchedulerState, Violation, check_batch, check_state, seq_view
 from optimized.core.config import SchedulerConfig
 from optimized.core.port import EmptyDecodeError, ScheduleOutput, SchedulerPort
+from optimized.core.scheduler import Scheduler
 from optimized.verify.conformance import implementation
 from optimized.verify.machines import Stats
 from optimized.verify.machines.failure_rule import FailureRule
@@ -56,7 +64,7 @@ MAX_REQUEST_TOKENS = 40
 MAX_LIVE = 5
 DRAIN_STEPS = 30
 
-configs = st.builds(
+roomy_configs = st.builds(
     SchedulerConfig,
     num_blocks=st.integers(1, 8),
     block_size=st.one_of(st.integers(2, 4), st.integers(2, 16)),
@@ -64,6 +72,48 @@ configs = st.builds(
     max_num_batched_tokens=st.integers(1, 32),
     eos=st.just(EOS),
 )
+# Few blocks of two tokens and short budgets: every request fights for the cache, hits are freed and taken again.
+tight_configs = st.builds(
+    SchedulerConfig,
+    num_blocks=st.integers(2, 6),
+    block_size=st.just(2),
+    max_num_seqs=st.integers(1, 3),
+    max_num_batched_tokens=st.integers(2, 12),
+    eos=st.just(EOS),
+)
+configs = st.one_of(tight_configs, roomy_configs)
+
+
+@dataclass(frozen=True)
+class Swarm:
+    """One run's mix (swarm testing, MUT-7): which rules may fire, and how requests and model tokens are drawn.
+
+    A rule left out makes the others more frequent, so each run explores its own corner (say, arrivals and
+    single steps only, never a drain). ``greedy`` is a model that draws the token for a sequence of length n as
+    ``greedy[n % len(greedy)]``: equal prompts continue alike, so a later request hits the blocks an earlier
+    one filled in decode; None draws every token. ``follow``: most arrivals continue an earlier request's
+    tokens (a shared prefix, then a short tail), the pattern where hits are freed and hit again.
+    """
+
+    single: bool
+    burst: bool
+    one_step: bool
+    several_steps: bool
+    drain: bool
+    faults: bool
+    greedy: tuple[int, ...] | None
+    stop_one_in: int  # one request in this many gets stop tokens; 0: none
+    follow: bool
+
+
+swarms = st.builds(
+    Swarm,
+    single=st.booleans(), burst=st.booleans(), one_step=st.booleans(), several_steps=st.booleans(),
+    drain=st.booleans(), faults=st.booleans(),
+    greedy=st.none() | st.lists(MODEL_TOKENS, min_size=1, max_size=6).map(tuple),
+    stop_one_in=st.sampled_from((0, 8, 2)),
+    follow=st.booleans(),
+).filter(lambda w: (w.single or w.burst) and (w.one_step or w.several_steps or w.drain))
 
 
 class Disagreement(AssertionError):
@@ -98,7 +148,9 @@ class DifferentialMachine(FailureRule):
         self.config = SchedulerConfig(num_blocks=1, block_size=2)
         self.ref: SchedulerPort[Any] | None = None
         self.opt: SchedulerPort[Any] | None = None
+        self.opt_core: Scheduler | None = None  # self.opt, for the one check of its insides (OPT-14)
         self.admission_rule = True
+        self.swarm = Swarm(True, True, True, True, True, True, None, 8, False)
         self.prefixes: list[list[int]] = []
         self.ref_seqs: list[Any] = []  # by arrival index
         self.opt_seqs: list[Any] = []
@@ -106,15 +158,17 @@ class DifferentialMachine(FailureRule):
         self.opt_arrival: dict[int, int] = {}
 
     # --- setup and arrivals ----------------------------------------------------------------------
-    @initialize(config=configs, admission_rule=st.booleans(),
+    @initialize(config=configs, admission_rule=st.booleans(), swarm=swarms,
                 prefixes=st.lists(st.lists(TOKENS, max_size=MAX_REQUEST_TOKENS), min_size=1, max_size=3))
-    def a_server_starts(self, config: SchedulerConfig, admission_rule: bool, prefixes: list[list[int]]) -> None:
+    def a_server_starts(self, config: SchedulerConfig, admission_rule: bool, swarm: Swarm,
+                        prefixes: list[list[int]]) -> None:
         self.stats.rule_applications += 1
         self.config = config
         self.admission_rule = admission_rule
+        self.swarm = swarm
         self.prefixes = prefixes
         self.ref = implementation("reference")(config)
-        self.opt = implementation("optimized")(config)
+        self.opt = self.opt_core = Scheduler(config)
 
     def room(self) -> int:
         """How many requests may still arrive now (MAX_LIVE)."""
@@ -122,14 +176,14 @@ class DifferentialMachine(FailureRule):
             return 0
         return MAX_LIVE - len(self.ref.waiting) - len(self.ref.running)
 
-    @precondition(lambda self: self.room() > 0)
+    @precondition(lambda self: self.swarm.single and self.room() > 0)
     @rule(data=st.data())
     def a_request_arrives(self, data: st.DataObject) -> None:
         """The same prompt to both; without the admission rule max_tokens may overflow the cache."""
         self.stats.rule_applications += 1
         self.arrive(data)
 
-    @precondition(lambda self: self.room() > 1)
+    @precondition(lambda self: self.swarm.burst and self.room() > 1)
     @rule(data=st.data(), n=st.integers(2, 4))
     def a_burst_arrives(self, data: st.DataObject, n: int) -> None:
         """Several requests at once: they compete for blocks, so decode preempts."""
@@ -141,16 +195,33 @@ class DifferentialMachine(FailureRule):
         assert self.ref is not None and self.opt is not None
         capacity = self.config.num_blocks * self.config.block_size
         limit = capacity if self.admission_rule else 2 * capacity
-        # The length first, uniform up to the whole cache: long prompts keep later ones waiting (MUT-7).
-        length = data.draw(st.integers(1, min(capacity, MAX_REQUEST_TOKENS)), label="prompt length")
-        footprint = data.draw(st.integers(length, max(length, min(limit, MAX_REQUEST_TOKENS))), label="footprint")
+        longest = min(capacity, MAX_REQUEST_TOKENS)
         earlier = [list(r.token_ids) for r in self.ref_seqs]  # prompts and outputs so far: prefixes to extend
-        shared = data.draw(st.sampled_from(self.prefixes + earlier), label="prefix")[:length]
+        if self.swarm.follow and earlier and data.draw(st.integers(0, 3), label="follow an earlier request") > 0:
+            # An earlier request's tokens up to a drawn point (most often a running one's: its blocks are held),
+            # then a tail, short or up to the whole cache: it hits what that one filled, and a long one waits
+            # while the blocks it hit are freed and taken again.
+            running = [list(r.token_ids) for r in self.ref.running]
+            if running and data.draw(st.booleans(), label="follow a running request"):
+                earlier = running
+            shared = data.draw(st.sampled_from(earlier), label="followed request")
+            shared = shared[: data.draw(st.integers(0, len(shared)), label="followed tokens")]
+            tail = 2 * self.config.block_size
+            if data.draw(st.booleans(), label="long follower"):
+                tail = longest
+            length = max(1, min(longest, len(shared) + data.draw(st.integers(0, tail), label="tail length")))
+        else:
+            # The length first, uniform up to the whole cache: long prompts keep later ones waiting (MUT-7).
+            length = data.draw(st.integers(1, longest), label="prompt length")
+            shared = data.draw(st.sampled_from(self.prefixes + earlier), label="prefix")
+        shared = shared[:length]
+        footprint = data.draw(st.integers(length, max(length, min(limit, MAX_REQUEST_TOKENS))), label="footprint")
         tail = data.draw(st.lists(TOKENS, min_size=length - len(shared), max_size=length - len(shared)), label="tail")
         max_tokens = footprint - length + 1
         ignore_eos = data.draw(st.booleans(), label="ignore_eos")
-        # Stop tokens for one request in eight, so that most requests live long enough to hold blocks.
-        with_stops = data.draw(st.integers(0, 7), label="stop tokens for this request") == 0
+        # Stop tokens for one request in stop_one_in (eight in most runs), so most live long enough to hold blocks.
+        every = self.swarm.stop_one_in
+        with_stops = every > 0 and data.draw(st.integers(0, every - 1), label="stop tokens for this request") == 0
         stops = data.draw(st.frozensets(MODEL_TOKENS, min_size=1, max_size=2), label="stop tokens") if with_stops \
             else frozenset[int]()
         prompt = shared + tail
@@ -170,13 +241,16 @@ class DifferentialMachine(FailureRule):
     def busy(self) -> bool:
         return self.ref is not None and not self.ref.is_finished()
 
-    @precondition(lambda self: self.busy())
+    def may_fail(self) -> bool:
+        return self.swarm.faults
+
+    @precondition(lambda self: self.swarm.one_step and self.busy())
     @rule(data=st.data())
     def a_step_runs(self, data: st.DataObject) -> None:
         self.stats.rule_applications += 1
         self.step(data)
 
-    @precondition(lambda self: self.busy())
+    @precondition(lambda self: self.swarm.several_steps and self.busy())
     @rule(data=st.data(), n=st.integers(2, 8))
     def time_passes(self, data: st.DataObject, n: int) -> None:
         """Several steps without arrivals."""
@@ -186,7 +260,7 @@ class DifferentialMachine(FailureRule):
                 break
             self.step(data)
 
-    @precondition(lambda self: self.busy())
+    @precondition(lambda self: self.swarm.drain and self.busy())
     @rule(data=st.data())
     def the_queue_drains(self, data: st.DataObject) -> None:
         """Steps until every request is done (DRAIN_STEPS at most): the cache is left full of freed, hashed blocks."""
@@ -235,7 +309,12 @@ class DifferentialMachine(FailureRule):
         ref_batch, opt_batch, is_prefill = scheduled
         ref_prefill = opt_prefill = is_prefill
         assert self.ref is not None and self.opt is not None
-        tokens = data.draw(st.lists(MODEL_TOKENS, min_size=len(ref_batch), max_size=len(ref_batch)), label="tokens")
+        greedy = self.swarm.greedy
+        if greedy is None:
+            tokens = data.draw(st.lists(MODEL_TOKENS, min_size=len(ref_batch), max_size=len(ref_batch)),
+                               label="tokens")
+        else:
+            tokens = [greedy[len(s) % len(greedy)] for s in ref_batch]
         if data.draw(st.booleans(), label="batch handed back as a copy"):
             ref_batch, opt_batch = list(ref_batch), list(opt_batch)
         finished = [_ids(self.ref.postprocess(ref_batch, tokens, ref_prefill), self.ref_arrival),
@@ -290,6 +369,11 @@ class DifferentialMachine(FailureRule):
             self.stats.violations += len(found)
             if found:
                 raise Disagreement(f"{name} after {when}: " + "; ".join(map(str, found)))
+        assert self.opt_core is not None
+        stale = self.opt_core.block_manager.stale_walk()
+        if stale:
+            self.stats.violations += 1
+            raise Disagreement(f"optimized after {when}: {stale}")
 
     @invariant()
     def queues_agree(self) -> None:
