@@ -71,7 +71,7 @@ def test_tiny_run_prints_every_stage_passing_with_its_clause(tiny_run: tuple[Any
     assert "profile tiny on cpu" in proc.stdout
     for stage, (status, seconds, clause, summary) in rows.items():
         assert status == "PASS", (stage, summary)
-        assert clause == gpu_check.CLAUSES[stage] and re.fullmatch(r"GPU-[1-8]", clause)
+        assert clause == gpu_check.CLAUSES[stage] and re.fullmatch(r"GPU-[1-9]", clause)
         assert float(seconds) >= 0 and summary
 
 
@@ -90,6 +90,21 @@ def test_tiny_run_kernel_rows(tiny_run: tuple[Any, Path]) -> None:
                                                      "sampling")}
     assert set(direct.values()) == {"pass"}
     assert rows["kernels-direct"][3].startswith("6/6 kernel checks equal torch")
+
+
+@pytest.mark.clause("GPU-9")
+def test_tiny_run_kernels_invariant_row(tiny_run: tuple[Any, Path]) -> None:
+    """GPU-9: the batch-invariance tests of the Triton kernels ran in their own row, interpreted on the CPU, and
+    every one selected passed; the GPU profile runs the whole file there and keeps it out of the kernels row."""
+    proc, work = tiny_run
+    summary = _rows(proc.stdout)["kernels-invariant"][3]
+    assert re.match(r"[1-9]\d* passed, 0 failed, 0 skipped; Triton interpreted", summary), summary
+    assert "Triton batch invariance, KERN-28/29 (-k linear and not row_alone)" in summary
+    m = _metrics(work, "kernels-invariant")
+    assert m["passed"] >= 1 and m["failures"] == m["errors"] == 0 and m["triton_compiled"] is False
+    assert TINY.invariant_pytest_args[0] == GPU.invariant_pytest_args[0] == "tests/kernels/test_triton_invariance.py"
+    assert GPU.invariant_pytest_args == (GPU.invariant_pytest_args[0],)  # the whole file on the device
+    assert f"--ignore={GPU.invariant_pytest_args[0]}" in GPU.kernel_pytest_args
 
 
 @pytest.mark.clause("GPU-4")

@@ -27,6 +27,7 @@ NEEDS_CHECKPOINT = frozenset({"engine-graphs", "engine-eager", "transformers", "
 CLAUSES = {
     "kernels": "GPU-2",
     "kernels-direct": "GPU-3",
+    "kernels-invariant": "GPU-9",
     "graphs-exact": "GPU-4",
     "checkpoint": "GPU-5",
     "engine-graphs": "GPU-6",

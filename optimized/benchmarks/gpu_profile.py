@@ -81,12 +81,13 @@ class Profile:
     copy_bytes: int  # the tensor copied to measure bandwidth
     kernel_pytest_args: tuple[str, ...]  # what pytest runs: a path first, then any selection (a subset on the CPU)
     kernel_pytest_note: str
+    invariant_pytest_args: tuple[str, ...]  # the kernels-invariant stage's pytest selection (GPU-9)
     budgets: dict[str, float]
     deadline_s: float
 
 
-STAGES = ("kernels", "kernels-direct", "graphs-exact", "checkpoint", "engine-graphs", "engine-eager",
-          "transformers", "decode-floor")
+STAGES = ("kernels", "kernels-direct", "kernels-invariant", "graphs-exact", "checkpoint", "engine-graphs",
+          "engine-eager", "transformers", "decode-floor")
 
 QWEN3_0_6B = ModelShape(
     hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936, tie_embeddings=True
@@ -109,10 +110,11 @@ GPU = Profile(
     floor_steps=16,
     floor_warmup_steps=4,
     copy_bytes=2 << 30,
-    kernel_pytest_args=("tests/kernels",),
-    kernel_pytest_note="full suite",
-    budgets={"kernels": 150, "kernels-direct": 60, "graphs-exact": 60, "checkpoint": 45, "engine-graphs": 90,
-             "engine-eager": 110, "transformers": 90, "decode-floor": 75},
+    kernel_pytest_args=("tests/kernels", "--ignore=tests/kernels/test_triton_invariance.py"),
+    kernel_pytest_note="full suite (its batch-invariance file in kernels-invariant)",
+    invariant_pytest_args=("tests/kernels/test_triton_invariance.py",),
+    budgets={"kernels": 150, "kernels-direct": 60, "kernels-invariant": 90, "graphs-exact": 60, "checkpoint": 45,
+             "engine-graphs": 90, "engine-eager": 110, "transformers": 90, "decode-floor": 75},
     deadline_s=440,
 )
 
@@ -136,9 +138,10 @@ TINY = Profile(
     copy_bytes=32 << 20,
     kernel_pytest_args=("tests/kernels/test_kernels_attention.py", "-k", "store_kv"),
     kernel_pytest_note="interpreter subset: store_kv tests (CI's pytest runs the whole suite interpreted)",
-    budgets={"kernels": 40, "kernels-direct": 40, "graphs-exact": 30, "checkpoint": 20, "engine-graphs": 30,
-             "engine-eager": 30, "transformers": 30, "decode-floor": 30},
-    deadline_s=150,
+    invariant_pytest_args=("tests/kernels/test_triton_invariance.py", "-k", "linear and not row_alone"),
+    budgets={"kernels": 40, "kernels-direct": 40, "kernels-invariant": 60, "graphs-exact": 30, "checkpoint": 20,
+             "engine-graphs": 30, "engine-eager": 30, "transformers": 30, "decode-floor": 30},
+    deadline_s=180,
 )
 
 PROFILES = {"gpu": GPU, "tiny": TINY}

@@ -84,29 +84,41 @@ def _junit_counts(path: Path) -> dict[str, int]:
     return counts
 
 
-def stage_kernels(p: Profile, work: Path) -> Result:
+def _kernel_pytest(p: Profile, work: Path, name: str, args: tuple[str, ...], note: str) -> Result:
+    """pytest ``args`` on the profile's device (Triton compiled on CUDA, interpreted on the CPU), judged by GPU-2."""
     import importlib.util
 
-    tests = Path(p.kernel_pytest_args[0])
+    tests = Path(args[0])
     if not tests.exists():
         return result(False, f"no {tests} under {Path.cwd()} (run from the repository root)")
     if importlib.util.find_spec("pytest") is None:
         return result(False, "pytest is not installed, so the kernel tests cannot run")
-    junit, probe = work / "kernels-junit.xml", work / "kernels-probe.json"
+    junit, probe = work / f"{name}-junit.xml", work / f"{name}-probe.json"
     interpret = "0" if p.device == "cuda" else "1"
     env = {**os.environ, "TRITON_INTERPRET": interpret, "NANOVERIFY_KERNEL_DEVICE": p.device,
            "NANOVERIFY_PROBE_OUT": str(probe)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.kernel_probe",
-           f"--junitxml={junit}", *p.kernel_pytest_args]
+           f"--junitxml={junit}", *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    (work / "kernels-pytest.log").write_text(proc.stdout + proc.stderr)
+    (work / f"{name}-pytest.log").write_text(proc.stdout + proc.stderr)
     if not junit.is_file() or not probe.is_file():
         return result(False, f"pytest exited {proc.returncode} without a report: {proc.stderr.strip()[-200:]}")
     c = _junit_counts(junit)
     seen = json.loads(probe.read_text())
     compiled = bool(seen["triton_compiled"])
     ok, verdict = kernels_verdict(c, compiled, str(seen["triton_interpret"]), p.device)
-    return result(ok, f"{verdict}; {p.kernel_pytest_note}", **c, triton_compiled=compiled)
+    return result(ok, f"{verdict}; {note}", **c, triton_compiled=compiled)
+
+
+def stage_kernels(p: Profile, work: Path) -> Result:
+    return _kernel_pytest(p, work, "kernels", p.kernel_pytest_args, p.kernel_pytest_note)
+
+
+def stage_kernels_invariant(p: Profile, work: Path) -> Result:
+    """GPU-9: the Triton kernels' batch-invariance properties (KERN-28, KERN-29), on the device."""
+    selection = " ".join(p.invariant_pytest_args[1:]) or "the whole file"
+    return _kernel_pytest(p, work, "kernels-invariant", p.invariant_pytest_args,
+                          f"Triton batch invariance, KERN-28/29 ({selection})")
 
 
 def kernels_verdict(c: dict[str, int], compiled: bool, interpret: str, device: str) -> tuple[bool, str]:
@@ -377,6 +389,7 @@ def stage_decode_floor(p: Profile, work: Path) -> Result:
 STAGE_FUNCTIONS: dict[str, Callable[[Profile, Path], Result]] = {
     "kernels": stage_kernels,
     "kernels-direct": stage_kernels_direct,
+    "kernels-invariant": stage_kernels_invariant,
     "graphs-exact": stage_graphs_exact,
     "checkpoint": stage_checkpoint,
     "engine-graphs": stage_engine_graphs,
