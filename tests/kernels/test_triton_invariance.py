@@ -195,3 +195,29 @@ def test_triton_linear_refuses_what_is_not_a_layer(device: torch.device) -> None
         triton_linear.linear(torch.randn(2, 5).to(device), w)
     empty = triton_linear.linear(torch.randn(2, 0).to(device), torch.randn(3, 0).to(device), torch.ones(3).to(device))
     assert torch.equal(empty.cpu(), torch.ones(2, 3))
+
+
+@pytest.mark.clause("KERN-28")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_norm_and_rotary_rows_alone_equal_their_rows_in_a_batch(dtype: torch.dtype, device: torch.device) -> None:
+    """KERN-28: one program per row (and head), blocks sized by the hidden size or head dim alone: the fused
+    add-norm and the rotary give a row the same bits alone as in a batch of 37."""
+    from kernels import rotary, triton_norm, triton_rotary
+
+    gen = torch.Generator().manual_seed(7)
+    rows, hidden, heads, dim = 37, 24, 3, 8
+    x = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
+    weight = torch.randn(hidden, generator=gen).to(dtype).to(device)
+    normed, summed = triton_norm.add_rms_norm(x, residual, weight, 1e-6)
+    q = torch.randn(rows, heads, dim, generator=gen).to(dtype).to(device)
+    k = torch.randn(rows, 1, dim, generator=gen).to(dtype).to(device)
+    positions = torch.randint(0, 64, (rows,), generator=gen).to(device)
+    cos_sin = rotary.rotary_cos_sin(dim, 64, 10000.0, dtype, device)
+    q_rot, k_rot = triton_rotary.apply_rotary(q, k, positions, cos_sin)
+    for i in (0, 17, rows - 1):
+        one = slice(i, i + 1)
+        alone_normed, alone_summed = triton_norm.add_rms_norm(x[one], residual[one], weight, 1e-6)
+        assert torch.equal(alone_normed[0], normed[i]) and torch.equal(alone_summed[0], summed[i])
+        alone_q, alone_k = triton_rotary.apply_rotary(q[one], k[one], positions[one], cos_sin)
+        assert torch.equal(alone_q[0], q_rot[i]) and torch.equal(alone_k[0], k_rot[i])
