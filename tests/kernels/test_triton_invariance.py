@@ -199,7 +199,9 @@ def test_triton_linear_refuses_what_is_not_a_layer(device: torch.device) -> None
 
 @pytest.mark.clause("KERN-28")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_norm_and_rotary_rows_alone_equal_their_rows_in_a_batch(dtype: torch.dtype, device: torch.device) -> None:
+def test_triton_norm_and_rotary_rows_alone_equal_their_rows_in_a_batch(
+    dtype: torch.dtype, device: torch.device
+) -> None:
     """KERN-28: one program per row (and head), blocks sized by the hidden size or head dim alone: the fused
     add-norm and the rotary give a row the same bits alone as in a batch of 37."""
     from kernels import rotary, triton_norm, triton_rotary
