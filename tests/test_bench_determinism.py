@@ -72,3 +72,20 @@ def test_one_bit_of_one_logprob_is_a_difference() -> None:
     assert summary([Difference(1, 1), Difference(None, "prompt"), Difference(None, 3)]) == (
         "1/3 requests differ in tokens, 3/3 in logprob bits; first logprob difference at output position 1 "
         "(histogram {1: 1, 3: 1, prompt: 1})")
+
+
+def test_lengths_past_the_model_are_refused_naming_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """BI-11: prompts and outputs that cannot fit the model's max_model_len are a ValueError naming both flags,
+    before any request runs (nothing printed)."""
+    import argparse
+
+    from optimized.benchmarks import determinism
+
+    parser = argparse.ArgumentParser()
+    determinism.add_arguments(parser)
+    args = parser.parse_args(["--model", str(checkpoint("qwen3")), "--max-input-len", "250", "--max-output-len", "7",
+                              "--num-kvcache-blocks", "16"])
+    with pytest.raises(ValueError, match=r"^--max-input-len 250 \+ --max-output-len 7 exceeds the model's "
+                                         r"max_model_len=256$"):
+        determinism.main(args)
+    assert capsys.readouterr().out == ""

@@ -63,6 +63,7 @@ GARBAGE: dict[str, list[list[str]]] = {
     "serve": [["--port", "70000"], ["--port", "-1"], ["--shutdown-timeout", "nan"], ["--model", MISSING],
               ["--tensor-parallel-size", "0"], ["--stream-interval", "0"], ["--trace-wall-times"], ["stray"],
               ["--device", "tpu"], ["--device", "cuda:x"], ["--model", ""], ["--trace", ""]],
+    "bench determinism": [["--num-requests", "0"], ["--logprobs", "21"], ["--token-budget", "nan"]],
     "bench serve": [["--rate", "-1"], ["--requests", "0"], ["--burstiness", "nan"], ["--trace-file", MISSING]],
     "timeline": [[MISSING], [A_FOLDER], ["--format", "gif", A_FILE], ["--index", "-1", A_FILE], []],
     "bench": [[], ["nope"]],

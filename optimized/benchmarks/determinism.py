@@ -82,13 +82,14 @@ def make_requests(rng: random.Random, n: int, args: argparse.Namespace, vocab: i
 
 
 def share_prefixes(rng: random.Random, mates: list[Request], needles: list[Request]) -> list[Request]:
-    """Every other mate's prompt starts with a random needle's prompt (its first 1..all tokens): prefix-cache hits
-    on the needles' blocks in the first pass already."""
+    """Every other mate's prompt starts with a random needle's prompt (its first 1..all tokens, then the mate's own,
+    no longer than the longer of the two): prefix-cache hits on the needles' blocks in the first pass already."""
     out = []
     for i, m in enumerate(mates):
         if i % 2 == 0:
             head = rng.choice(needles).prompt
-            m = Request(head[: rng.randint(1, len(head))] + m.prompt, m.params)
+            joined = head[: rng.randint(1, len(head))] + m.prompt
+            m = Request(joined[: max(len(head), len(m.prompt))], m.params)
         out.append(m)
     return out
 
@@ -167,8 +168,11 @@ def main(args: argparse.Namespace) -> int:
     engine = EngineArgs.from_cli_args(args)
     modes = (False, True)
     probe = LLM(**replace(engine, batch_invariant=False).as_kwargs())
-    vocab, block_size = probe.limits.vocab_size, engine.kvcache_block_size
+    vocab, block_size, longest = probe.limits.vocab_size, engine.kvcache_block_size, probe.limits.max_model_len
     del probe
+    if args.max_input_len + args.max_output_len > longest:
+        raise ValueError(f"--max-input-len {args.max_input_len} + --max-output-len {args.max_output_len} exceeds the "
+                         f"model's max_model_len={longest}")
     rng = random.Random(engine.seed)
     needles = make_requests(rng, args.num_requests, args, vocab, args.logprobs)
     mates = share_prefixes(rng, make_requests(rng, args.mates, args, vocab, None), needles)
