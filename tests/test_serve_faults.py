@@ -84,7 +84,7 @@ def test_a_frozen_engine_is_reported_stalled_then_healthy_again(serve_cache: Pat
     try:
         body = {"model": folder.name, "prompt": [1, 2], "max_tokens": 8000, "ignore_eos": True, "stream": True,
                 "return_token_ids": True}
-        seen, out = threading.Event(), []
+        seen, out = threading.Event(), list[str]()
         with httpx.Client() as client:
             reader = threading.Thread(target=stream_lines, args=(client, served.url + "/v1/completions", body, seen,
                                                                  out))

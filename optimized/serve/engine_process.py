@@ -425,7 +425,9 @@ def engine_main(conn: Connection, llm_kwargs: dict[str, Any]) -> None:
     lock = threading.Lock()
     from optimized.parallel.launch import group_fault
 
-    loop = EngineLoop(llm, MetricsRecorder(send), PipeOutlet(send, streams, lock), watch=group_fault)
+    parallel = int(llm_kwargs.get("tensor_parallel_size") or 1) > 1  # SERVE-20: only a group has workers to watch
+    loop = EngineLoop(llm, MetricsRecorder(send), PipeOutlet(send, streams, lock),
+                      watch=group_fault if parallel else None)
     try:
         send(Ready(EngineInfo.of(llm)))
         loop.start()

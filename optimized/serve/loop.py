@@ -14,8 +14,10 @@ and end with exactly one ``FinishEvent`` or ``FailEvent``. When the engine can n
 the loop records why in ``failure``, logs it (both schedulers' states, for a
 divergence), fails every stream with a 500 that says so and stops: nothing is
 admitted after (SERVE-11), no probe is taken, and every probe not answered
-fails when the loop ends. The metrics' gauges are published after every step
-and every turn that admitted or aborted (SERVE-12). The loop knows the engine
+fails when the loop ends; a ``watch`` that says the engine can no longer step (a
+dead tensor-parallel worker, SERVE-20) ends it the same way. The metrics' gauges
+are published after every step and every turn that admitted or aborted
+(SERVE-12), and drop to 0 when the loop fails (SERVE-21). The loop knows the engine
 only through ``LLM``'s request and read API (ARCH-5). A request is validated
 once, by its handler (ARCH-6): the loop admits it with ``LLM.add_validated``,
 which checks only trust and the trace's writability.
@@ -299,8 +301,8 @@ class EngineLoop:
             probes, self._probes = self._probes, []
             abort_all, stop = self._abort_all, self._stop
             self._abort_all = False  # done below; admission stays closed, so nothing new comes to abort
-        if self.watch is not None:
-            self._watch()
+        if self.watch is not None and (fault := self.watch()) is not None:
+            raise EngineLost(fault)
         for stream in arrivals:
             self._admit(stream)
         for stream in hangups:
@@ -319,12 +321,6 @@ class EngineLoop:
         if self._live or self.llm.has_unfinished_requests():  # FAULT-1's outputs come with a step, too
             self._step()
         return True
-
-    def _watch(self) -> None:
-        assert self.watch is not None
-        fault = self.watch()
-        if fault is not None:
-            raise EngineLost(fault)
 
     def _admit(self, stream: Stream) -> None:
         if stream.cancelled:
