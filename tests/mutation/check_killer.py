@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -54,8 +55,8 @@ def judge(w: Workload, full_every: int) -> str:
         drive(port, shadow, workload(w.seed, w.requests), w.config.eos, abort_every=w.abort_every, max_steps=600)
     except ShadowDivergence as e:
         return f"divergence\n{e}"
-    except Exception as e:  # the mutant broke the run: killed as a failing test would be
-        return f"error\n{type(e).__name__}: {e}"
+    except Exception:  # the mutant broke the run: killed as a failing test would be
+        return f"error\n{traceback.format_exc(limit=-4)}"
     if not port.is_finished():
         return "unfinished\nthe engine's scheduler still holds requests after 600 steps"
     return ""
