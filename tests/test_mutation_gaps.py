@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -211,3 +212,49 @@ def test_a_cut_walk_forgets_the_held_hits_past_the_cut() -> None:
 
     p = Pair(block_size=2, num_blocks=6, max_num_seqs=2, max_num_batched_tokens=16)
     assert p.run([([1, 3, 1, 1, 2], 5, 0), ([1, 3, 1, 1, 2, 1], 5, 1), ([1, 3, 1], 4, 1), ([3], 2, 5)]) > 5
+
+
+@pytest.mark.clause("MUT-8", "OPT-26")
+def test_add_abort_churn_never_grows_the_arena_past_four_times_what_it_holds() -> None:
+    """MUT-8 (core/token_arena.py 71 ``self.top - self.dead`` to ``+``, 67 ``self.dead += ...`` deleted, 73 and
+    74 ``2`` to ``3``), OPT-26: packing sizes the array from the live regions only.
+
+    With released regions counted as live (``top + dead``, or ``dead`` never counted) each packing doubled an
+    array that churn keeps full, and ``add`` ran out of memory after about 1,170 add/abort pairs of max_tokens
+    near 2**20.
+    """
+    sched = opt.Scheduler(opt.SchedulerConfig(block_size=2, num_blocks=8))
+    sched._arena = TokenArena(on_move=sched._group.refresh_positions, capacity=64)  # packs early and often
+    live: list[Any] = []
+    peak = 0
+    for i in range(400):
+        seq = sched.new_sequence([1, 2, 3], 1 + (i * 37) % 200)
+        sched.add(seq)
+        live.append(seq)
+        peak = max(peak, sum(s.num_prompt_tokens + s.max_tokens for s in live))
+        assert sched._arena.data.shape[0] <= max(64, 4 * peak), (i, sched._arena.data.shape[0], peak)
+        if len(live) > 2:
+            sched.abort(live.pop(i % 3))
+
+
+@pytest.mark.clause("MUT-8", "OPT-23")
+def test_the_decode_group_counts_exactly_the_stop_ids_and_eos_watchers_of_its_members() -> None:
+    """MUT-8 (core/decode_group.py 100 ``self._watch(core.stops, 1)`` ``1`` to ``2``, 45 ``eos_watchers = 0`` to
+    ``1``): the group watches a stop id while a member has it, and counts the members that stop at EOS.
+
+    A count too large never changes who finishes, but a stop id counted twice is never forgotten: the set
+    the group compares each step's tokens with grows with every distinct stop id ever added.
+    """
+    from collections import Counter
+
+    sched = opt.Scheduler(opt.SchedulerConfig(num_blocks=32, block_size=2, max_num_seqs=4, eos=0))
+    for i in range(6):
+        sched.add(sched.new_sequence([1, 2, 3], 3 + i, ignore_eos=i % 2 == 0), {10 + i, 20 + i % 3})
+    group = sched._group
+    while not sched.is_finished():
+        out = sched.schedule()
+        sched.postprocess(out.batch, [5] * len(out.batch), out.is_prefill)
+        members = group.members
+        assert group.stop_ids == Counter(t for m in members for t in m.core.stops)
+        assert group.eos_watchers == sum(not m.ignore_eos for m in members)
+    assert group.stop_ids == {} and group.eos_watchers == 0

@@ -23,7 +23,8 @@ class Explained:
     previous: str = ""  # the line before, stripped, where the line alone is too common
 
 
-EQUIVALENT_ARENA_SIZE = "equivalent: only how big the token array is, never which tokens a region holds"
+EQUIVALENT_ARENA_SIZE = ("equivalent: only how big the token array is, never which tokens a region holds, and it stays "
+                         "within OPT-26's bound (four times the live regions or the initial size)")
 ARENA_INIT = "def __init__(self, on_move: Callable[[], None], capacity: int = 1 << 16) -> None:"
 
 EQUIVALENT_SHARED = ("equivalent: _shared > 0 only sends release() down its counting path, which frees the same ids; "
@@ -34,7 +35,9 @@ EXPLAINED: tuple[Explained, ...] = (
               "kept = not is_prefill or seq.num_cached_tokens + seq.num_scheduled_tokens >= seq.num_tokens",
               "not is_prefill", "(is_prefill)",
               "equivalent: in a decode step the other operand holds anyway (cached + scheduled == tokens), and a "
-              "sequence mid-chunk is still WAITING, so the RUNNING check skips it whatever kept says"),
+              "sequence mid-chunk is still WAITING, so the RUNNING check skips it whatever kept says. This needs each "
+              "postprocess to follow exactly one schedule() (a second one has scheduled == 0): the port refuses any "
+              "other postprocess (OPT-25), and only the port calls this"),
     Explained("optimized/core/block_pool.py", "self._shared += sum(1 for b in hits if extra[b] == 1)", "1", "2",
               EQUIVALENT_SHARED + " (the same edit of ``extra[b] == 1`` undercounts and is killed)"),
     Explained("optimized/core/block_pool.py", "self._shared += 1", "1", "2", EQUIVALENT_SHARED),
@@ -44,12 +47,6 @@ EXPLAINED: tuple[Explained, ...] = (
     Explained("optimized/core/block_pool.py",
               "counts = itemgetter(*table)(extra) if len(table) > 1 else tuple(extra[b] for b in table)", "1", "2",
               "equivalent: for two ids the generator gives the same tuple of counts as itemgetter"),
-    Explained("optimized/core/decode_group.py", "self.eos_watchers = 0  # members with ignore_eos False", "0", "1",
-              "equivalent: eos_watchers > 0 only makes postprocess look for EOS, and _eos_hits keeps only members "
-              "with ignore_eos False; a count too large costs time only"),
-    Explained("optimized/core/decode_group.py", "self._watch(core.stops, 1)", "1", "2",
-              "equivalent: a stop id watched too long only makes postprocess look for it, and _stop_hits keeps only "
-              "members whose own stops hold the drawn token; it costs time only"),
     Explained("optimized/core/decode_group.py", "self.base_clock = 0", "0", "1",
               "equivalent: positions is empty until the first join, which sets base_clock"),
     Explained("optimized/core/decode_group.py", "self._next_gord += 1", "1", "2",
@@ -88,10 +85,13 @@ EXPLAINED: tuple[Explained, ...] = (
               "s.core.group is not None", "(s.core.group is None)",
               "equivalent: dissolving the decode group only writes its members' state back to their own fields, "
               "which is right at any time; a batch of members reaches this branch only while the group is in "
-              "flight (the first operand); a 2-minute differential fuzz (253,445 steps) with the edit found nothing"),
+              "flight (the first operand): a decode batch postprocessed again, after its step, is refused "
+              "(OPT-25), and a prefill batch holds no member. This needs postprocess to get the batch its "
+              "schedule() returned (or a copy), as every driver of the port does"),
     Explained("optimized/core/scheduler.py", "if len(watched) <= 4:", "len(watched) <= 4", "(len(watched) < 4)",
-              "equivalent: both branches compute the same mask (a few comparisons or np.isin); the bound picks "
-              "the faster"),
+              "equivalent: both branches compute the same mask (a few comparisons or np.isin) for any int64 stop "
+              "ids, and add refuses every other id (OPT-10; np.isin could not hold 2**63); the bound picks the "
+              "faster"),
     Explained("optimized/core/port.py",
               "def new_sequence(self, token_ids: list[int], max_tokens: int, ignore_eos: bool = False,", "False",
               "True", "equivalent: a default in the protocol's signature is never used; each implementation's own "
@@ -130,13 +130,6 @@ EXPLAINED: tuple[Explained, ...] = (
     Explained("optimized/core/token_arena.py", "if self.top + capacity > self.data.shape[0]:",
               "self.top + capacity > self.data.shape[0]", "(self.top + capacity >= self.data.shape[0])",
               EQUIVALENT_ARENA_SIZE + " (a region that would end exactly at the array's end packs first)"),
-    Explained("optimized/core/token_arena.py", "live = self.top - self.dead", "self.top - self.dead",
-              "(self.top + self.dead)", EQUIVALENT_ARENA_SIZE + " (live space counted too large makes it bigger)"),
-    Explained("optimized/core/token_arena.py", "self.dead += owner.region_capacity",
-              "self.dead += owner.region_capacity", "pass",
-              EQUIVALENT_ARENA_SIZE + " (dead space counted as live makes it bigger)"),
-    Explained("optimized/core/token_arena.py", "while size < 2 * (live + capacity):", "2", "3", EQUIVALENT_ARENA_SIZE),
-    Explained("optimized/core/token_arena.py", "size *= 2", "2", "3", EQUIVALENT_ARENA_SIZE),
     Explained("optimized/core/token_arena.py", "top = 0", "0", "1",
               "equivalent: packing leaves the first slot unused; every read goes through region_offset"),
 )

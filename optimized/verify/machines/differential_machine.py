@@ -201,15 +201,16 @@ class DifferentialMachine(FailureRule):
             # An earlier request's tokens up to a drawn point (most often a running one's: its blocks are held),
             # then a tail, short or up to the whole cache: it hits what that one filled, and a long one waits
             # while the blocks it hit are freed and taken again.
-            running = [list(r.token_ids) for r in self.ref.running]
-            if running and data.draw(st.booleans(), label="follow a running request"):
-                earlier = running
-            shared = data.draw(st.sampled_from(earlier), label="followed request")
+            running: list[list[int]] = [list(r.token_ids) for r in self.ref.running]
+            sources = earlier
+            if running:
+                follow_running: bool = data.draw(st.booleans(), label="follow a running request")
+                sources = running if follow_running else earlier
+            shared = data.draw(st.sampled_from(sources), label="followed request")
             shared = shared[: data.draw(st.integers(0, len(shared)), label="followed tokens")]
-            tail = 2 * self.config.block_size
-            if data.draw(st.booleans(), label="long follower"):
-                tail = longest
-            length = max(1, min(longest, len(shared) + data.draw(st.integers(0, tail), label="tail length")))
+            long_follower: bool = data.draw(st.booleans(), label="long follower")
+            most = longest if long_follower else 2 * self.config.block_size
+            length = max(1, min(longest, len(shared) + data.draw(st.integers(0, most), label="tail length")))
         else:
             # The length first, uniform up to the whole cache: long prompts keep later ones waiting (MUT-7).
             length = data.draw(st.integers(1, longest), label="prompt length")
