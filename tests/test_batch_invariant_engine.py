@@ -148,13 +148,12 @@ def test_where_it_cannot_hold_it_is_refused_with_the_reason(monkeypatch: pytest.
     refuses with one line naming the reason, before loading weights; None there is simply off. Every
     tensor-parallel size holds (TP-11)."""
     cpu = torch.device("cpu")
-    assert batch_invariant_refusal(cpu, "float32", "cpu", 1) is None
-    assert batch_invariant_refusal(cpu, "float64", "cpu", 2) is None
-    assert batch_invariant_refusal(cpu, "float32", "cpu", 3) is None
+    assert batch_invariant_refusal(cpu, "float32", "cpu") is None
+    assert batch_invariant_refusal(cpu, "float64", "cpu") is None
     refusals = {
-        "device cuda": batch_invariant_refusal(torch.device("cuda"), "float32", "cpu", 1),
-        "dtype bfloat16": batch_invariant_refusal(cpu, "bfloat16", "cpu", 1),
-        "attention backend 'torch'": batch_invariant_refusal(cpu, "float32", "torch", 1),
+        "device cuda": batch_invariant_refusal(torch.device("cuda"), "float32", "cpu"),
+        "dtype bfloat16": batch_invariant_refusal(cpu, "bfloat16", "cpu"),
+        "attention backend 'torch'": batch_invariant_refusal(cpu, "float32", "torch"),
     }
     for start, reason in refusals.items():
         assert reason is not None and reason.startswith(start) and "\n" not in reason, reason
@@ -165,7 +164,7 @@ def test_where_it_cannot_hold_it_is_refused_with_the_reason(monkeypatch: pytest.
             make(**kwargs)
     assert make(None, attention_backend="torch").settings.batch_invariant is False
     monkeypatch.setattr(cpu_build, "unavailable_reason", lambda: "no C compiler (a test)")
-    reason = batch_invariant_refusal(cpu, "float32", "cpu", 1)
+    reason = batch_invariant_refusal(cpu, "float32", "cpu")
     assert reason is not None and "no C compiler (a test)" in reason and "torch emulation" in reason
 
 

@@ -54,7 +54,8 @@ def _kernels_built() -> None:
 def test_the_fixed_order_sum_adds_neighbours_in_pairs() -> None:
     """TP-11, TP-12: ``fixed_order_sum`` adds neighbours in pairs, level after level, an odd last part carried:
     ``(p0 + p1) + (p2 + p3)`` for 4 parts (which a chain, ``((p0 + p1) + p2) + p3``, does not round alike: 0
-    against 1 here), ``(p0 + p1) + p2`` for 3, and the sum of 4 is the sum of its two halves' sums."""
+    against 1 here), ``(p0 + p1) + p2`` for 3, the odd part carried to the last level for 5 and 6, and the sum of
+    4 is the sum of its two halves' sums."""
     big = [torch.tensor([1e8]), torch.tensor([1.0]), torch.tensor([-1e8]), torch.tensor([1.0])]
     assert fixed_order_sum([t.clone() for t in big]).item() == 0.0
     assert (((big[0] + big[1]) + big[2]) + big[3]).item() == 1.0
@@ -64,6 +65,9 @@ def test_the_fixed_order_sum_adds_neighbours_in_pairs() -> None:
     assert torch.equal(fixed_order_sum([t.clone() for t in p[:3]]), (p[0] + p[1]) + p[2])
     halves = [fixed_order_sum([t.clone() for t in p[:2]]), fixed_order_sum([t.clone() for t in p[2:]])]
     assert torch.equal(fixed_order_sum(halves), fixed_order_sum([t.clone() for t in p]))
+    q = [torch.randn(5, 7, generator=g) * 10.0 ** (3 * (i % 3)) for i in range(6)]
+    assert torch.equal(fixed_order_sum([t.clone() for t in q[:5]]), ((q[0] + q[1]) + (q[2] + q[3])) + q[4])
+    assert torch.equal(fixed_order_sum([t.clone() for t in q]), ((q[0] + q[1]) + (q[2] + q[3])) + (q[4] + q[5]))
     with pytest.raises(ValueError, match="no parts"):
         fixed_order_sum([])
 

@@ -61,12 +61,10 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def batch_invariant_refusal(
-    device: torch.device, dtype: str, attention_backend: str, tensor_parallel_size: int
-) -> str | None:
+def batch_invariant_refusal(device: torch.device, dtype: str, attention_backend: str) -> str | None:
     """Why the batch-invariant mode cannot hold for these settings (BI-7), naming the one at fault; None when it
-    can. It needs every kernel of the forward pass invariant: the C linear and the C attention (BI-1, BI-4).
-    Every ``tensor_parallel_size`` holds: in the mode the model's all-reduces add in rank order (TP-11)."""
+    can. It needs every kernel of the forward pass invariant: the C linear and the C attention (BI-1, BI-4). No
+    tensor-parallel size is refused: in the mode the model's all-reduces add in rank order (TP-11)."""
     from kernels import cpu_build
 
     if device.type != "cpu":

@@ -78,7 +78,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
     if args.enforce_eager is False and dev.type == "cuda" and not backend.capturable:
         raise ValueError("enforce_eager=False on CUDA needs attention_backend 'triton' or 'flash-attn'")
     if args.batch_invariant:  # only when asked: the refusal builds the C library to learn whether it can hold
-        refusal = batch_invariant_refusal(dev, dtype, backend.name, args.tensor_parallel_size)
+        refusal = batch_invariant_refusal(dev, dtype, backend.name)
         if refusal is not None:
             raise ValueError(f"batch_invariant cannot hold: {refusal}")
     c = load_config(model_dir)
