@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from optimized import SamplingParams
@@ -154,6 +154,9 @@ def released_by_brute_force(text: str, stop: tuple[str, ...]) -> str:
 @settings(max_examples=150, deadline=None)
 @given(st.text(alphabet="aab\u20ac", max_size=24),
        st.lists(st.text(alphabet="ab\u20ac", min_size=1, max_size=5), min_size=1, max_size=4))
+@example("aaab", ["aab"])  # a mismatch falls back to "a", not to nothing: the stop string is found
+@example("aaa", ["aab"])  # likewise the held tail is "aa", not "a"
+@example("aabaaab", ["aabaaaa"])  # a fallback table built by the same rule: "aabaaa" falls back to "aa"
 def test_the_stop_search_releases_what_the_rule_says(text: str, stops: list[str]) -> None:
     """SERVE-5, SERVE-16: fed one character at a time, the released text is after every token what the rule
     read literally gives (self-overlapping stop strings such as "aab" in "aaab" included), and all of it up to the
