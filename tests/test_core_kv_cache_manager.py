@@ -375,3 +375,24 @@ def test_a_freed_block_frees_every_hit_that_names_it(monkeypatch: pytest.MonkeyP
     assert memo is not None and (memo.cached, memo.used) == (fresh.cached, fresh.used) == (3, 0)
     while p.step():
         p.agree(invariants=False)
+
+
+@pytest.mark.clause("OPT-14", "MUT-7")
+def test_stale_walk_reports_a_remembered_walk_that_a_fresh_walk_contradicts() -> None:
+    """OPT-14, MUT-7: the machine's oracle is silent on a true memo and names what differs on a corrupted one."""
+    sched = Scheduler(SchedulerConfig(num_blocks=4, block_size=2, max_num_seqs=2, eos=0))
+    holder = sched.new_sequence([1, 2, 3, 4, 5], 2, ignore_eos=True)
+    sched.add(holder)
+    out = sched.schedule()
+    sched.postprocess(out.batch, [6], out.is_prefill)  # holder's two full blocks are registered and held
+    waiter = sched.new_sequence([1, 2, 3, 4, 9, 9, 9, 9], 2)  # hits both, needs four blocks: it waits
+    sched.add(waiter)
+    out = sched.schedule()
+    bm = sched.block_manager
+    memo = bm._memo
+    assert memo is not None and memo.seq is waiter and memo.held == [True, True] and bm.stale_walk() == ""
+    memo.held[0] = False  # a held hit marked free, the count left as it was
+    assert bm.stale_walk().startswith(f"OPT-14: the walk remembered for sequence {waiter.seq_id}")
+    memo.held[0] = True
+    sched.postprocess(out.batch, [6], out.is_prefill)
+    assert bm.stale_walk() == ""
