@@ -219,9 +219,9 @@ def test_add_abort_churn_never_grows_the_arena_past_four_times_what_it_holds() -
     """MUT-8 (core/token_arena.py 71 ``self.top - self.dead`` to ``+``, 67 ``self.dead += ...`` deleted, 73 and
     74 ``2`` to ``3``), OPT-26: packing sizes the array from the live regions only.
 
-    With released regions counted as live (``top + dead``, or ``dead`` never counted) each packing doubled an
-    array that churn keeps full, and ``add`` ran out of memory after about 1,170 add/abort pairs of max_tokens
-    near 2**20.
+    With released regions counted as live (``top + dead``, or ``dead`` never counted) every packing grows an
+    array that churn keeps full, several-fold with ``top + dead``: the audit saw ``add`` run out of memory after
+    about 1,170 add/abort pairs of max_tokens near 2**20, where the code stays at 2**21 positions.
     """
     sched = opt.Scheduler(opt.SchedulerConfig(block_size=2, num_blocks=8))
     sched._arena = TokenArena(on_move=sched._group.refresh_positions, capacity=64)  # packs early and often
