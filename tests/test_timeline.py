@@ -472,3 +472,35 @@ def test_every_figure_is_shown_with_its_caption_under_it() -> None:
                 assert k + 1 < len(lines) and lines[k + 1].startswith("*Figure"), (chapter, picture)
                 shown.add(picture)
     assert {p.name for p in FIGURE_DIR.glob("*.png")} == shown
+
+
+@pytest.mark.clause("TRACE-11")
+def test_the_flowchart_tells_preempting_another_from_preempting_itself() -> None:
+    """TRACE-11: when can_append fails, the flowchart asks whether another sequence runs (DECODE-2): preempting the
+    newest leads back to can_append, preempting itself to the decode loop's next sequence, as the reference's
+    ``while ... else`` does (it drew one box for both, with a retry)."""
+    node_of = {node.code: name for name, node in FLOW.items()}
+    after = {source: [t for s, t, _ in EDGES if s == source] for source in FLOW}
+    room, decode = node_of["while not self.block_manager.can_append(seq):"], node_of[
+        "while self.running and len(scheduled_seqs) < self.max_num_seqs:"]
+    others = node_of["if self.running:"]
+    assert sorted(after[room]) == sorted(["append", others])
+    assert after[node_of["self.preempt(self.running.pop())"]] == [room]
+    assert after[node_of["self.preempt(seq)"]] == [decode]
+
+
+@pytest.mark.clause("TRACE-11")
+def test_the_committed_pictures_are_what_the_pipeline_draws(tmp_path: Path) -> None:
+    """TRACE-11: every PNG in spec/figures/ is, pixel for pixel, what scripts/figures.sh draws now (a change to the
+    drawing code without regenerating the figures fails here)."""
+    import numpy as np
+    from PIL import Image
+
+    from optimized.trace.figures import write_figures
+
+    drawn = [p for p in write_figures(tmp_path) if p.suffix == ".png"]
+    assert {p.name for p in drawn} == {p.name for p in FIGURE_DIR.glob("*.png")}
+    for path in drawn:
+        with Image.open(path) as new, Image.open(FIGURE_DIR / path.name) as committed:
+            assert new.size == committed.size and np.array_equal(np.asarray(new), np.asarray(committed)), (
+                f"stale figure {path.name}: run scripts/figures.sh")

@@ -161,8 +161,11 @@ FLOW = {
     "decode": Node("running not empty and\nbatch < max_num_seqs?", "DECODE-1",
                    "while self.running and len(scheduled_seqs) < self.max_num_seqs:", (4.2, 7.2)),
     "room": Node("can_append(head)?", "DECODE-2", "while not self.block_manager.can_append(seq):", (4.2, 5.4)),
-    "victim": Node("preempt the newest\n(itself if none left)", "PREEMPT-2", "self.preempt(self.running.pop())",
-                   (8.2, 4.2), decision=False),
+    "others": Node("another sequence\nrunning?", "DECODE-2", "if self.running:", (7.0, 5.4)),
+    "victim": Node("preempt the newest\n(the back of running)", "PREEMPT-2", "self.preempt(self.running.pop())",
+                   (7.0, 3.6), decision=False),
+    "itself": Node("preempt itself;\nit is not scheduled", "DECODE-2", "self.preempt(seq)", (9.3, 5.4),
+                   decision=False),
     "append": Node("1 token; may_append", "DECODE-1", "seq.num_scheduled_tokens = 1", (4.2, 3.6), decision=False),
     "back": Node("batch back to the front\nof running; return", "DECODE-3",
                  "self.running.extendleft(reversed(scheduled_seqs))", (8.2, 7.2), decision=False),
@@ -171,7 +174,8 @@ EDGES = [("seqs", "budget", "yes"), ("seqs", "any", "no"), ("budget", "blocks", 
          ("blocks", "chunk", "yes"), ("blocks", "stop", "no"), ("chunk", "stop", "yes"), ("chunk", "take", "no"),
          ("stop", "any", ""),
          ("take", "seqs", "next"), ("any", "prefill", "yes"), ("any", "decode", "no"), ("decode", "room", "yes"),
-         ("decode", "back", "no"), ("room", "append", "yes"), ("room", "victim", "no"), ("victim", "room", "retry"),
+         ("decode", "back", "no"), ("room", "append", "yes"), ("room", "others", "no"), ("others", "victim", "yes"),
+         ("others", "itself", "no"), ("victim", "room", "retry"), ("itself", "decode", "next"),
          ("append", "decode", "next")]
 
 
