@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -154,16 +155,20 @@ def test_the_readme_quickstarts_run_as_written(tmp_path: Path) -> None:
     nanoverify = str(Path(sys.executable).parent / "nanoverify")
     server = subprocess.Popen([nanoverify, *args[1:]], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
+    deadline = threading.Timer(240, server.kill)  # a server that never says where it listens fails, not hangs
+    deadline.start()
     try:
         assert server.stdout is not None
-        line = server.stdout.readline()
-        while line and "listening on" not in line:
-            line = server.stdout.readline()
-        port = line.strip().rsplit(":", 1)[1]
+        said: list[str] = []
+        while not said or "listening on" not in said[-1]:
+            said.append(server.stdout.readline())
+            assert said[-1], "nanoverify serve ended (or was killed at 240 s) before listening:\n" + "".join(said)
+        port = said[-1].strip().rsplit(":", 1)[1]
         ran = subprocess.run([sys.executable, "-c", client.replace(":8000/", f":{port}/")], cwd=tmp_path, env=ENV,
                              capture_output=True, text=True, timeout=120)
         assert ran.returncode == 0, ran.stderr
         assert Path(folder).name in client and ran.stdout.strip()
     finally:
+        deadline.cancel()
         server.terminate()
         server.wait(timeout=60)
