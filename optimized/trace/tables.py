@@ -35,6 +35,16 @@ def _grid(plt: Any, rows: int, columns: int, width: float) -> tuple[Any, Any]:
     return fig, ax
 
 
+def _finish(plt: Any, fig: Any, ax: Any, handles: list[Any], timeline: Timeline, title: str, path: str) -> None:
+    """The legend right of the grid, the title with the cache's settings, the file written."""
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.set_title(f"{title}; block_size {timeline.config.get('block_size')}, num_blocks {timeline.num_blocks}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def draw_block_tables(timeline: Timeline, path: str, title: str) -> None:
     """Requests down, steps across; each cell the request's block table in the step, shared ids in bold purple,
     the cell shaded by the request's state."""
@@ -61,12 +71,8 @@ def draw_block_tables(timeline: Timeline, path: str, title: str) -> None:
     handles = [Patch(color=COLOURS[s], alpha=0.35, label=s) for s in ("chunk", "prefill", "decode", "stalled",
                                                                       "preempted", "waiting")]
     handles.append(Patch(color=BLOCK_COLOURS["shared"], label="bold id: held by several tables"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    ax.set_title(f"{title}\nblock ids in table order (block i holds tokens i*block_size ..); "
-                 f"block_size {timeline.config.get('block_size')}, num_blocks {timeline.num_blocks}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, handles, timeline,
+            f"{title}\nblock ids in table order (block i holds tokens i*block_size ..)", path)
 
 
 def draw_block_life(timeline: Timeline, path: str, title: str) -> None:
@@ -91,9 +97,5 @@ def draw_block_life(timeline: Timeline, path: str, title: str) -> None:
                   fontsize=7)
     ax.set_xlabel("step (read right after its schedule(); the number in a held block: the requests holding it)")
     handles = [Patch(fc=BLOCK_COLOURS[s], ec="#999999", label=BLOCK_LABELS[s]) for s in BLOCK_STATES]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    ax.set_title(f"{title}\nfree -> held -> free but cached -> revived by a hit, or taken fresh (evicted); "
-                 f"block_size {timeline.config.get('block_size')}, num_blocks {timeline.num_blocks}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, ax, handles, timeline,
+            f"{title}\nfree -> held -> free but cached -> revived by a hit, or taken fresh (evicted)", path)
