@@ -7,8 +7,9 @@ chunks, each chunk's product added to one float32 accumulator in chunk order, th
 that make ``y[m, n]`` depend on K alone, never on M, the row's tile or its place in it, or the other rows' values.
 Rows past M and columns past N or K are loaded as zeros and never stored. float32 operands multiply in IEEE
 precision; float16/bfloat16 operands are widened to float32 and multiplied in tf32, which holds them exactly, and
-the result is rounded to the input dtype once. Not wired into the engine: its batch-invariant mode still refuses
-CUDA (BI-7), since no device has run this end to end.
+the result is rounded to nearest in the input dtype once (through ``round_to``: the interpreter's bfloat16 cast
+truncates). Not wired into the engine: its batch-invariant mode still refuses CUDA (BI-7), since no device has run
+this end to end.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_round import round_to
 
 BLOCK_M = 32
 BLOCK_N = 32
@@ -56,8 +59,9 @@ def _linear_kernel(
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    out_dt: tl.constexpr = y_ptr.dtype.element_ty
     offs = rows[:, None].to(tl.int64) * y_stride + cols[None, :]
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    tl.store(y_ptr + offs, round_to(acc, out_dt).to(out_dt), mask=rmask[:, None] & cmask[None, :])
 
 
 def _check_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -181,6 +181,28 @@ def test_triton_linear_is_within_the_float32_bound_of_the_float64_product(
 
 
 @pytest.mark.clause("KERN-29")
+@settings(max_examples=6, deadline=None)
+@given(problem=linear_problem(), dtype=st.sampled_from([torch.float16, torch.bfloat16]))
+@example(problem=(5, 33, 71, True, 0), dtype=torch.bfloat16)
+def test_triton_linear_rounds_a_16_bit_output_to_nearest_once(
+    problem: tuple[int, int, int, bool, int], dtype: torch.dtype, device: torch.device
+) -> None:
+    """KERN-29: a float16 or bfloat16 output is its float32 sum rounded to nearest: within the float32 bound (doubled,
+    as a device's tensor cores need not round to nearest while they accumulate) plus half an ulp of the dtype of the
+    float64 product of the same inputs. A truncating cast (the interpreter's bfloat16) is up to a whole ulp off."""
+    m, n, k, bias, seed = problem
+    x, w, *b = _layer(m, n, k, bias, seed, dtype)
+    y = triton_linear.linear(x.to(device), w.to(device), b[0].to(device) if b else None).cpu().double()
+    exact = x.double() @ w.double().T + (b[0].double() if b else 0.0)
+    scale = x.double().abs() @ w.double().abs().T + (b[0].double().abs() if b else 0.0)
+    sum_error = 2 * (k + 1) * 2.0**-24 * scale
+    info = torch.finfo(dtype)
+    half_ulp = info.eps / 2  # of |v| for a normal v; below the normals, of the smallest normal
+    bound = sum_error + half_ulp * (exact.abs() + sum_error) + half_ulp * info.smallest_normal
+    assert bool(((y - exact).abs() <= bound).all()), ((y - exact).abs() / bound).max()
+
+
+@pytest.mark.clause("KERN-29")
 def test_triton_linear_refuses_what_is_not_a_layer(device: torch.device) -> None:
     """KERN-29: a weight or bias of another dtype or shape, or an input that does not fit, is a ValueError naming
     the tensor; in_features 0 gives the bias (zeros without one)."""
