@@ -18,7 +18,7 @@ import pytest
 
 import reference
 from optimized.cli import main
-from optimized.trace.figures import EDGES, FIGURES, FLOW
+from optimized.trace.figures import EDGES, FIGURES, FLOW, Figure
 from optimized.trace.recorder import Recorder
 from optimized.trace.replay import replay_trace
 from optimized.trace.schema import Request, Trace, read_trace
@@ -504,3 +504,21 @@ def test_the_committed_pictures_are_what_the_pipeline_draws(tmp_path: Path) -> N
         with Image.open(path) as new, Image.open(FIGURE_DIR / path.name) as committed:
             assert new.size == committed.size and np.array_equal(np.asarray(new), np.asarray(committed)), (
                 f"stale figure {path.name}: run scripts/figures.sh")
+
+
+@pytest.mark.clause("TRACE-11")
+def test_the_block_tables_stay_narrow_however_long_the_run(tmp_path: Path) -> None:
+    """TRACE-11: the block-table picture grows down with the steps, not across (a chapter's column is about 700
+    pixels: the 11-step worked example drawn 1,540 wide shrank its ids to a few pixels); entry j of a table stands in
+    the same place at every step."""
+    from PIL import Image
+
+    from optimized.trace.tables import draw_block_tables
+
+    long_run = Figure("LEARN-1", {**FIGURES["worked-example"].config, "num_blocks": 32}, [(list(range(1, 9)), 40, 0)])
+    timeline = build_timeline(workload_trace(long_run.workload()), detail=True)
+    assert len(timeline.frames) == 40
+    draw_block_tables(timeline, str(tmp_path / "t.png"), "long")
+    with Image.open(tmp_path / "t.png") as picture:
+        width, height = picture.size
+    assert width <= 800 < height

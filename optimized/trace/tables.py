@@ -46,28 +46,30 @@ def _finish(plt: Any, fig: Any, ax: Any, handles: list[Any], timeline: Timeline,
 
 
 def draw_block_tables(timeline: Timeline, path: str, title: str) -> None:
-    """Requests down, steps across; each cell the request's block table in the step, shared ids in bold purple,
-    the cell shaded by the request's state."""
+    """Steps down, requests across (narrow enough to read in a chapter's column); each cell the request's block
+    table in the step, entry j in the same place at every step, shared ids in bold purple, the cell shaded by the
+    request's state."""
     plt = pyplot()
     from matplotlib.patches import Patch, Rectangle
 
-    frames, rows = timeline.frames, timeline.requests
-    fig, ax = _grid(plt, len(rows), len(frames), max(8.0, 1.05 * len(frames) + 2.5))
+    frames, requests = timeline.frames, timeline.requests
+    slots = max([len(t) for f in frames for t in f.tables.values()] or [1])  # table entry j in the j-th slot
+    fig, ax = _grid(plt, len(frames), len(requests), 1.7 * len(requests) + 4.2)
     for k, frame in enumerate(frames):
         shared = shared_ids(timeline, k)
-        for r, rid in enumerate(rows):
+        for r, rid in enumerate(requests):
             state = frame.states.get(rid)
             if state is not None:
-                ax.add_patch(Rectangle((k, r), 1, 1, fc=COLOURS[state], alpha=0.35, ec="white"))
+                ax.add_patch(Rectangle((r, k), 1, 1, fc=COLOURS[state], alpha=0.35, ec="white"))
             table = frame.tables.get(rid, [])
             for j, block in enumerate(table):
-                x = k + (j + 0.5) / max(len(table), 1)
-                ax.text(x, r + 0.5, str(block), ha="center", va="center", fontsize=8,
+                x = r + (j + 0.5) / slots
+                ax.text(x, k + 0.5, str(block), ha="center", va="center", fontsize=9,
                         color=BLOCK_COLOURS["shared"] if block in shared else "black",
                         weight="bold" if block in shared else "normal")
-    ax.set_xticks([k + 0.5 for k in range(len(frames))], [str(f.step) for f in frames], fontsize=8)
-    ax.set_yticks([r + 0.5 for r in range(len(rows))], [f"request {rid}" for rid in rows], fontsize=8)
-    ax.set_xlabel("step")
+    ax.set_yticks([k + 0.5 for k in range(len(frames))], [f"step {f.step}" for f in frames], fontsize=8)
+    ax.set_xticks([r + 0.5 for r in range(len(requests))], [f"request {rid}" for rid in requests], fontsize=8)
+    ax.xaxis.tick_top()
     handles = [Patch(color=COLOURS[s], alpha=0.35, label=s) for s in ("chunk", "prefill", "decode", "stalled",
                                                                       "preempted", "waiting")]
     handles.append(Patch(color=BLOCK_COLOURS["shared"], label="bold id: held by several tables"))
