@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import chain
 from typing import Any, Protocol, SupportsIndex, overload
 
-from invariants.state import BlockView, SchedulerState, seq_view
+from invariants.state import BlockView, SchedulerState, SeqView
 from invariants.state_checks import check_block_content, check_block_refs
 from invariants.violation import Violation
 
@@ -68,16 +68,61 @@ def block_view(blocks: ReadsBlocks, block_id: int) -> BlockView:
     return BlockView(block_id, blocks.ref_count(block_id), blocks.block_hash(block_id), blocks.token_ids_of(block_id))
 
 
-def light_state(port: Any) -> SchedulerState:
-    """The state the batch and live-sequence checks read of a scheduler port: the queues, and the blocks on demand
-    (no copy of the cache; the free queue, used set and prefix table left empty)."""
+class TokenCount(list[int]):
+    """A live sequence's tokens as the batch and live-sequence checks read them: their number, no copy of them.
+
+    Reading a token is refused, so no check can silently see none."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: Any) -> Any:
+        raise TypeError("a live view holds the number of a sequence's tokens, not the tokens (invariants.seq_view)")
+
+    def __iter__(self) -> Iterator[int]:
+        raise TypeError("a live view holds the number of a sequence's tokens, not the tokens (invariants.seq_view)")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TokenCount) and other._count == self._count
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"<{self._count} tokens>"
+
+
+class LiveView(SeqView):
+    """A sequence as the batch and live-sequence checks read it: ``seq_view`` with its number of tokens kept and its
+    tokens not copied (``TokenCount``)."""
+
+    num_tokens = 0  # an attribute here, kept by ``live_view`` (SeqView computes it from the tokens)
+
+
+def live_view(seq: Any) -> SeqView:
+    """``seq``'s ``LiveView``."""
+    count = seq.num_tokens
+    view = LiveView(seq.seq_id, seq.status.name, TokenCount(count), seq.num_prompt_tokens, seq.num_cached_tokens,
+                    seq.num_scheduled_tokens, list(seq.block_table), seq.max_tokens, seq.is_prefill)
+    view.num_tokens = count
+    return view
+
+
+def light_state(port: Any, read: Mapping[int, BlockView] | None = None) -> SchedulerState:
+    """The state the batch and live-sequence checks read of a scheduler port: the queues (``live_view``), and the
+    blocks on demand (no copy of the cache; the free queue, used set and prefix table left empty). ``read``: blocks
+    the caller has just read of the same port, served from it instead of read again."""
     config, blocks = port.config, port.blocks
+    known = {} if read is None else read
     return SchedulerState(
         block_size=config.block_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        blocks=BlocksOnDemand(lambda b: block_view(blocks, b), blocks.num_blocks), free_block_ids=[],
-        used_block_ids=set(), hash_to_block_id={}, waiting=[seq_view(s) for s in port.waiting],
-        running=[seq_view(s) for s in port.running])
+        blocks=BlocksOnDemand(lambda b: known.get(b) or block_view(blocks, b), blocks.num_blocks), free_block_ids=[],
+        used_block_ids=set(), hash_to_block_id={}, waiting=[live_view(s) for s in port.waiting],
+        running=[live_view(s) for s in port.running])
 
 
 def held_counts(port: Any) -> Counter[int]:
