@@ -522,3 +522,17 @@ def test_the_block_tables_stay_narrow_however_long_the_run(tmp_path: Path) -> No
     with Image.open(tmp_path / "t.png") as picture:
         width, height = picture.size
     assert width <= 800 < height
+
+
+@pytest.mark.clause("TRACE-11")
+def test_the_block_pictures_mark_where_idle_steps_were_left_out() -> None:
+    """TRACE-11: the block pictures draw only the steps that ran, with a thick line where idle steps lie between
+    two of them: prefix-cache-hit between steps 3 and 9, the worked example nowhere."""
+    from optimized.trace.tables import idle_gaps
+
+    def steps_either_side(name: str) -> list[tuple[int, int]]:
+        timeline = build_timeline(workload_trace(FIGURES[name].workload()), detail=True)
+        return [(timeline.frames[k - 1].step, timeline.frames[k].step) for k in idle_gaps(timeline)]
+
+    assert steps_either_side("prefix-cache-hit") == [(3, 9)]
+    assert steps_either_side("worked-example") == []

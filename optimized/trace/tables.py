@@ -28,6 +28,12 @@ def shared_ids(timeline: Timeline, k: int) -> set[int]:
     return twice
 
 
+def idle_gaps(timeline: Timeline) -> list[int]:
+    """The frame indices k whose step does not follow frame k - 1's: idle steps (nothing ran) lie between them."""
+    frames = timeline.frames
+    return [k for k in range(1, len(frames)) if frames[k].step != frames[k - 1].step + 1]
+
+
 def _grid(plt: Any, rows: int, columns: int, width: float) -> tuple[Any, Any]:
     fig, ax = plt.subplots(figsize=(width, 1.4 + 0.42 * rows))
     ax.set_xlim(0, columns)
@@ -37,6 +43,10 @@ def _grid(plt: Any, rows: int, columns: int, width: float) -> tuple[Any, Any]:
 
 def _finish(plt: Any, fig: Any, ax: Any, handles: list[Any], timeline: Timeline, title: str, path: str) -> None:
     """The legend right of the grid, the title with the cache's settings, the file written."""
+    from matplotlib.lines import Line2D
+
+    if idle_gaps(timeline):
+        handles = [*handles, Line2D([], [], color="black", linewidth=2.5, label="idle steps left out")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     ax.set_title(f"{title}; block_size {timeline.config.get('block_size')}, num_blocks {timeline.num_blocks}",
                  fontsize=9)
@@ -67,6 +77,8 @@ def draw_block_tables(timeline: Timeline, path: str, title: str) -> None:
                 ax.text(x, k + 0.5, str(block), ha="center", va="center", fontsize=9,
                         color=BLOCK_COLOURS["shared"] if block in shared else "black",
                         weight="bold" if block in shared else "normal")
+    for k in idle_gaps(timeline):  # a thick line where idle steps were left out
+        ax.axhline(k, color="black", linewidth=2.5)
     ax.set_yticks([k + 0.5 for k in range(len(frames))], [f"step {f.step}" for f in frames], fontsize=8)
     ax.set_xticks([r + 0.5 for r in range(len(requests))], [f"request {rid}" for rid in requests], fontsize=8)
     ax.xaxis.tick_top()
@@ -94,6 +106,8 @@ def draw_block_life(timeline: Timeline, path: str, title: str) -> None:
             if block in holders:
                 ax.text(k + 0.5, block + 0.5, ",".join(map(str, holders[block])), ha="center", va="center",
                         fontsize=7, color="white")
+    for k in idle_gaps(timeline):  # a thick line where idle steps were left out
+        ax.axvline(k, color="black", linewidth=2.5)
     ax.set_xticks([k + 0.5 for k in range(len(frames))], [str(f.step) for f in frames], fontsize=8)
     ax.set_yticks([b + 0.5 for b in range(timeline.num_blocks)], [f"block {b}" for b in range(timeline.num_blocks)],
                   fontsize=7)
