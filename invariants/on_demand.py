@@ -89,6 +89,9 @@ class TokenCount(list[int]):
     def __eq__(self, other: object) -> bool:
         return isinstance(other, TokenCount) and other._count == self._count
 
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
     __hash__ = None
 
     def __repr__(self) -> str:

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from invariants import seq_view
+from invariants.on_demand import TokenCount, live_view
 from optimized import LLM, SamplingParams
 from optimized.cli import main
 from optimized.core.kv_cache_manager import KVCacheManager
@@ -303,3 +305,44 @@ def test_bench_serve_compare_check_prints_both_sides_and_the_ratio(capsys: pytes
     assert [line.split(":")[0].split()[-1] for line in runs] == ["unchecked", "checked", "checked", "unchecked"]
     assert all(" output tok/s (" in line and "FAILED" not in line for line in runs), runs
     assert "  unchecked median " in out and "checked keeps" in out and "the 75% target" in out
+
+
+@pytest.mark.clause("CHECK-3", "CHECK-4")
+def test_a_reference_invariant_the_comparison_does_not_see_is_caught_at_the_next_full_comparison() -> None:
+    """CHECK-3: the invariants that read a sequence's id or status, which the full comparison does not compare, are
+    still checked on the reference at every full comparison: a reference sequence's status corrupted (in the step
+    whose end compares the whole states; its next schedule() would read it) passes that step's check and is caught
+    by the full comparison as the reference's INV-7."""
+    cfg, every = config(), 8
+    at = every - 1
+    port, shadow = Scheduler(cfg), Shadow(cfg, full_every=every)
+
+    def corrupt(step: int) -> None:
+        if step == at:
+            seq = shadow.ref.running[0]
+            seq.status = type(seq.status).WAITING  # the reference's running sequence says it is waiting
+
+    with pytest.raises(ShadowDivergence, match=rf"(?s)check mode, step {every - 1}: reference scheduler breaks "
+                                               r"\(full check after the step\) INV-7.*is in running with status "
+                                               "WAITING"):
+        drive(port, shadow, workload(0, 12), cfg.eos, after_postprocess=corrupt)
+
+
+@pytest.mark.clause("CHECK-2")
+def test_a_step_check_reads_a_sequence_s_count_of_tokens_never_a_copy_of_them() -> None:
+    """CHECK-2: the per-step checks read each live sequence as ``live_view``: ``seq_view``'s fields, with the number
+    of tokens kept and the tokens themselves never copied; a check that reads them is refused, never shown none."""
+    scheduler = Scheduler(config())
+    seq = scheduler.new_sequence([1, 2, 3, 4, 5], 4)
+    scheduler.add(seq)
+    scheduler.schedule()
+    live, full = live_view(seq), seq_view(seq)
+    assert live.num_tokens == full.num_tokens == 5 and len(live.token_ids) == 5
+    assert [getattr(live, f) for f in ("seq_id", "status", "num_prompt_tokens", "num_cached_tokens",
+                                       "num_scheduled_tokens", "block_table", "max_tokens", "is_prefill")] == [
+        getattr(full, f) for f in ("seq_id", "status", "num_prompt_tokens", "num_cached_tokens",
+                                   "num_scheduled_tokens", "block_table", "max_tokens", "is_prefill")]
+    for read in (lambda: list(live.token_ids), lambda: live.token_ids[0], lambda: live.token_ids[1:]):
+        with pytest.raises(TypeError, match="number of a sequence's tokens"):
+            read()
+    assert live.token_ids == TokenCount(5) and live.token_ids != TokenCount(4)
