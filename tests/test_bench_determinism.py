@@ -89,3 +89,23 @@ def test_lengths_past_the_model_are_refused_naming_the_flags(capsys: pytest.Capt
                                          r"max_model_len=256$"):
         determinism.main(args)
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--dtype", "bfloat16"], "batch_invariant cannot hold: dtype bfloat16"),
+    (["--attention-backend", "torch"], "batch_invariant cannot hold: attention backend 'torch'"),
+    (["--num-kvcache-blocks", "2"], "--max-input-len 8 + --max-output-len 4 cannot fit the KV cache of a request run "
+                                    "alone (2 blocks of 4 tokens: --num-kvcache-blocks, --block-size)"),
+])
+def test_settings_that_cannot_run_are_one_line_before_anything_runs(flags: list[str], says: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """BI-11, CLI-1: settings where the mode cannot hold, or where a request cannot fit the KV cache alone, are one
+    line on standard error and exit 2 with nothing on standard output, before any request runs (they were refused
+    by the first run that met them, after the workload line, a dtype the mode refuses after a mode-off run)."""
+    from optimized.cli import main
+
+    code = main(["bench", "determinism", "--model", str(checkpoint("qwen3")), "--block-size", "4", "--num-requests",
+                 "2", "--mates", "2", "--max-input-len", "8", "--max-output-len", "4", "--threads", "1", *flags])
+    out, err = capsys.readouterr()
+    assert (code, out, err.count("\n")) == (2, "", 1), (out, err)
+    assert err.startswith("nanoverify bench determinism: ") and says in err, err

@@ -167,12 +167,16 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     engine = EngineArgs.from_cli_args(args)
     modes = (False, True)
-    probe = LLM(**replace(engine, batch_invariant=False).as_kwargs())
-    vocab, block_size, longest = probe.limits.vocab_size, engine.kvcache_block_size, probe.limits.max_model_len
+    probe = LLM(**replace(engine, batch_invariant=True).as_kwargs())  # where the mode cannot hold, refused here
+    limits, block_size = probe.limits, engine.kvcache_block_size
     del probe
-    if args.max_input_len + args.max_output_len > longest:
-        raise ValueError(f"--max-input-len {args.max_input_len} + --max-output-len {args.max_output_len} exceeds the "
-                         f"model's max_model_len={longest}")
+    lengths = f"--max-input-len {args.max_input_len} + --max-output-len {args.max_output_len}"
+    if args.max_input_len + args.max_output_len > limits.max_model_len:
+        raise ValueError(f"{lengths} exceeds the model's max_model_len={limits.max_model_len}")
+    if limits.room(args.max_input_len) < args.max_output_len:
+        raise ValueError(f"{lengths} cannot fit the KV cache of a request run alone ({limits.num_blocks} blocks "
+                         f"of {limits.block_size} tokens: --num-kvcache-blocks, --block-size)")
+    vocab = limits.vocab_size
     rng = random.Random(engine.seed)
     needles = make_requests(rng, args.num_requests, args, vocab, args.logprobs)
     mates = share_prefixes(rng, make_requests(rng, args.mates, args, vocab, None), needles)
