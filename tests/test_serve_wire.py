@@ -6,6 +6,9 @@ SERVE-16), and a client that times a stream as vLLM's benchmark does reads what 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,6 +19,7 @@ import httpx2 as httpx
 import pytest
 
 from tests.test_serve import Served, spawn, stop
+from tests.test_serve_process import engine_pid, stream_in_background
 
 PREFIX = "nanoverify:"
 TTFT_SLACK = 0.25  # SERVE-18: client TTFT at most this much above the server's (parse, pipe, socket, busy machine)
@@ -153,3 +157,33 @@ def test_a_client_timing_as_vllms_agrees_with_the_histograms(server: Served) -> 
     assert server_mean / ITL_RATIO - 0.002 <= client_mean <= server_mean * ITL_RATIO + 0.002, (
         client_mean, server_mean, len(client_gaps), server_count)
     assert sum(text == "" for run in runs for text in run.texts[1:-1]) > 0
+
+
+@pytest.mark.clause("SERVE-17")
+def test_a_chat_stream_that_fails_before_its_first_output_sends_no_role_chunk(serve_cache: Path) -> None:
+    """SERVE-17: a chat stream admitted (its 200 is in) but still waiting (one sequence at a time, and another
+    stream holds it) when the engine process is killed sends its error event, then [DONE], and no role chunk."""
+    served = spawn(["--num-kvcache-blocks", "128", "--max-num-seqs", "1"], serve_cache / "fail-before-output.log")
+    admitted = threading.Event()
+    lines: list[str] = []
+
+    def chat() -> None:
+        body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, timeout=60) as response:
+            admitted.set()
+            lines.extend(line[6:] for line in response.iter_lines() if line.startswith("data: "))
+
+    try:
+        running, first, held = stream_in_background(served.url, "default", 1000)
+        assert first.wait(60)
+        waiting = threading.Thread(target=chat, daemon=True)
+        waiting.start()
+        assert admitted.wait(30)
+        os.kill(engine_pid(served), signal.SIGKILL)
+        waiting.join(30)
+        running.join(30)
+    finally:
+        stop(served)
+    assert len(held) > 1 and "error" in held[-2], held[-2:]  # the running stream was still going
+    assert len(lines) == 2 and lines[1] == "[DONE]", lines
+    assert json.loads(lines[0])["error"]["type"] == "server_error", lines
