@@ -28,7 +28,8 @@ LINE = re.compile(r"^mode (on |off), crowd pass (\d) \((\d+) preemptions, (\d+) 
 def test_the_bench_finds_no_difference_in_the_mode_and_some_without_it() -> None:
     """BI-11: on a tiny workload (the tiny Qwen3, 6 requests among 8 mates, chunked, preempted, a hot second pass),
     both passes with the mode on print 0 requests differing in tokens and in logprob bits; with the mode off some
-    differ in logprob bits; the regimes happened; the exit status is 0."""
+    differ in logprob bits, each such line saying where they first differ (the earliest position, a histogram); the
+    regimes happened; each mode's time and their ratio are printed; the exit status is 0."""
     if cpu_build.find_compiler() is None:
         pytest.skip("no C compiler: the mode is refused")
     proc = subprocess.run(
@@ -48,6 +49,13 @@ def test_the_bench_finds_no_difference_in_the_mode_and_some_without_it() -> None
     for on in ("on ", "off"):
         assert sum(int(preempted) for mode, _, preempted, *_ in rows if mode == on) > 0
     assert sum(int(bits) for mode, *_, bits, _ in rows if mode == "off") > 0
+    for line in proc.stdout.splitlines():  # where they differ: the earliest position and a histogram
+        m = LINE.match(line)
+        if m is not None and int(m.group(8)) > 0:
+            assert re.search(r"; first logprob difference at output position (\d+|prompt) \(histogram \{.+\}\)$",
+                             line), line
+    for name in ("on ", "off"):
+        assert re.search(rf"^mode {name}: crowd passes \d+\.\d+ s \(\d+\.\d+ CPU s\)$", proc.stdout, re.M)
     assert re.search(r"^ratio \(on / off time\): wall \d+\.\d+, CPU \d+\.\d+$", proc.stdout, re.M)
 
 
