@@ -222,10 +222,19 @@ def server_environment() -> dict[str, str]:
 
 
 class ServerProcess:
-    def __init__(self, flags: list[str]) -> None:
+    """``nanoverify serve`` on a free port; with ``ready=False`` started but not waited for (``wait_ready``), so that
+    two servers start at once."""
+
+    def __init__(self, flags: list[str], ready: bool = True) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "optimized.cli", "serve", "--port", "0", *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env=server_environment())
+        self.host, self.port = "", 0
+        if ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until the server listens: its host and port."""
         self.host, self.port = self._bound()
 
     def _bound(self) -> tuple[str, int]:
@@ -458,7 +467,9 @@ def compare_check(args: argparse.Namespace, engine: EngineArgs, model: str, make
         for checked in (False, True):
             flags = _server_flags(args, replace(engine, check=checked))
             print(f"  {'checked  ' if checked else 'unchecked'} server: nanoverify serve {' '.join(flags)}")
-            servers[checked] = ServerProcess(flags)
+            servers[checked] = ServerProcess(flags, ready=False)  # both start at once
+        for server in servers.values():
+            server.wait_ready()
         warm = [Job(0.0, j.prompt, min(j.output_len, 4)) for j in make_jobs(0)[:4]]
         for server in servers.values():
             asyncio.run(run_clients(server.host, server.port, model, warm))
@@ -486,11 +497,13 @@ def compare_check(args: argparse.Namespace, engine: EngineArgs, model: str, make
         for server in servers.values():
             server.stop()
     unchecked, checked_rate = statistics.median(rates[False]), statistics.median(rates[True])
-    ratio = checked_rate / unchecked
+    ratio = checked_rate / unchecked if unchecked > 0 else math.nan  # nan: no unchecked token came back
     print(f"  unchecked median {unchecked:.1f} output tok/s, checked median {checked_rate:.1f}: checked keeps "
           f"{ratio:.1%} ({'within' if ratio >= CHECK_TARGET else 'BELOW'} the {CHECK_TARGET:.0%} target)")
-    if per_cpu[False] and len(per_cpu[True]) == len(rates[True]):  # the servers' CPU seconds were readable
-        unchecked_cpu, checked_cpu = statistics.median(per_cpu[False]), statistics.median(per_cpu[True])
+    readable = all(len(per_cpu[c]) == len(rates[c]) for c in (False, True))  # every run's server CPU seconds
+    unchecked_cpu = statistics.median(per_cpu[False]) if readable else 0.0
+    if unchecked_cpu > 0:
+        checked_cpu = statistics.median(per_cpu[True])
         print(f"  per server CPU second: unchecked median {unchecked_cpu:.1f} output tok/s, checked median "
               f"{checked_cpu:.1f}: checked keeps {checked_cpu / unchecked_cpu:.1%}")
     return 0 if ok and ratio >= CHECK_TARGET else 1
