@@ -99,7 +99,7 @@ def test_tiny_run_kernels_invariant_row(tiny_run: tuple[Any, Path]) -> None:
     proc, work = tiny_run
     summary = _rows(proc.stdout)["kernels-invariant"][3]
     assert re.match(r"[1-9]\d* passed, 0 failed, 0 skipped; Triton interpreted", summary), summary
-    assert "Triton batch invariance, KERN-28/29 (-k linear and not row_alone)" in summary
+    assert "Triton batch invariance, KERN-28/29 (-k float32_bound or refuses)" in summary
     m = _metrics(work, "kernels-invariant")
     assert m["passed"] >= 1 and m["failures"] == m["errors"] == 0 and m["triton_compiled"] is False
     assert TINY.invariant_pytest_args[0] == GPU.invariant_pytest_args[0] == "tests/kernels/test_triton_invariance.py"
