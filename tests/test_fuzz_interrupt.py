@@ -36,9 +36,9 @@ def _read_until(proc: subprocess.Popen[bytes], marker: bytes, limit_s: float) ->
 def test_sigint_ends_an_endless_fuzz_with_its_summary_on_stderr_and_status_130() -> None:
     """CLI-4: the interrupted line goes to standard error (it went to standard output), no traceback, exit 130;
     CLI-6: the machines' progress so far is printed before it."""
-    proc = subprocess.Popen([sys.executable, "-m", "optimized.cli", "fuzz", "--minutes", "inf", "--seed", "5",
-                             "--machine", "reference"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    nanoverify = str(Path(sys.executable).parent / "nanoverify")  # the console script, as users start it
+    proc = subprocess.Popen([nanoverify, "fuzz", "--minutes", "inf", "--seed", "5", "--machine", "reference"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         head = _read_until(proc, b"nanoverify fuzz: seed 5, inf minutes", 120)
         time.sleep(1.0)  # into the chunks
