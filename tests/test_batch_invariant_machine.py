@@ -155,10 +155,10 @@ class BatchInvariantMachine(RuleBasedStateMachine):
 
     @invariant()
     def nothing_lost(self) -> None:
-        """The engine holds no more requests than those still live (finished and aborted ones are gone)."""
+        """The engine holds exactly the requests still live: none lost, finished and aborted ones gone."""
         if self.llm is not None:
             g = self.llm.gauges()
-            assert g.running + g.waiting <= len(self.live)
+            assert g.running + g.waiting == len(self.live)
 
     def teardown(self) -> None:
         try:

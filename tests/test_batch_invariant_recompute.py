@@ -64,13 +64,17 @@ def test_decode_logprobs_equal_the_prompt_logprobs_of_a_re_prefill(seed: int, gr
                                                                    threads: int) -> None:
     """BI-13: a request's logprobs of its token i (drawn greedily or seeded, from a decode row) equal, bit for bit,
     the prompt logprobs of that token in prompt + tokens[:i + 1] prefilled in a fresh engine (whole or chunked by a
-    budget of 16 or 5, at 1 or 2 threads), for every i; and the whole prompt + tokens prefilled once gives them all."""
+    budget of 16 or 5, at 1 or 2 threads), for three drawn i; and the whole prompt + tokens prefilled once gives them
+    all, at every budget and thread count of these."""
     rng = random.Random(seed)
     prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
     tokens, decoded = generated(engine(True), prompt, sampled(None if greedy else seed, 10))
+    for every_threads in (1, 2):
+        with at_threads(every_threads):
+            for every_budget in (8192, 16, 5):
+                fresh = engine(True, max_num_batched_tokens=every_budget)
+                assert reprefilled(fresh, prompt + tokens, len(prompt)) == decoded, (every_budget, every_threads)
     with at_threads(threads):
-        fresh = engine(True, max_num_batched_tokens=budget)
-        assert reprefilled(fresh, prompt + tokens, len(prompt)) == decoded
         for i in sorted(rng.sample(range(len(tokens)), 3)):
             assert reprefilled(engine(True, max_num_batched_tokens=budget), prompt + tokens[: i + 1],
                                len(prompt) + i) == decoded[i : i + 1]
