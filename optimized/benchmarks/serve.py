@@ -230,6 +230,7 @@ class ServerProcess:
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env=server_environment())
         self.host, self.port = "", 0
+        self._terminated = False
         if ready:
             self.wait_ready()
 
@@ -269,13 +270,22 @@ class ServerProcess:
             return None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        self.terminate()
+        self.reap()
+
+    def terminate(self) -> None:
+        """SIGTERM, once, if it still runs: the server drains and exits (``reap`` waits for it)."""
+        if self.proc.poll() is None and not self._terminated:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self._terminated = True
+
+    def reap(self) -> None:
+        """Wait up to 30 s for the exit, then kill."""
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -494,8 +504,10 @@ def compare_check(args: argparse.Namespace, engine: EngineArgs, model: str, make
                 print(f"  round {r + 1} {'checked  ' if checked else 'unchecked'}: {tokens / duration:8.1f} output "
                       f"tok/s ({tokens} tokens in {duration:.2f} s{cpu}{f', {failed} FAILED' if failed else ''})")
     finally:
+        for server in servers.values():  # both drain at once
+            server.terminate()
         for server in servers.values():
-            server.stop()
+            server.reap()
     unchecked, checked_rate = statistics.median(rates[False]), statistics.median(rates[True])
     ratio = checked_rate / unchecked if unchecked > 0 else math.nan  # nan: no unchecked token came back
     print(f"  unchecked median {unchecked:.1f} output tok/s, checked median {checked_rate:.1f}: checked keeps "
