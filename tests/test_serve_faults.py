@@ -19,6 +19,8 @@ import openai
 import pytest
 
 from optimized.cli import main as cli_main
+from optimized.cli.command import build_parser
+from optimized.cli.serve import server_options
 from tests.engine_fixtures import with_config
 from tests.test_serve import ROOT, Served, spawn, stop
 from tests.test_serve_lifecycle import stream_lines
@@ -72,24 +74,29 @@ def test_a_dead_tensor_parallel_worker_turns_health_503_naming_its_rank(serve_ca
     assert code == 3, (served.log.read_text()[-3000:])
 
 
-@pytest.mark.clause("SERVE-22")
-def test_a_frozen_engine_is_reported_stalled_then_healthy_again(serve_cache: Path) -> None:
-    """SERVE-22: the engine process stopped (SIGSTOP) with a stream in flight: past ``--step-timeout`` /health is
+@pytest.mark.clause("SERVE-22", "SERVE-7")
+def test_a_frozen_engine_is_stalled_then_healthy_and_late_aborts_still_end_every_stream(serve_cache: Path) -> None:
+    """SERVE-22: the engine process stopped (SIGSTOP) with streams in flight: past ``--step-timeout`` /health is
     503 saying how long no step has finished, and a new request is refused (503); resumed (SIGCONT), /health is
-    200 again, and a stall that ended is no loss: SIGTERM ends the server with status 0."""
+    200 again. SERVE-7: then SIGTERM, and the grace period ends and the aborts are asked for while the engine
+    cannot answer (stopped again from just after SIGTERM until 7 s later, as a long step or a costly abort would
+    hold it): every stream still ends with its abort chunk and [DONE] once the engine delivers them, none is cut
+    off, and a stall that ended is no loss: the server exits 0 (one server for both: each costs a model load)."""
     folder = with_config("qwen3", "long-context", max_position_embeddings=8192)
-    served = spawn(["--model", str(folder), "--step-timeout", "2", "--shutdown-timeout", "1"],
+    served = spawn(["--model", str(folder), "--step-timeout", "2", "--shutdown-timeout", "1", "--max-num-seqs", "8"],
                    serve_cache / "frozen.log")
     engine = engine_pid(served)
     try:
         body = {"model": folder.name, "prompt": [1, 2], "max_tokens": 8000, "ignore_eos": True, "stream": True,
                 "return_token_ids": True}
-        seen, out = threading.Event(), list[str]()
+        outs: list[list[str]] = [[] for _ in range(6)]
+        seen = [threading.Event() for _ in outs]
         with httpx.Client() as client:
-            reader = threading.Thread(target=stream_lines, args=(client, served.url + "/v1/completions", body, seen,
-                                                                 out))
-            reader.start()
-            assert seen.wait(60)
+            readers = [threading.Thread(target=stream_lines, args=(client, served.url + "/v1/completions", body,
+                                                                   seen[i], outs[i])) for i in range(len(outs))]
+            for reader in readers:
+                reader.start()
+            assert all(s.wait(60) for s in seen)
             assert served.get("/health").status_code == 200
             os.kill(engine, signal.SIGSTOP)
             frozen = time.monotonic()
@@ -103,37 +110,6 @@ def test_a_frozen_engine_is_reported_stalled_then_healthy_again(serve_cache: Pat
             assert late.status_code == 503 and "stalled" in late.json()["error"]["message"]
             os.kill(engine, signal.SIGCONT)
             assert health_until(served, 200, 20).status_code == 200
-            code = stop(served)
-            reader.join(30)
-        assert out[-1] == "[DONE]" and json.loads(out[-2])["choices"][0]["finish_reason"] == "abort", out[-3:]
-        assert code == 0
-    finally:
-        with contextlib.suppress(OSError):
-            os.kill(engine, signal.SIGCONT)
-        stop(served)
-
-
-@pytest.mark.clause("SERVE-7")
-def test_shutdown_waits_for_aborts_that_come_late(serve_cache: Path) -> None:
-    """SERVE-7: the grace period ends and the aborts are asked for while the engine cannot answer (stopped with
-    SIGSTOP from just after SIGTERM until 7 s later, as a long step or a costly abort would hold it): every
-    stream still ends with its abort chunk and [DONE] once the engine delivers them, none is cut off, and the
-    server exits 0."""
-    folder = with_config("qwen3", "long-context", max_position_embeddings=8192)
-    served = spawn(["--model", str(folder), "--shutdown-timeout", "1", "--max-num-seqs", "8"],
-                   serve_cache / "late-aborts.log")
-    engine = engine_pid(served)
-    try:
-        body = {"model": folder.name, "prompt": [1, 2], "max_tokens": 8000, "ignore_eos": True, "stream": True,
-                "return_token_ids": True}
-        outs: list[list[str]] = [[] for _ in range(6)]
-        seen = [threading.Event() for _ in outs]
-        with httpx.Client() as client:
-            readers = [threading.Thread(target=stream_lines, args=(client, served.url + "/v1/completions", body,
-                                                                   seen[i], outs[i])) for i in range(len(outs))]
-            for reader in readers:
-                reader.start()
-            assert all(s.wait(60) for s in seen)
             served.proc.send_signal(signal.SIGTERM)
             time.sleep(0.5)
             os.kill(engine, signal.SIGSTOP)  # before the grace period (1 s) ends
@@ -172,8 +148,9 @@ def test_a_busy_port_is_one_line_and_status_2_before_the_model_loads() -> None:
 @pytest.mark.clause("SERVE-23")
 def test_served_under_the_model_argument_its_folder_and_served_model_name(serve_cache: Path) -> None:
     """SERVE-23: ``--model PATH`` is served under PATH as given (the name answers carry and /v1/models lists
-    first) and under its folder's name; ``--served-model-name A B`` replaces both; another name is a 404; a blank
-    name is refused before anything loads."""
+    first) and under its folder's name; another name is a 404; ``--served-model-name A B`` replaces both (the
+    options are built as the served ones are, without a second model load); a blank name is
+    refused before anything loads."""
     folder = with_config("qwen3", "long-context", max_position_embeddings=8192)
     assert cli_main(["serve", "--model", str(folder), "--served-model-name", " "]) == 2
     served = spawn(["--model", str(folder)], serve_cache / "names.log")
@@ -186,16 +163,31 @@ def test_served_under_the_model_argument_its_folder_and_served_model_name(serve_
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="default", prompt=[1, 2], max_tokens=2)
     finally:
-        codes = [stop(served)]
-    served = spawn(["--model", str(folder), "--served-model-name", "tiny", "tiny-alias"], serve_cache / "names2.log")
+        code = stop(served)
+    assert code == 0
+    args = build_parser().parse_args(["serve", "--model", str(folder), "--served-model-name", "tiny", "tiny-alias"])
+    options = server_options(args, {})  # what the server above was given, from other arguments
+    assert (options.served_model, options.other_names) == ("tiny", ("tiny-alias",))
+
+
+@pytest.mark.clause("SERVE-24")
+def test_the_bound_socket_is_closed_when_serving_cannot_begin(tmp_path: Path) -> None:
+    """SERVE-24: the socket bound before the model loaded is closed (and the loop stopped) when serving fails
+    before uvicorn runs, here on a checkpoint whose tokenizer_config.json is not JSON (the chat template's)."""
+    from optimized import LLM
+    from optimized.serve.app import ServerOptions
+    from optimized.serve.loop import EngineInfo, EngineLoop
+    from optimized.serve.metrics import Metrics
+    from optimized.serve.server import listening_socket, serve
+    from tests.engine_fixtures import checkpoint
+
+    llm = LLM(str(checkpoint("qwen3")), num_kvcache_blocks=16)
     try:
-        client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list()] == ["tiny", "tiny-alias"]
-        answer = client.completions.create(model="tiny-alias", prompt=[1, 2], max_tokens=2)
-        assert answer.model == "tiny"
-        for other in (str(folder), folder.name):
-            with pytest.raises(openai.NotFoundError):
-                client.completions.create(model=other, prompt=[1, 2], max_tokens=2)
+        (tmp_path / "tokenizer_config.json").write_text("{")
+        metrics = Metrics()
+        sock = listening_socket("127.0.0.1", 0)
+        with pytest.raises(ValueError, match="not readable JSON"):
+            serve(EngineLoop(llm, metrics), EngineInfo(llm.limits, tmp_path), metrics, sock, ServerOptions(), 1)
+        assert sock.fileno() == -1
     finally:
-        codes.append(stop(served))
-    assert codes == [0, 0]
+        llm.close()

@@ -176,13 +176,14 @@ def test_a_killed_server_leaves_no_engine_behind(serve_cache: Path) -> None:
 def test_ctrl_c_to_the_foreground_job_drains_like_sigterm(serve_cache: Path) -> None:
     """SERVE-7: Ctrl-C sends SIGINT to every process of the foreground job, the engine process too; only the server
     acts on it: the stream in flight completes (finish_reason "length"), and both processes exit, the server with
-    status 0."""
+    status 0. The grace period is ample: the default 10 s held 2,000 tokens at 200 tok/s, not on a loaded machine."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
-    served = spawn(["--model", str(folder)], serve_cache / "ctrl-c.log", own_session=True)
+    served = spawn(["--model", str(folder), "--shutdown-timeout", "120"], serve_cache / "ctrl-c.log",
+                   own_session=True)
     engine: int | None = None
     try:
         engine = engine_pid(served)
-        thread, first, lines = stream_in_background(served.url, folder.name, 2000)
+        thread, first, lines = stream_in_background(served.url, folder.name, 600)
         assert first.wait(60)
         os.killpg(served.proc.pid, signal.SIGINT)
         at_signal = len(lines)
@@ -380,6 +381,41 @@ def test_a_message_the_server_cannot_take_ends_trust_but_not_the_shutdown(monkey
             engine.submit(Stream([1], SamplingParams()))
         assert_aborted_drained_and_stopped(engine, sent)
     finally:
+        engine.stop(timeout=5)
+
+
+@pytest.mark.clause("SERVE-21")
+def test_an_engine_process_killed_for_not_stopping_is_a_loss() -> None:
+    """SERVE-21: an engine process that does not stop within its time (stopped with SIGSTOP, told to stop with 1 s
+    to do it) is killed: that is a loss (``failure`` says so), the stream in
+    flight ends with the shutdown's 503, and the gauges that read 1 running and blocks in use drop to 0."""
+    folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
+    engine = _engine(folder)
+    pid = engine.process.pid
+    assert pid is not None
+    gauges: list[float] = []
+
+    def frozen_then_stopped() -> None:
+        deadline = time.monotonic() + 10  # the first step's gauges may come just after its tokens
+        while not engine.metrics.registry.get_sample_value("nanoverify:num_requests_running") and (
+                time.monotonic() < deadline):
+            time.sleep(0.005)
+        gauges.extend(engine.metrics.registry.get_sample_value("nanoverify:" + name) or 0.0
+                      for name in ("num_requests_running", "kv_cache_usage_perc"))
+        os.kill(pid, signal.SIGSTOP)
+        engine.stop(timeout=1)
+
+    try:
+        engine.start()
+        event = last_event(engine, frozen_then_stopped)
+        assert isinstance(event, FailEvent) and event.status == 503, event
+        assert engine.failure == "the engine process did not stop within 1 s"
+        assert gauges[0] == 1 and gauges[1] > 0, gauges
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            assert engine.metrics.registry.get_sample_value("nanoverify:" + name) == 0, name
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGCONT)
         engine.stop(timeout=5)
 
 

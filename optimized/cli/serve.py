@@ -12,9 +12,13 @@ import argparse
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optimized.engine.arg_types import bounded_int, minutes, utf8_text
 from optimized.engine.args import EngineArgs
+
+if TYPE_CHECKING:
+    from optimized.serve.app import ServerOptions
 
 HELP = "serve the model over HTTP with OpenAI's API (completions, chat, streaming, /health, /metrics)"
 
@@ -67,21 +71,26 @@ def api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
     return key
 
 
+def server_options(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerOptions:
+    """The HTTP side's options from ``serve``'s arguments: the served names (SERVE-23), the key (SERVE-10)."""
+    from optimized.serve.app import ServerOptions
+
+    names = served_names(args.model, args.served_model_name)
+    return ServerOptions(served_model=names[0], other_names=names[1:], api_key=api_key(args.api_key, environ),
+                         stream_interval=args.stream_interval)
+
+
 def main(args: argparse.Namespace) -> int:
     import logging
     import sys
 
     from optimized.parallel.launch import torchrun_rank
-    from optimized.serve.app import ServerOptions
     from optimized.serve.engine_process import EngineProcess
     from optimized.serve.metrics import Metrics
     from optimized.serve.server import listening_socket, serve
 
     engine_args = EngineArgs.from_cli_args(args)
-    key = api_key(args.api_key, os.environ)
-    names = served_names(args.model, args.served_model_name)
-    options = ServerOptions(served_model=names[0], other_names=names[1:], api_key=key,
-                            stream_interval=args.stream_interval)
+    options = server_options(args, os.environ)
     kwargs = engine_args.as_kwargs()
     if torchrun_rank() not in (None, 0):  # a torchrun worker rank: the LLM serves rank 0, then ends the process
         from optimized import LLM  # (TP-6): it never returns

@@ -261,6 +261,7 @@ class EngineProcess:
             self._kill()
             with self._lock:
                 self._failure = self._failure or f"the engine process did not stop within {timeout:g} s"
+            self.metrics.lost()  # SERVE-21: killed, it runs nothing any more
         if self._reader.ident is not None:
             self._reader.join(10)  # the engine process is gone, so the pipe has ended
         self._conn.close()

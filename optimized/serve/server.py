@@ -111,20 +111,22 @@ def serve(loop: EngineHandle, info: EngineInfo, metrics: Metrics, sock: socket.s
     """Serve the engine behind ``loop`` (``info`` describes it, ``metrics`` is what it reports to) on ``sock``
     (``listening_socket``'s) until a signal ends it; the exit status: 0 after a clean shutdown, EXIT_ENGINE_LOST
     when the engine was lost. The loop is stopped before this returns."""
-    life = Lifecycle()
-    app = build_app(info, loop, metrics, load_chat_template(info.model_dir), options, life)
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, host=host, port=port, http="httptools", log_level="warning", access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=SETTLE_SECONDS, server_header=False)
-    server = NanoverifyServer(config, loop, life, shutdown_timeout)
-    try:
+    started = False
+    try:  # the socket is closed and the loop stopped however this ends (a bad chat template too)
+        life = Lifecycle()
+        app = build_app(info, loop, metrics, load_chat_template(info.model_dir), options, life)
+        config = uvicorn.Config(app, host=host, port=port, http="httptools", log_level="warning", access_log=False,
+                                lifespan="on", timeout_graceful_shutdown=SETTLE_SECONDS, server_header=False)
+        server = NanoverifyServer(config, loop, life, shutdown_timeout)
         server.run(sockets=[sock])
+        started = server.started
     except SystemExit:  # uvicorn's way of saying it could not start
-        server.started = False
+        pass
     finally:
         loop.stop()
         sock.close()
-    if not server.started:
+    if not started:
         raise OSError(f"could not listen on {host}:{port} (see the log above)")
     if loop.failure is not None:
         log.error("serve exits with status %d: the engine was lost (%s)", EXIT_ENGINE_LOST, loop.failure)
