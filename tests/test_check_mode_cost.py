@@ -346,3 +346,12 @@ def test_a_step_check_reads_a_sequence_s_count_of_tokens_never_a_copy_of_them() 
         with pytest.raises(TypeError, match="number of a sequence's tokens"):
             read()
     assert live.token_ids == TokenCount(5) and live.token_ids != TokenCount(4)
+
+
+@pytest.mark.clause("CHECK-5")
+def test_bench_serve_refuses_rounds_without_compare_check(capsys: pytest.CaptureFixture[str]) -> None:
+    """CHECK-5: --rounds counts --compare-check's rounds; given without it, it is refused naming the flag, before
+    any model loads, never silently ignored."""
+    code = main(["bench", "serve", "--rounds", "3"])
+    err = capsys.readouterr().err
+    assert code != 0 and "--rounds applies only with --compare-check" in err, err

@@ -52,6 +52,7 @@ AZURE_CODE = DATA / "azure-llm-2023-code-first1000.csv"
 MODEL_NAME_DEFAULT = "default"
 CHECK_TARGET = 0.75  # serve --check keeps at least this share of the unchecked output throughput (CHECK-5)
 CHECK_ORDER = (False, True, True, False)  # one round of --compare-check: unchecked, checked, checked, unchecked
+CHECK_ROUNDS = 2  # --compare-check's rounds unless --rounds says
 
 
 @dataclass(frozen=True)
@@ -391,8 +392,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload-seed", type=bounded_int(0, 1 << 62), default=0)
     p.add_argument("--compare-check", action="store_true", help="instead of LLM.generate: the server unchecked "
                    "and with --check, the same workloads alternating, and the ratio (spec/check.md)")
-    p.add_argument("--rounds", type=bounded_int(1), default=2,
-                   help="with --compare-check: rounds, each unchecked-checked-checked-unchecked (2)")
+    p.add_argument("--rounds", type=bounded_int(1), default=None,
+                   help=f"with --compare-check: rounds, each unchecked-checked-checked-unchecked ({CHECK_ROUNDS})")
 
 
 def _positive(text: str) -> float:
@@ -409,6 +410,8 @@ def main(args: argparse.Namespace) -> int:
     from optimized.engine.args import EngineArgs
     from optimized.entry.llm import LLM
 
+    if args.rounds is not None and not args.compare_check:  # refused before any model loads
+        raise ValueError("--rounds applies only with --compare-check")
     engine = EngineArgs.from_cli_args(args)
     kwargs = engine.as_kwargs()
     rows = None
@@ -469,8 +472,9 @@ def compare_check(args: argparse.Namespace, engine: EngineArgs, model: str, make
     """Two servers, unchecked and ``--check`` (else ``engine``'s settings), both started and warmed, then sent the
     n-th workload each in ``CHECK_ORDER``; every run printed, then the medians and checked / unchecked output
     throughput. Exit 0 when every request succeeded and the ratio reaches ``CHECK_TARGET``, else 1."""
+    rounds = CHECK_ROUNDS if args.rounds is None else args.rounds
     print(f"serve --check's cost (target: checked keeps at least {CHECK_TARGET:.0%} of the unchecked output tok/s), "
-          f"{args.rounds} rounds of {'-'.join('C' if c else 'U' for c in CHECK_ORDER)}, "
+          f"{rounds} rounds of {'-'.join('C' if c else 'U' for c in CHECK_ORDER)}, "
           f"check_full_every={engine.check_full_every}")
     servers: dict[bool, ServerProcess] = {}
     try:
@@ -486,7 +490,7 @@ def compare_check(args: argparse.Namespace, engine: EngineArgs, model: str, make
         rates: dict[bool, list[float]] = {False: [], True: []}
         per_cpu: dict[bool, list[float]] = {False: [], True: []}
         ok = True
-        for r in range(args.rounds):
+        for r in range(rounds):
             for checked in CHECK_ORDER:
                 server = servers[checked]
                 jobs = make_jobs(len(rates[checked]) + 1)
