@@ -2,7 +2,7 @@
 
 Pure Python, no torch. ``check_state`` checks a whole state, ``check_batch`` one batch; a check that reads
 only some blocks (the trace's replay, check mode between its full comparisons) runs ``check_live`` (the invariants
-that read no block) and ``on_demand.check_blocks`` (INV-2, INV-15 per block) over the blocks it chose.
+that read no block) and ``on_demand.check_blocks`` (INV-2, INV-4 per block) over the blocks it chose.
 """
 
 from invariants.checks import Violation, check_batch, check_live, check_state

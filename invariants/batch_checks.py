@@ -22,22 +22,22 @@ def unfinished(seq: SeqView) -> bool:
 
 
 def check_limits(state: SchedulerState, batch: list[SeqView], is_prefill: bool) -> list[Violation]:
-    """INV-8: at most max_num_seqs sequences; a prefill batch also at most max_num_batched_tokens tokens."""
+    """INV-12: at most max_num_seqs sequences; a prefill batch also at most max_num_batched_tokens tokens."""
     found: list[Violation] = []
     if len(batch) > state.max_num_seqs:
-        found.append(Violation("INV-8", f"batch has {len(batch)} sequences, max_num_seqs is {state.max_num_seqs}"))
+        found.append(Violation("INV-12", f"batch has {len(batch)} sequences, max_num_seqs is {state.max_num_seqs}"))
     tokens = sum(seq.num_scheduled_tokens for seq in batch)
     # The lesson's decode loop never consults the token budget: a decode batch is
     # bounded by max_num_seqs alone and may exceed max_num_batched_tokens.
     if is_prefill and tokens > state.max_num_batched_tokens:
         found.append(Violation(
-            "INV-8", f"prefill batch has {tokens} tokens, max_num_batched_tokens is {state.max_num_batched_tokens}"
+            "INV-12", f"prefill batch has {tokens} tokens, max_num_batched_tokens is {state.max_num_batched_tokens}"
         ))
     return found
 
 
 def check_chunking(state: SchedulerState, batch: list[SeqView], is_prefill: bool) -> list[Violation]:
-    """INV-9: only the first sequence may be left unfinished, and then it is alone and fills the token budget."""
+    """INV-13: only the first sequence may be left unfinished, and then it is alone and fills the token budget."""
     found: list[Violation] = []
     if not is_prefill:
         return found
@@ -45,42 +45,42 @@ def check_chunking(state: SchedulerState, batch: list[SeqView], is_prefill: bool
         if not unfinished(seq):
             continue
         if index != 0:
-            found.append(Violation("INV-9", f"seq {seq.seq_id} at batch position {index} is a partial prefill"))
+            found.append(Violation("INV-13", f"seq {seq.seq_id} at batch position {index} is a partial prefill"))
         elif len(batch) != 1:
-            found.append(Violation("INV-9", f"partial prefill seq {seq.seq_id} shares its batch with others"))
+            found.append(Violation("INV-13", f"partial prefill seq {seq.seq_id} shares its batch with others"))
         elif seq.num_scheduled_tokens != state.max_num_batched_tokens:
             found.append(Violation(
-                "INV-9", f"partial prefill seq {seq.seq_id} got {seq.num_scheduled_tokens} tokens, "
+                "INV-13", f"partial prefill seq {seq.seq_id} got {seq.num_scheduled_tokens} tokens, "
                          f"not the whole budget {state.max_num_batched_tokens}"
             ))
     return found
 
 
 def check_decode(batch: list[SeqView], is_prefill: bool) -> list[Violation]:
-    """INV-10: a decode batch computes exactly one token per sequence, its last one."""
+    """INV-14: a decode batch computes exactly one token per sequence, its last one."""
     found: list[Violation] = []
     if is_prefill:
         return found
     for seq in batch:
         if seq.num_scheduled_tokens != 1 or seq.num_cached_tokens != seq.num_tokens - 1:
             found.append(Violation(
-                "INV-10", f"decode seq {seq.seq_id} schedules {seq.num_scheduled_tokens} tokens after "
+                "INV-14", f"decode seq {seq.seq_id} schedules {seq.num_scheduled_tokens} tokens after "
                           f"{seq.num_cached_tokens} cached of {seq.num_tokens}"
             ))
     return found
 
 
 def check_scheduled_counts(state: SchedulerState, batch: list[SeqView]) -> list[Violation]:
-    """INV-11: every batch sequence gets at least one token; no other sequence gets any."""
+    """INV-15: every batch sequence gets at least one token; no other sequence gets any."""
     found: list[Violation] = []
     in_batch = {seq.seq_id for seq in batch}
     for seq in batch:
         if seq.num_scheduled_tokens < 1:
-            found.append(Violation("INV-11", f"seq {seq.seq_id} is in the batch with no token to compute"))
+            found.append(Violation("INV-15", f"seq {seq.seq_id} is in the batch with no token to compute"))
     for seq in [*state.running, *state.waiting]:
         if seq.seq_id not in in_batch and seq.num_scheduled_tokens != 0:
             found.append(Violation(
-                "INV-11", f"seq {seq.seq_id} is not in the batch but has {seq.num_scheduled_tokens} scheduled tokens"
+                "INV-15", f"seq {seq.seq_id} is not in the batch but has {seq.num_scheduled_tokens} scheduled tokens"
             ))
     return found
 
@@ -95,7 +95,7 @@ def written_blocks(seq: SeqView, block_size: int) -> list[int]:
 
 
 def check_exclusive_writes(state: SchedulerState, batch: list[SeqView]) -> list[Violation]:
-    """INV-12: every block a sequence writes this step is held by that sequence alone."""
+    """INV-16: every block a sequence writes this step is held by that sequence alone."""
     found: list[Violation] = []
     held = holders(state)
     for seq in batch:
@@ -103,68 +103,68 @@ def check_exclusive_writes(state: SchedulerState, batch: list[SeqView]) -> list[
             ref_count = state.blocks[block_id].ref_count if 0 <= block_id < state.num_blocks else None
             if held[block_id] != 1 or ref_count != 1:
                 found.append(Violation(
-                    "INV-12", f"seq {seq.seq_id} writes block {block_id}, which {held[block_id]} block tables hold "
+                    "INV-16", f"seq {seq.seq_id} writes block {block_id}, which {held[block_id]} block tables hold "
                               f"(ref_count {ref_count})"
                 ))
     return found
 
 
 def check_progress(state: SchedulerState, batch: list[SeqView]) -> list[Violation]:
-    """INV-13: a step with waiting or running work schedules a non-empty batch."""
+    """INV-18: a step with waiting or running work schedules a non-empty batch."""
     if batch or not (state.waiting or state.running):
         return []
     return [Violation(
-        "INV-13", f"empty batch with {len(state.waiting)} waiting and {len(state.running)} running (empty decode)"
+        "INV-18", f"empty batch with {len(state.waiting)} waiting and {len(state.running)} running (empty decode)"
     )]
 
 
 def check_coverage(state: SchedulerState, batch: list[SeqView]) -> list[Violation]:
-    """INV-14: a batch sequence's block table has exactly ceil(num_tokens / block_size) blocks."""
+    """INV-19: a batch sequence's block table has exactly ceil(num_tokens / block_size) blocks."""
     found: list[Violation] = []
     for seq in batch:
         need = blocks_for(seq.num_tokens, state.block_size)
         if len(seq.block_table) != need:
             found.append(Violation(
-                "INV-14", f"seq {seq.seq_id} has {len(seq.block_table)} blocks for {seq.num_tokens} tokens, not {need}"
+                "INV-19", f"seq {seq.seq_id} has {len(seq.block_table)} blocks for {seq.num_tokens} tokens, not {need}"
             ))
     return found
 
 
 def check_unhashed_writes(state: SchedulerState, batch: list[SeqView]) -> list[Violation]:
-    """INV-16: a block being written carries no hash, so the prefix cache cannot hand it out."""
+    """INV-17: a block being written carries no hash, so the prefix cache cannot hand it out."""
     found: list[Violation] = []
     for seq in batch:
         for block_id in written_blocks(seq, state.block_size):
             h = state.blocks[block_id].hash if 0 <= block_id < state.num_blocks else -1
             if h != -1:
-                found.append(Violation("INV-16", f"seq {seq.seq_id} writes block {block_id}, which carries hash {h}"))
+                found.append(Violation("INV-17", f"seq {seq.seq_id} writes block {block_id}, which carries hash {h}"))
     return found
 
 
 def check_placement(state: SchedulerState, batch: list[SeqView], is_prefill: bool) -> list[Violation]:
-    """INV-18: where the batch stands in the queues right after schedule(), and its mode."""
+    """INV-20: where the batch stands in the queues right after schedule(), and its mode."""
     ids = [seq.seq_id for seq in batch]
     if len(set(ids)) != len(ids):
-        return [Violation("INV-18", f"batch {ids} names a sequence twice")]
+        return [Violation("INV-20", f"batch {ids} names a sequence twice")]
     if is_prefill:
         return prefill_placement(state, batch)
-    found = [Violation("INV-18", f"decode seq {seq.seq_id} has is_prefill True") for seq in batch if seq.is_prefill]
+    found = [Violation("INV-20", f"decode seq {seq.seq_id} has is_prefill True") for seq in batch if seq.is_prefill]
     front = [seq.seq_id for seq in state.running[: len(batch)]]
     if front != ids:
-        found.append(Violation("INV-18", f"decode batch {ids} is not the front of running {front}"))
+        found.append(Violation("INV-20", f"decode batch {ids} is not the front of running {front}"))
     return found
 
 
 def prefill_placement(state: SchedulerState, batch: list[SeqView]) -> list[Violation]:
-    """INV-18 for prefill: finished prefills end running in batch order; a partial one stays at waiting[0]."""
-    found = [Violation("INV-18", f"prefill seq {seq.seq_id} has is_prefill False")
+    """INV-20 for prefill: finished prefills end running in batch order; a partial one stays at waiting[0]."""
+    found = [Violation("INV-20", f"prefill seq {seq.seq_id} has is_prefill False")
              for seq in batch if not seq.is_prefill]
     done = [seq.seq_id for seq in batch if not unfinished(seq)]
     tail = [seq.seq_id for seq in state.running[len(state.running) - len(done) :]] if done else []
     if tail != done:
-        found.append(Violation("INV-18", f"finished prefills {done} are not the tail of running {tail}"))
+        found.append(Violation("INV-20", f"finished prefills {done} are not the tail of running {tail}"))
     partial = [seq.seq_id for seq in batch if unfinished(seq)]
     front = [seq.seq_id for seq in state.waiting[: len(partial)]]
     if partial != front:
-        found.append(Violation("INV-18", f"partial prefills {partial} are not the front of waiting {front}"))
+        found.append(Violation("INV-20", f"partial prefills {partial} are not the front of waiting {front}"))
     return found

@@ -19,7 +19,7 @@ __all__ = ["Violation", "check_batch", "check_live", "check_state"]
 
 
 def check_state(state: SchedulerState, *, between_steps: bool = True) -> list[Violation]:
-    """Every state invariant (INV-1..7, 15, 17, 19, 20); pass between_steps=False right after schedule()."""
+    """Every state invariant (INV-1..11); pass between_steps=False right after schedule()."""
     return [
         *s.check_block_partition(state),
         *s.check_ref_counts(state),
@@ -36,8 +36,8 @@ def check_state(state: SchedulerState, *, between_steps: bool = True) -> list[Vi
 
 
 def check_live(state: SchedulerState, *, between_steps: bool = True) -> list[Violation]:
-    """The state invariants that read no block, only the live sequences (INV-4, 6, 7, 17, 19, 20): what they cost
-    follows the queues, not the cache. The rest of ``check_state`` (INV-1, 2, 3, 5, 15) reads blocks."""
+    """The state invariants that read no block, only the live sequences (INV-6..11): what they cost
+    follows the queues, not the cache. The rest of ``check_state`` (INV-1..5) reads blocks."""
     return [
         *s.check_fifo(state),
         *s.check_token_counters(state, between_steps),
@@ -49,7 +49,7 @@ def check_live(state: SchedulerState, *, between_steps: bool = True) -> list[Vio
 
 
 def check_batch(state: SchedulerState, batch: list[SeqView], is_prefill: bool) -> list[Violation]:
-    """Every batch invariant (INV-8..14, 16, 18), given the state right after schedule()."""
+    """Every batch invariant (INV-12..20), given the state right after schedule()."""
     return [
         *b.check_limits(state, batch, is_prefill),
         *b.check_chunking(state, batch, is_prefill),

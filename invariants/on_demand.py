@@ -3,7 +3,7 @@ reads, never ``num_blocks``.
 
 Invariant: nothing here copies the cache. ``BlocksOnDemand`` stands in for a ``SchedulerState``'s block list and
 reads a block when it is indexed (the batch invariants index only the blocks a batch writes); ``check_blocks`` runs
-the one-block invariants (INV-2, INV-15) over the blocks it is given. What chooses the blocks (the trace's replay,
+the one-block invariants (INV-2, INV-4) over the blocks it is given. What chooses the blocks (the trace's replay,
 TRACE-5; check mode, CHECK-2) lives above; a scheduler is read through its port's ``BlockReader`` (ARCH-4), which
 this floor knows only by the methods it calls.
 """
@@ -147,7 +147,7 @@ def held_block_violations(port: Any) -> list[Violation]:
 
 def check_blocks(views: Iterable[tuple[BlockView, bool]], held: Counter[int], block_size: int) -> list[Violation]:
     """The one-block invariants over some blocks, each given as its view and whether it is used: INV-2 (``held``
-    counts the live tables naming each block) and INV-15."""
+    counts the live tables naming each block) and INV-4."""
     found: list[Violation] = []
     for view, used in views:
         found += check_block_refs(view.block_id, held[view.block_id], used, view.ref_count)

@@ -92,10 +92,10 @@ def check_idle(state: SchedulerState) -> list[Violation]:
 
 
 def check_fifo(state: SchedulerState) -> list[Violation]:
-    """INV-4: running then waiting is strictly increasing in seq_id (arrival order)."""
+    """INV-6: running then waiting is strictly increasing in seq_id (arrival order)."""
     order = [seq.seq_id for seq in live_seqs(state)]
     if order != sorted(set(order)):
-        return [Violation("INV-4", f"queue order running+waiting {order} is not arrival order")]
+        return [Violation("INV-6", f"queue order running+waiting {order} is not arrival order")]
     return []
 
 
@@ -117,19 +117,19 @@ def check_prefix_table(state: SchedulerState) -> list[Violation]:
 
 
 def check_token_counters(state: SchedulerState, between_steps: bool) -> list[Violation]:
-    """INV-6: cached tokens lie within the sequence and its block table; nothing scheduled between steps."""
+    """INV-8: cached tokens lie within the sequence and its block table; nothing scheduled between steps."""
     found: list[Violation] = []
     for seq in live_seqs(state):
         cached, where = seq.num_cached_tokens, f"seq {seq.seq_id}"
         if not 0 <= cached <= seq.num_tokens:
-            found.append(Violation("INV-6", f"{where} has {cached} cached tokens of {seq.num_tokens}"))
+            found.append(Violation("INV-8", f"{where} has {cached} cached tokens of {seq.num_tokens}"))
         if cached > len(seq.block_table) * state.block_size:
-            found.append(Violation("INV-6", f"{where} has {cached} cached tokens but {len(seq.block_table)} blocks"))
+            found.append(Violation("INV-8", f"{where} has {cached} cached tokens but {len(seq.block_table)} blocks"))
         if not seq.block_table and (cached or seq.num_scheduled_tokens):
-            found.append(Violation("INV-6", f"{where} holds no block but has {cached} cached / "
+            found.append(Violation("INV-8", f"{where} holds no block but has {cached} cached / "
                                             f"{seq.num_scheduled_tokens} scheduled tokens"))
         if seq.num_scheduled_tokens < 0 or (between_steps and seq.num_scheduled_tokens != 0):
-            found.append(Violation("INV-6", f"{where} has {seq.num_scheduled_tokens} scheduled tokens between steps"))
+            found.append(Violation("INV-8", f"{where} has {seq.num_scheduled_tokens} scheduled tokens between steps"))
     return found
 
 
@@ -150,7 +150,7 @@ def check_queues(state: SchedulerState) -> list[Violation]:
 
 
 def check_block_contents(state: SchedulerState) -> list[Violation]:
-    """INV-15: a block carries no hash and no tokens, or a hash and exactly block_size tokens."""
+    """INV-4: a block carries no hash and no tokens, or a hash and exactly block_size tokens."""
     found: list[Violation] = []
     block_size = state.block_size
     for block in state.blocks:
@@ -161,58 +161,58 @@ def check_block_contents(state: SchedulerState) -> list[Violation]:
 
 
 def check_block_content(block: BlockView, block_size: int) -> list[Violation]:
-    """INV-15 for one block (what a check that reads only some blocks calls for each)."""
+    """INV-4 for one block (what a check that reads only some blocks calls for each)."""
     unhashed_empty = block.hash == -1 and not block.token_ids
     hashed_full = block.hash != -1 and len(block.token_ids) == block_size
     if unhashed_empty or hashed_full:
         return []
-    return [Violation("INV-15", f"block {block.block_id} has hash {block.hash} and {len(block.token_ids)} tokens")]
+    return [Violation("INV-4", f"block {block.block_id} has hash {block.hash} and {len(block.token_ids)} tokens")]
 
 
 def check_lengths(state: SchedulerState) -> list[Violation]:
-    """INV-17: a live sequence keeps its prompt and has fewer completion tokens than max_tokens."""
+    """INV-9: a live sequence keeps its prompt and has fewer completion tokens than max_tokens."""
     found: list[Violation] = []
     for seq in live_seqs(state):
         completion = seq.num_tokens - seq.num_prompt_tokens
         if not 0 <= completion < seq.max_tokens:
             found.append(Violation(
-                "INV-17", f"seq {seq.seq_id} is live with {completion} completion tokens (max_tokens {seq.max_tokens})"
+                "INV-9", f"seq {seq.seq_id} is live with {completion} completion tokens (max_tokens {seq.max_tokens})"
             ))
     return found
 
 
 def check_running_tables(state: SchedulerState) -> list[Violation]:
-    """INV-19: a running sequence's KV covers all but at most its last token, in exactly the blocks it needs."""
+    """INV-10: a running sequence's KV covers all but at most its last token, in exactly the blocks it needs."""
     found: list[Violation] = []
     for seq in state.running:
         computed = seq.num_cached_tokens + seq.num_scheduled_tokens
         if not seq.num_tokens - 1 <= computed <= seq.num_tokens:
             found.append(Violation(
-                "INV-19", f"running seq {seq.seq_id} has {computed} cached+scheduled tokens of {seq.num_tokens}"
+                "INV-10", f"running seq {seq.seq_id} has {computed} cached+scheduled tokens of {seq.num_tokens}"
             ))
         need = blocks_for(computed, state.block_size)
         if len(seq.block_table) != need:
             found.append(Violation(
-                "INV-19", f"running seq {seq.seq_id} has {len(seq.block_table)} blocks for {computed} "
+                "INV-10", f"running seq {seq.seq_id} has {len(seq.block_table)} blocks for {computed} "
                           f"cached+scheduled tokens, not {need}"
             ))
     return found
 
 
 def check_waiting_tables(state: SchedulerState) -> list[Violation]:
-    """INV-20: only waiting[0] may hold blocks: a prefill in progress, with every block of its tokens."""
+    """INV-11: only waiting[0] may hold blocks: a prefill in progress, with every block of its tokens."""
     found: list[Violation] = []
     for index, seq in enumerate(state.waiting):
         if not seq.block_table:
             continue
         if index != 0:
-            found.append(Violation("INV-20", f"waiting seq {seq.seq_id} at position {index} holds blocks"))
+            found.append(Violation("INV-11", f"waiting seq {seq.seq_id} at position {index} holds blocks"))
         need = blocks_for(seq.num_tokens, state.block_size)
         if len(seq.block_table) != need:
             found.append(Violation(
-                "INV-20", f"waiting seq {seq.seq_id} has {len(seq.block_table)} blocks for {seq.num_tokens} tokens, "
+                "INV-11", f"waiting seq {seq.seq_id} has {len(seq.block_table)} blocks for {seq.num_tokens} tokens, "
                           f"not {need}"
             ))
         if seq.num_cached_tokens + seq.num_scheduled_tokens >= seq.num_tokens:
-            found.append(Violation("INV-20", f"waiting seq {seq.seq_id} holding blocks has finished its prefill"))
+            found.append(Violation("INV-11", f"waiting seq {seq.seq_id} holding blocks has finished its prefill"))
     return found

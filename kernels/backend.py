@@ -34,11 +34,11 @@ class AttentionBackend(Protocol):
     """The KV store, prefill and decode, and what the engine may ask of them (KERN-15).
 
     Capabilities, each declared by every backend as a class attribute:
-    ``capturable``: store_kv and decode launch without host syncs, so a CUDA graph may capture a decode step (ENG-21).
+    ``capturable``: store_kv and decode launch without host syncs, so a CUDA graph may capture a decode step (ENG-28).
     ``reads_cache_in_place``: decode reads each row's context through its block-table row, whatever the table width,
-    without gathering blocks, so the runner hands it the whole batch in the scheduler's order (ENG-19).
+    without gathering blocks, so the runner hands it the whole batch in the scheduler's order (ENG-26).
     ``needs_decode_plan``: an eager decode step calls ``plan_decode`` once and passes the plan to every layer's
-    ``decode`` (ENG-19, ENG-23); decode must still accept ``plan=None`` (graph steps and direct calls never plan).
+    ``decode`` (ENG-26, ENG-30); decode must still accept ``plan=None`` (graph steps and direct calls never plan).
     """
 
     name: str

@@ -68,7 +68,7 @@ def sample(
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
-    """The raw distribution's log probabilities, row by row (ENG-29): ``log_softmax`` over the vocabulary in
+    """The raw distribution's log probabilities, row by row (ENG-19): ``log_softmax`` over the vocabulary in
     float32, or float64 for float64 logits. torch computes each row alone (its max, then its sum of exp, in one
     vector order per row; threads split rows, never a row), so a row's bits do not depend on its batch."""
     wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -77,7 +77,7 @@ def log_probs(logits: torch.Tensor) -> torch.Tensor:
 
 def top_logprobs(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """int64[R,k] token ids and their [R,k] log probabilities: each row's k most likely tokens by descending
-    logprob, ties (the boundary's too) by ascending token id (ENG-29). ``k`` is at most the vocabulary."""
+    logprob, ties (the boundary's too) by ascending token id (ENG-19). ``k`` is at most the vocabulary."""
     rows = lp.shape[0]
     lp = torch.nan_to_num(lp, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))  # a NaN ranks last
     if k == 0:

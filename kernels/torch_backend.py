@@ -4,8 +4,8 @@ Invariants: results are those of ``kernels.paged_attention`` (KERN-1..KERN-5). I
 whole table width it is given (KERN-20), so the engine sorts its decode rows by context length (it does not declare
 ``reads_cache_in_place``) and asks it for a plan each eager decode step (``needs_decode_plan``): contiguous row
 ranges, each with a table trimmed to its own longest context, whose masks and block ids are made once per step
-rather than in every layer (ENG-19, ENG-23, KERN-21). A plan is correct for rows in any order; sorted rows make its
-ranges narrow. Its store synchronises with the host (a boolean mask), so it is not ``capturable`` (ENG-21).
+rather than in every layer (ENG-26, ENG-30, KERN-21). A plan is correct for rows in any order; sorted rows make its
+ranges narrow. Its store synchronises with the host (a boolean mask), so it is not ``capturable`` (ENG-28).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class TorchBackend:
         return paged_attention.paged_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
     def plan_decode(self, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> RangePlan:
-        """The step's row ranges with their masks and block ids (ENG-19, KERN-21)."""
+        """The step's row ranges with their masks and block ids (ENG-26, KERN-21)."""
         lens: list[int] = context_lens.tolist()
         splits = decode_splits(lens, block_size, self.max_decode_splits, self.min_split_rows)
         return RangePlan(

@@ -2,8 +2,8 @@
 
 Lesson 03 has no way to cancel a request; a server needs one (a client hangs
 up, a step fails). It knows one stop token, EOS, where a request may name more:
-``postprocess_with_stops`` finishes at those too (ENG-12, spec/optimized-scheduler.md
-OPT-23). ``abort`` and ``abort_step`` are stated in spec/abort.md
+``postprocess_with_stops`` finishes at those too (ENG-15, spec/optimized-scheduler.md
+OPT-24). ``abort`` and ``abort_step`` are stated in spec/abort.md
 (ABORT-1..6, FAULT-2) and kept here, outside reference/scheduler.py, so that
 the oracle of the lesson stays the lesson statement for statement. Invariants
 they keep: every sequence not aborted stays where it was, in its order; an

@@ -1,4 +1,4 @@
-"""ENG-27: ``nanoverify bench threads``: one fresh process per configuration, the spinner gone after each run."""
+"""ENG-31: ``nanoverify bench threads``: one fresh process per configuration, the spinner gone after each run."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ from optimized.benchmarks import busy_core
 from optimized.cli import main
 
 
-@pytest.mark.clause("ENG-27")
+@pytest.mark.clause("ENG-31")
 def test_a_child_run_reports_its_time_and_the_threads_it_ran_on(capsys: pytest.CaptureFixture[str]) -> None:
-    """ENG-27: the child serves the workload and prints one JSON line; --threads is applied."""
+    """ENG-31: the child serves the workload and prints one JSON line; --threads is applied."""
     assert main(["bench", "threads", "--child", "--num-requests", "2", "--max-tokens", "2", "--threads", "1"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["wall"] > 0 and result["threads"] == 1
 
 
-@pytest.mark.clause("ENG-27")
+@pytest.mark.clause("ENG-31")
 def test_each_configuration_runs_in_its_own_process_with_its_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENG-27: a configuration's wait policy reaches the child's environment ("unset" switches our default off)."""
+    """ENG-31: a configuration's wait policy reaches the child's environment ("unset" switches our default off)."""
     seen: list[dict[str, str]] = []
 
     def run(command: list[str], env: dict[str, str], **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -40,9 +40,9 @@ def test_each_configuration_runs_in_its_own_process_with_its_policy(monkeypatch:
     assert "OMP_WAIT_POLICY" not in seen[1] and seen[1]["NANOVERIFY_CPU_DEFAULTS"] == "0"
 
 
-@pytest.mark.clause("ENG-27")
+@pytest.mark.clause("ENG-31")
 def test_the_busy_core_spinner_runs_during_the_run_and_is_gone_after(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENG-27: 'busy' means another process spins while the configuration runs, and only then."""
+    """ENG-31: 'busy' means another process spins while the configuration runs, and only then."""
     spinners: list[int] = []
 
     def run(config: busy_core.Config, args: argparse.Namespace) -> tuple[float, int]:
@@ -58,10 +58,10 @@ def test_the_busy_core_spinner_runs_during_the_run_and_is_gone_after(monkeypatch
             os.kill(pid, signal.SIGCONT)
 
 
-@pytest.mark.clause("ENG-27", "CLI-1")
+@pytest.mark.clause("ENG-31", "CLI-1")
 def test_a_failing_run_is_one_line_naming_the_configuration_and_the_childs_reason(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENG-27, CLI-1: a child that cannot run (here: an unwritable cache) makes the command exit 2 with one line
+    """ENG-31, CLI-1: a child that cannot run (here: an unwritable cache) makes the command exit 2 with one line
     carrying the configuration and the child's own last line, not a traceback."""
     a_file = tmp_path / "a-file"
     a_file.write_text("", encoding="utf-8")

@@ -211,9 +211,9 @@ def test_a_refusal_names_fields_in_python_and_flags_on_the_command_line() -> Non
         EngineArgs.from_cli_args(args)
 
 
-@pytest.mark.clause("ENG-31")
+@pytest.mark.clause("ENG-21")
 def test_numpy_numbers_are_taken_as_the_numbers_they_stand_for() -> None:
-    """ENG-31: `num_kvcache_blocks=np.int64(64)` was refused ('must be an integer >= 1, got np.int64(64)'); numpy
+    """ENG-21: `num_kvcache_blocks=np.int64(64)` was refused ('must be an integer >= 1, got np.int64(64)'); numpy
     integers and reals are now Python's int and float, checked as any value, and numpy's bool is no number."""
     import numpy as np
 

@@ -1,4 +1,4 @@
-"""Abort and failed steps in the optimized scheduler, against reference.extensions (OPT-18..20)."""
+"""Abort and failed steps in the optimized scheduler, against reference.extensions (OPT-19..21)."""
 
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ def aborted(p: Pair, index: int) -> None:
     p.agree()
 
 
-@pytest.mark.clause("OPT-18", "OPT-19")
+@pytest.mark.clause("OPT-19", "OPT-20")
 def test_abort_a_waiting_sequence_then_run_on() -> None:
-    """OPT-18, OPT-19: a waiting request leaves; the rest run as on the reference."""
+    """OPT-19, OPT-20: a waiting request leaves; the rest run as on the reference."""
     p = Pair(block_size=4, num_blocks=30, max_num_seqs=2, max_num_batched_tokens=16)
     for i in range(4):
         p.add([i + 1] * 6, 5)
@@ -30,9 +30,9 @@ def test_abort_a_waiting_sequence_then_run_on() -> None:
         p.agree()
 
 
-@pytest.mark.clause("OPT-19")
+@pytest.mark.clause("OPT-20")
 def test_abort_mid_chunk_keeps_the_filled_blocks_for_a_later_hit() -> None:
-    """OPT-19: waiting[0] aborted between chunks releases its table in reverse; its filled blocks are hit later."""
+    """OPT-20: waiting[0] aborted between chunks releases its table in reverse; its filled blocks are hit later."""
     p = Pair(block_size=4, num_blocks=30, max_num_seqs=4, max_num_batched_tokens=6)
     prompt = list(range(1, 15))
     p.add(prompt, 4)
@@ -51,10 +51,10 @@ def test_abort_mid_chunk_keeps_the_filled_blocks_for_a_later_hit() -> None:
         p.agree()
 
 
-@pytest.mark.clause("OPT-19")
+@pytest.mark.clause("OPT-20")
 @pytest.mark.parametrize("position", [0, 2, 4])
 def test_abort_a_decode_group_member_at_any_position(position: int) -> None:
-    """OPT-19: a member leaves the group and running at its index; later requests hit its cached blocks."""
+    """OPT-20: a member leaves the group and running at its index; later requests hit its cached blocks."""
     p = Pair(block_size=2, num_blocks=80, max_num_seqs=8, max_num_batched_tokens=64)
     prompts = [[i + 1] * 5 for i in range(5)]
     for prompt in prompts:
@@ -74,9 +74,9 @@ def test_abort_a_decode_group_member_at_any_position(position: int) -> None:
         p.agree()
 
 
-@pytest.mark.clause("OPT-18")
+@pytest.mark.clause("OPT-19")
 def test_abort_refuses_mid_step_and_strangers_changing_nothing() -> None:
-    """OPT-18: RuntimeError between schedule and postprocess; ValueError for a sequence not waiting or running."""
+    """OPT-19: RuntimeError between schedule and postprocess; ValueError for a sequence not waiting or running."""
     p = Pair(block_size=4, num_blocks=20, max_num_seqs=4, max_num_batched_tokens=32)
     for i in range(2):
         p.add([i + 1] * 5, 3)
@@ -104,9 +104,9 @@ def test_abort_refuses_mid_step_and_strangers_changing_nothing() -> None:
     assert snapshot(p.opt) == before
 
 
-@pytest.mark.clause("OPT-20")
+@pytest.mark.clause("OPT-21")
 def test_abort_step_withdraws_a_failed_decode_batch_like_the_reference() -> None:
-    """OPT-20: a failed decode step's members are aborted in batch order; the run goes on identically."""
+    """OPT-21: a failed decode step's members are aborted in batch order; the run goes on identically."""
     p = Pair(block_size=2, num_blocks=9, max_num_seqs=4, max_num_batched_tokens=32)
     for i in range(3):
         p.add([i + 1] * 3, 6)

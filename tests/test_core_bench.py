@@ -1,4 +1,4 @@
-"""The scheduler benchmark: both schedulers timed on one workload, decisions compared (OPT-12)."""
+"""The scheduler benchmark: both schedulers timed on one workload, decisions compared (OPT-13)."""
 
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import reference
 from optimized.benchmarks import scheduler as bench
 
 
-@pytest.mark.clause("OPT-12")
+@pytest.mark.clause("OPT-13")
 def test_the_bench_compares_decisions_and_prints_both_sides(capsys: pytest.CaptureFixture[str]) -> None:
-    """OPT-12: one run times both schedulers on the same workload and checks they decided the same."""
+    """OPT-13: one run times both schedulers on the same workload and checks they decided the same."""
     w = bench.make_workload("tiny", 6, 16, seed=3, kv_fraction=0.3)
     tokens = list(range(100, 140))
     ref, opt = bench.run(reference, w, tokens), bench.run(optimized, w, tokens)

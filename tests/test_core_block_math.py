@@ -1,4 +1,4 @@
-"""The contracts, used: the scheduler runs invariants.block_math's rules (OPT-21)."""
+"""The contracts, used: the scheduler runs invariants.block_math's rules (OPT-26)."""
 
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from optimized.verify.conformance import parse_workload, replay
 from tests.optimized_pair import SAMPLES, Pair, opt_impl
 
 
-@pytest.mark.clause("OPT-21", "OPT-3")
+@pytest.mark.clause("OPT-26", "OPT-3")
 def test_the_phase_rule_is_needs_new_block_for_every_member_on_every_step() -> None:
-    """OPT-21, OPT-3: the phase the group serves fresh blocks to is exactly block_math.needs_new_block's set."""
+    """OPT-26, OPT-3: the phase the group serves fresh blocks to is exactly block_math.needs_new_block's set."""
     from invariants.block_math import needs_new_block
 
     p = Pair(block_size=3, num_blocks=200, max_num_seqs=6, max_num_batched_tokens=64)
@@ -37,9 +37,9 @@ def test_the_phase_rule_is_needs_new_block_for_every_member_on_every_step() -> N
     assert seen > 50
 
 
-@pytest.mark.clause("OPT-21")
+@pytest.mark.clause("OPT-26")
 def test_the_block_math_rules_are_the_ones_the_code_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """OPT-21: replacing prefill_grant, blocks_for or needs_new_block with a wrong rule changes what happens."""
+    """OPT-26: replacing prefill_grant, blocks_for or needs_new_block with a wrong rule changes what happens."""
     import optimized.core.scheduler as sched_module
     import optimized.core.sequence as seq_module
 

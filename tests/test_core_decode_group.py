@@ -1,4 +1,4 @@
-"""The decode group: the running prefix, its clock, phases and calendar (OPT-2, OPT-3, OPT-6, OPT-7)."""
+"""The decode group: the running prefix, its clock, phases and calendar (OPT-2, OPT-3, OPT-4, OPT-5)."""
 
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ def test_the_decode_group_is_the_running_prefix_and_members_read_like_reference_
     assert all(s.num_scheduled_tokens == 1 and not s.is_prefill for s in ob)
 
 
-@pytest.mark.clause("OPT-6")
+@pytest.mark.clause("OPT-4")
 def test_decode_without_pressure_never_takes_the_preemption_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """OPT-6: enough free blocks for every member that needs one: no per-sequence can_append loop."""
+    """OPT-4: enough free blocks for every member that needs one: no per-sequence can_append loop."""
     def forbidden(self: Scheduler, due: list[Sequence]) -> None:
         raise AssertionError("preemption path taken without pressure")
 
@@ -39,9 +39,9 @@ def test_decode_without_pressure_never_takes_the_preemption_path(monkeypatch: py
     assert ref.is_finished() and opt.is_finished()
 
 
-@pytest.mark.clause("OPT-7")
+@pytest.mark.clause("OPT-5")
 def test_preemption_takes_the_newest_and_matches_the_reference() -> None:
-    """OPT-7: under pressure the group visits its needy members in order and preempts from the tail."""
+    """OPT-5: under pressure the group visits its needy members in order and preempts from the tail."""
     workload = {"config": {"block_size": 2, "num_blocks": 9, "max_num_seqs": 8, "max_num_batched_tokens": 64,
                            "eos": 0}, "requests": requests(4, 3, 8)}
     preempted = 0

@@ -1,4 +1,4 @@
-"""The free queue: the reference deque's order on an array (OPT-4)."""
+"""The free queue: the reference deque's order on an array (OPT-6)."""
 
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from optimized.core.free_queue import FreeBlockQueue
 
 
-@pytest.mark.clause("OPT-4")
+@pytest.mark.clause("OPT-6")
 @given(st.lists(st.tuples(st.sampled_from(["take", "release", "revive"]), st.integers(0, 7)), max_size=60))
 def test_the_free_queue_keeps_the_reference_deque_order(ops: list[tuple[str, int]]) -> None:
-    """OPT-4: takes from the front, releases at the back, revivals from anywhere: the deque's order."""
+    """OPT-6: takes from the front, releases at the back, revivals from anywhere: the deque's order."""
     model: deque[int] = deque(range(8))
     queue = FreeBlockQueue(8)
     for op, n in ops:

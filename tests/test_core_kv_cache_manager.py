@@ -1,4 +1,4 @@
-"""The KV-cache manager: the prefix cache, its log, the block pool and the walk memo (OPT-5, OPT-8, OPT-13..16)."""
+"""The KV-cache manager: the prefix cache, its log, the block pool and the walk memo (OPT-7, OPT-8, OPT-14..17)."""
 
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from optimized.engine.sampling_params import SamplingParams
 from tests.optimized_pair import Computed, Pair, RecordedChain, expected_chain, requests, twin_run
 
 
-@pytest.mark.clause("OPT-5", "OPT-15")
+@pytest.mark.clause("OPT-7", "OPT-16")
 def test_each_full_block_is_hashed_at_most_once_per_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
-    """OPT-5, OPT-15: prefix hits, preemptions and re-prefills never hash a sequence's block twice.
+    """OPT-7, OPT-16: prefix hits, preemptions and re-prefills never hash a sequence's block twice.
 
     Every xxh64 call is counted, and every hash that lands in a sequence's chain cache is logged as
     (request, block index): the calls must equal the logged slots, so no computation goes unattributed.
@@ -67,7 +67,7 @@ def test_each_full_block_is_hashed_at_most_once_per_sequence(monkeypatch: pytest
     # Step 1 (16-token budget): request 0's walk hashes its block 0 only (nothing registered yet, so it misses);
     # request 1 is walked beside it (7 tokens left, the walk precedes the chunk check) and takes request 0's only
     # hash. Step 2 applies request 0's registration first; requests 2 and 3, first chained from 1 and from 2, then
-    # find both common blocks hashed (OPT-15).
+    # find both common blocks hashed (OPT-16).
     taken_first = {0: 0, 1: 1, 2: common, 3: common}
     assert sorted(taken) == [(r, i) for r in range(4) for i in range(taken_first[r])]
     assert len(set(hashed)) == len(hashed)
@@ -99,9 +99,9 @@ def test_registrations_wait_until_the_table_is_read() -> None:
     assert not opt.block_manager.pending
 
 
-@pytest.mark.clause("OPT-13")
+@pytest.mark.clause("OPT-14")
 def test_takes_from_never_used_blocks_forget_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """OPT-13: while the free queue's front is in its never-used part, a take touches no hash and no log."""
+    """OPT-14: while the free queue's front is in its never-used part, a take touches no hash and no log."""
     def forbidden(self: kvm.KVCacheManager, ids: list[int]) -> None:
         raise AssertionError(f"forgot hashes of never-used blocks {ids}")
 
@@ -115,9 +115,9 @@ def test_takes_from_never_used_blocks_forget_nothing(monkeypatch: pytest.MonkeyP
     assert p.opt.block_manager.free.front <= p.opt.block_manager.pool.clean_end
 
 
-@pytest.mark.clause("OPT-13", "OPT-8")
+@pytest.mark.clause("OPT-14", "OPT-8")
 def test_takes_past_the_never_used_blocks_forget_their_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """OPT-13, OPT-8: once takes reach recycled blocks, their hashes leave the table as the reference's do."""
+    """OPT-14, OPT-8: once takes reach recycled blocks, their hashes leave the table as the reference's do."""
     forgotten: list[int] = []
     real = kvm.KVCacheManager._forget
 
@@ -134,9 +134,9 @@ def test_takes_past_the_never_used_blocks_forget_their_hashes(monkeypatch: pytes
     assert forgotten
 
 
-@pytest.mark.clause("OPT-14")
+@pytest.mark.clause("OPT-15")
 def test_the_remembered_walk_is_always_the_walk_the_reference_would_make() -> None:
-    """OPT-14: after every call the memo (cut, freed or dropped as events came) equals a fresh walk."""
+    """OPT-15: after every call the memo (cut, freed or dropped as events came) equals a fresh walk."""
     p = Pair(block_size=2, num_blocks=14, max_num_seqs=6, max_num_batched_tokens=12)
     for i in range(8):
         p.add([1, 2, 3, 4] + [i + 5] * (3 + i % 4), 8 + i % 3)
@@ -167,9 +167,9 @@ def test_the_remembered_walk_is_always_the_walk_the_reference_would_make() -> No
     assert checked and walks < asks  # the head that waited was not walked again on every step
 
 
-@pytest.mark.clause("OPT-14")
+@pytest.mark.clause("OPT-15")
 def test_a_hit_freed_before_its_admission_is_no_longer_held_in_the_walk_memo() -> None:
-    """OPT-14: a remembered walk whose hit was freed, then cut by a take, counts that hit as free, not held.
+    """OPT-15: a remembered walk whose hit was freed, then cut by a take, counts that hit as free, not held.
 
     The waiting sequence's walk hits blocks of a running one; that one finishes (the hits go free), and a
     take from the free queue's reused part unmaps a hit (the walk is cut): the memo's count of held hits
@@ -179,9 +179,9 @@ def test_a_hit_freed_before_its_admission_is_no_longer_held_in_the_walk_memo() -
     assert p.run([([1], 4, 0), ([1, 3, 1], 3, 1), ([1, 3, 1, 1, 2, 1], 2, 3)]) > 3
 
 
-@pytest.mark.clause("OPT-15")
+@pytest.mark.clause("OPT-16")
 def test_shared_leading_blocks_take_the_last_chain_and_stay_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    """OPT-15: equal leading blocks reuse the previous chain's hashes; every chain equals the reference's."""
+    """OPT-16: equal leading blocks reuse the previous chain's hashes; every chain equals the reference's."""
     a, b, c = [1] * 4, [2] * 4, [3] * 4
     # Shares of one and two blocks, none, and a sequence whose source shares as many blocks as an older,
     # unrelated pair did (the remembered common prefix must not be taken for its own).
@@ -207,10 +207,10 @@ def test_shared_leading_blocks_take_the_last_chain_and_stay_exact(monkeypatch: p
     assert len(calls) < sum(len(p) // 4 for p in prompts)
 
 
-@pytest.mark.clause("OPT-5")
+@pytest.mark.clause("OPT-7")
 @given(st.lists(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=4, max_size=4), max_size=5))
 def test_the_one_chain_hash_is_the_references(blocks: list[list[int]]) -> None:
-    """OPT-5: ``chain_hash``, the only place the optimized scheduler hashes, is compute_hash; ``chain_hashes``
+    """OPT-7: ``chain_hash``, the only place the optimized scheduler hashes, is compute_hash; ``chain_hashes``
     chains it."""
     pieces = [np.array(b, dtype="<i8").tobytes() for b in blocks]
     assert kvm.chain_hashes(-1, pieces) == expected_chain([t for b in blocks for t in b], 4)
@@ -220,9 +220,9 @@ def test_the_one_chain_hash_is_the_references(blocks: list[list[int]]) -> None:
     assert source.count("xxh64_intdigest(") == 1 and source.count("chain_hash(") == 3  # its def and two calls
 
 
-@pytest.mark.clause("OPT-16")
+@pytest.mark.clause("OPT-17")
 def test_a_logged_decode_fill_lands_after_its_sequence_finished() -> None:
-    """OPT-16: fills logged by step are registered from the member's segment even after its table was released."""
+    """OPT-17: fills logged by step are registered from the member's segment even after its table was released."""
     p = Pair(block_size=4, num_blocks=40, max_num_seqs=4, max_num_batched_tokens=64)
     p.add([5, 6, 7], 14)
     p.add([8, 9, 1, 2, 3], 6)
@@ -243,9 +243,9 @@ def test_a_logged_decode_fill_lands_after_its_sequence_finished() -> None:
     p.agree()
 
 
-@pytest.mark.clause("OPT-16")
+@pytest.mark.clause("OPT-17")
 def test_a_preempted_member_segments_resolve_each_fill_to_its_own_table() -> None:
-    """OPT-16: a member preempted and rejoined has two segments; fills of both register the right blocks."""
+    """OPT-17: a member preempted and rejoined has two segments; fills of both register the right blocks."""
     p = Pair(block_size=2, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=32)
     for i in range(3):
         p.add([i + 1, i + 2, i + 3], 9)
@@ -253,9 +253,9 @@ def test_a_preempted_member_segments_resolve_each_fill_to_its_own_table() -> Non
         p.agree()
 
 
-@pytest.mark.clause("OPT-16")
+@pytest.mark.clause("OPT-17")
 def test_a_fill_logged_before_a_member_rejoined_resolves_to_its_earlier_segment() -> None:
-    """OPT-16: a decode fill logged in a member's first stay, flushed after it left and rejoined, finds that stay.
+    """OPT-17: a decode fill logged in a member's first stay, flushed after it left and rejoined, finds that stay.
 
     A copy of the batch handed to postprocess makes the members leave the group without a flush, and grow
     one token without the group's clock; the next decode step rejoins them (a new segment) while the earlier
@@ -283,14 +283,14 @@ def test_a_fill_logged_before_a_member_rejoined_resolves_to_its_earlier_segment(
         p.agree()
 
 
-@pytest.mark.clause("OPT-14", "OPT-1")
+@pytest.mark.clause("OPT-15", "OPT-1")
 def test_decisions_and_the_remembered_walk_stay_the_references_when_hashes_collide(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """OPT-14: with a chain hash of five values (both schedulers), hash hits over other tokens are everywhere.
+    """OPT-15: with a chain hash of five values (both schedulers), hash hits over other tokens are everywhere.
 
     Every walk then meets collisions: a hit whose block holds other tokens ends it, and that block is reused and
     refilled while a walk is remembered. The batches must stay the reference's and, after every step, the
-    remembered walk must equal a fresh one (the block at a collision is not watched, OPT-14).
+    remembered walk must equal a fresh one (the block at a collision is not watched, OPT-15).
     """
     import random
 
@@ -336,9 +336,9 @@ def _five_hash_values(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kvm, "xxh64_intdigest", lambda data: real_optimized(data) % 5)
 
 
-@pytest.mark.clause("OPT-13", "OPT-14")
+@pytest.mark.clause("OPT-14", "OPT-15")
 def test_hits_that_repeat_a_block_are_each_a_holder(monkeypatch: pytest.MonkeyPatch) -> None:
-    """OPT-13: after a hash collision a walk's hits can name one block twice ([2, 2, 2]); taking them adds a holder
+    """OPT-14: after a hash collision a walk's hits can name one block twice ([2, 2, 2]); taking them adds a holder
     per hit, and the block stays used while any holder runs (hold's fast path is for hits that do not repeat)."""
     _five_hash_values(monkeypatch)
     p = Pair(block_size=2, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=64)
@@ -354,9 +354,9 @@ def test_hits_that_repeat_a_block_are_each_a_holder(monkeypatch: pytest.MonkeyPa
     assert steps > 3 and repeated  # the repeated hits were taken
 
 
-@pytest.mark.clause("OPT-14")
+@pytest.mark.clause("OPT-15")
 def test_a_freed_block_frees_every_hit_that_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """OPT-14: a remembered walk whose hits repeat one block (a collision) marks every one of them free when that
+    """OPT-15: a remembered walk whose hits repeat one block (a collision) marks every one of them free when that
     block is released, as a fresh walk would; else the admission test counts freed hits as held."""
 
     _five_hash_values(monkeypatch)
@@ -377,9 +377,9 @@ def test_a_freed_block_frees_every_hit_that_names_it(monkeypatch: pytest.MonkeyP
         p.agree(invariants=False)
 
 
-@pytest.mark.clause("OPT-14", "MUT-7")
+@pytest.mark.clause("OPT-15", "MUT-8")
 def test_stale_walk_reports_a_remembered_walk_that_a_fresh_walk_contradicts() -> None:
-    """OPT-14, MUT-7: the machine's oracle is silent on a true memo and names what differs on a corrupted one."""
+    """OPT-15, MUT-8: the machine's oracle is silent on a true memo and names what differs on a corrupted one."""
     sched = Scheduler(SchedulerConfig(num_blocks=4, block_size=2, max_num_seqs=2, eos=0))
     holder = sched.new_sequence([1, 2, 3, 4, 5], 2, ignore_eos=True)
     sched.add(holder)
@@ -392,7 +392,7 @@ def test_stale_walk_reports_a_remembered_walk_that_a_fresh_walk_contradicts() ->
     memo = bm._memo
     assert memo is not None and memo.seq is waiter and memo.held == [True, True] and bm.stale_walk() == ""
     memo.held[0] = False  # a held hit marked free, the count left as it was
-    assert bm.stale_walk().startswith(f"OPT-14: the walk remembered for sequence {waiter.seq_id}")
+    assert bm.stale_walk().startswith(f"OPT-15: the walk remembered for sequence {waiter.seq_id}")
     memo.held[0] = True
     sched.postprocess(out.batch, [6], out.is_prefill)
     assert bm.stale_walk() == ""

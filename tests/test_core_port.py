@@ -209,10 +209,10 @@ def test_the_block_managers_own_assert_is_not_the_empty_decode() -> None:
     assert not isinstance(raised.value, EmptyDecodeError)
 
 
-@pytest.mark.clause("ARCH-4", "OPT-23")
+@pytest.mark.clause("ARCH-4", "OPT-24")
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 def test_a_stop_set_given_to_add_finishes_its_sequence(name: str) -> None:
-    """ARCH-4, OPT-23: ``add``'s stop set finishes a sequence that draws one, in prefill and in decode; another
+    """ARCH-4, OPT-24: ``add``'s stop set finishes a sequence that draws one, in prefill and in decode; another
     sequence that draws the same token goes on."""
     port = implementation(name)(SchedulerConfig(block_size=2, num_blocks=16, max_num_batched_tokens=16, eos=0))
     stopped_at_prefill, stopped_later, other = (port.new_sequence([1, 2, 3], 8) for _ in range(3))
@@ -321,11 +321,11 @@ def test_the_cores_config_refuses_bad_knobs_naming_the_field(field: str, value: 
 
 
 
-@pytest.mark.clause("OPT-10", "OPT-23", "ARCH-4")
+@pytest.mark.clause("OPT-10", "OPT-24", "ARCH-4")
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 @pytest.mark.parametrize("bad", [1 << 63, INT64_MIN - 1, 1 << 200])
 def test_a_stop_id_no_int64_token_can_equal_is_refused_and_changes_nothing(name: str, bad: int) -> None:
-    """OPT-10, OPT-23: five stop ids, one of them 2**63, once made the optimized core raise OverflowError at the
+    """OPT-10, OPT-24: five stop ids, one of them 2**63, once made the optimized core raise OverflowError at the
     first decode postprocess (numpy cannot hold it as an int64); both ports now refuse it at ``add``."""
     port = implementation(name)(SchedulerConfig(block_size=2, num_blocks=8))
     port.add(port.new_sequence([1, 2, 3], 2))
@@ -338,10 +338,10 @@ def test_a_stop_id_no_int64_token_can_equal_is_refused_and_changes_nothing(name:
     assert [s.seq_id for s in port.waiting][-1] == seq.seq_id
 
 
-@pytest.mark.clause("OPT-23")
+@pytest.mark.clause("OPT-24")
 @pytest.mark.parametrize("count", [4, 5])
 def test_stop_ids_at_the_int64_bounds_decode_to_the_end(count: int) -> None:
-    """OPT-23: the widest ids an int64 token can equal are watched by the decode group on either of its paths
+    """OPT-24: the widest ids an int64 token can equal are watched by the decode group on either of its paths
     (a few comparisons up to four ids, np.isin past four) and finish nobody who did not draw them."""
     ports = [implementation(name)(SchedulerConfig(block_size=2, num_blocks=16, eos=0)) for name in IMPLEMENTATIONS]
     stops = {INT64_MAX, INT64_MIN, 7, 8, 9}
@@ -361,10 +361,10 @@ def test_stop_ids_at_the_int64_bounds_decode_to_the_end(count: int) -> None:
     assert any(ends for ends in finished[0])
 
 
-@pytest.mark.clause("OPT-25")
+@pytest.mark.clause("OPT-23")
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 def test_a_second_postprocess_of_one_step_is_refused_and_changes_nothing(name: str) -> None:
-    """OPT-25: postprocess twice after one schedule() appended a second token with no grant behind it; each
+    """OPT-23: postprocess twice after one schedule() appended a second token with no grant behind it; each
     schedule() is now postprocessed once, in prefill and in decode (the group's fast path and the per-sequence
     one), and an empty batch with no step awaiting is still nothing."""
     port: Any = implementation(name)(SchedulerConfig(block_size=2, num_blocks=16, eos=0))
@@ -387,10 +387,10 @@ def test_a_second_postprocess_of_one_step_is_refused_and_changes_nothing(name: s
     assert finished == [a] and [s.seq_id for s in port.running] == [b.seq_id]  # the stop finished a, once
 
 
-@pytest.mark.clause("OPT-25")
+@pytest.mark.clause("OPT-23")
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 def test_a_step_withdrawn_or_scheduled_again_awaits_no_postprocess(name: str) -> None:
-    """OPT-25: after abort_step, or a schedule() that raised the empty decode, the earlier batch is no step's."""
+    """OPT-23: after abort_step, or a schedule() that raised the empty decode, the earlier batch is no step's."""
     port: Any = implementation(name)(SchedulerConfig(block_size=2, num_blocks=2, max_num_batched_tokens=8))
     seq = port.new_sequence([1, 2], 6)
     port.add(seq)

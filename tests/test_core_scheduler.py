@@ -1,4 +1,4 @@
-"""The optimized scheduler's decisions: replays, what a step reports, stop tokens (OPT-1, OPT-9, OPT-22, OPT-23)."""
+"""The optimized scheduler's decisions: replays, what a step reports, stop tokens (OPT-1, OPT-9, OPT-22, OPT-24)."""
 
 
 from __future__ import annotations
@@ -83,10 +83,10 @@ def test_postprocess_of_an_empty_batch_before_any_schedule_changes_nothing() -> 
         pass
 
 
-@pytest.mark.clause("OPT-23")
+@pytest.mark.clause("OPT-24")
 @pytest.mark.parametrize(("copy_batch", "unused_stops"), [(False, {9}), (True, {9}), (False, {9, 10, 11, 12})])
 def test_a_drawn_stop_token_finishes_its_sequence_beside_eos(copy_batch: bool, unused_stops: set[int]) -> None:
-    """OPT-23: the scheduler finishes a sequence that draws one of its stop tokens, in prefill and in decode.
+    """OPT-24: the scheduler finishes a sequence that draws one of its stop tokens, in prefill and in decode.
 
     The reference does through ``postprocess_with_stops``; every decision, the release order included, is the
     same. With ``copy_batch`` the decode steps go through the per-sequence path instead of the group's; with
@@ -104,9 +104,9 @@ def test_a_drawn_stop_token_finishes_its_sequence_beside_eos(copy_batch: bool, u
     assert [s.last_token for s in p.opt_seqs] == [2, 3, p.opt_seqs[2].last_token, 3]
 
 
-@pytest.mark.clause("OPT-17")
+@pytest.mark.clause("OPT-18")
 def test_model_tokens_as_a_list_or_an_array_decide_the_same() -> None:
-    """OPT-17: the struct path (lists) and the numpy path (arrays, tuples) append the same tokens."""
+    """OPT-18: the struct path (lists) and the numpy path (arrays, tuples) append the same tokens."""
     for convert in (None, lambda t: np.array(t, dtype=np.int64), tuple, lambda t: [*t, 99, 98]):
         p = Pair(block_size=2, num_blocks=60, max_num_seqs=5, max_num_batched_tokens=16)
         for i in range(5):

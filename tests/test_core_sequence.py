@@ -1,4 +1,4 @@
-"""The sequence and its core record: refusals at the boundary, one record written by the core (OPT-10, OPT-24)."""
+"""The sequence and its core record: refusals at the boundary, one record written by the core (OPT-10, OPT-25)."""
 
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ def test_an_int64_prompt_is_taken_without_a_second_check_of_each_token(monkeypat
         Sequence([5, True], SamplingParams(), 4)
 
 
-@pytest.mark.clause("OPT-24")
+@pytest.mark.clause("OPT-25")
 def test_no_core_class_writes_another_objects_private_fields_and_sequence_does_not_import_the_group() -> None:
-    """OPT-24: the core writes a sequence's state through its ``core`` record only; no ``x._field = ...`` on
+    """OPT-25: the core writes a sequence's state through its ``core`` record only; no ``x._field = ...`` on
     anything but ``self``, and sequence.py imports neither the decode group nor the scheduler."""
     import ast
 

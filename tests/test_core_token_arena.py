@@ -32,9 +32,9 @@ def test_tokens_survive_arena_moves() -> None:
         assert arena.data[owner.region_offset : owner.region_offset + 3].tolist() == [k, k, k]
 
 
-@pytest.mark.clause("OPT-4", "OPT-11")
+@pytest.mark.clause("OPT-6", "OPT-11")
 def test_arena_compaction_and_free_queue_trimming_keep_the_decisions() -> None:
-    """OPT-4, OPT-11: a tiny arena (compacted again and again) and a long free queue (trimmed) change nothing."""
+    """OPT-6, OPT-11: a tiny arena (compacted again and again) and a long free queue (trimmed) change nothing."""
     reqs = [{"id": i, "prompt": [(i * 7 + k) % 11 for k in range(20 + i % 9)], "max_tokens": 30 + i % 13,
              "ignore_eos": False, "arrive": 0, "output": [1] * 60} for i in range(90)]
     config = {"block_size": 2, "num_blocks": 1100, "max_num_seqs": 16, "max_num_batched_tokens": 96, "eos": 50}

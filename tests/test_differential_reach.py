@@ -1,9 +1,9 @@
-"""MUT-7: a program the differential machine's own strategies drew reaches a walk-memo mutant.
+"""MUT-8: a program the differential machine's own strategies drew reaches a walk-memo mutant.
 
 The mutant (``False`` to ``True`` in ``WalkMemo.freed``) keeps a freed cache
 hit marked as held. ``nanoverify fuzz --machine differential --minutes 2
 --seed 1 --no-shrink`` finds it in its first chunk (spec/mutation.md): the
-machine's OPT-14 check sees the remembered walk differ from a fresh one. This
+machine's OPT-15 check sees the remembered walk differ from a fresh one. This
 test replays the program that run found, from the ``@reproduce_failure`` blob
 it printed, so that a change to the strategies (the blob no longer decodes to
 that program) or a fix that no longer tells the mutant apart fails here and
@@ -65,15 +65,15 @@ def _replay(with_mutant: bool) -> str:
     return done.stdout.rpartition("RESULT: ")[2]  # hypothesis prints the program before it
 
 
-@pytest.mark.clause("MUT-7")
+@pytest.mark.clause("MUT-8")
 def test_the_fuzzers_program_finds_the_walk_memo_mutant() -> None:
-    """MUT-7: the machine, replaying its own finding, reports the mutant: the remembered walk is stale (OPT-14)."""
+    """MUT-8: the machine, replaying its own finding, reports the mutant: the remembered walk is stale (OPT-15)."""
     out = _replay(with_mutant=True)
-    assert out.startswith("Disagreement optimized after schedule: OPT-14: the walk remembered"), out
+    assert out.startswith("Disagreement optimized after schedule: OPT-15: the walk remembered"), out
 
 
-@pytest.mark.clause("MUT-7")
+@pytest.mark.clause("MUT-8")
 def test_the_same_program_passes_without_the_mutant() -> None:
-    """MUT-7: on the unmutated code the program runs past the point where the mutant failed (no finding)."""
+    """MUT-8: on the unmutated code the program runs past the point where the mutant failed (no finding)."""
     out = _replay(with_mutant=False)
     assert out.startswith("DidNotReproduce"), out  # hypothesis: the program ran on past its failure

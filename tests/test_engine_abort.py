@@ -62,9 +62,9 @@ def test_step_api_serves_what_generate_serves() -> None:
     assert_idle(llm)
 
 
-@pytest.mark.clause("ABORT-7", "ENG-9")
+@pytest.mark.clause("ABORT-7", "ENG-10")
 def test_add_request_refuses_like_generate_and_changes_nothing() -> None:
-    """ABORT-7, ENG-9: a refused request names the limit; nothing is queued and no seed is drawn."""
+    """ABORT-7, ENG-10: a refused request names the limit; nothing is queued and no seed is drawn."""
     llm = make()
     llm.add_request(PROMPTS[0], GREEDY)
     llm.step()

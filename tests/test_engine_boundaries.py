@@ -26,18 +26,18 @@ def tokens(llm: LLM, params: SamplingParams) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-@pytest.mark.clause("ENG-25")
+@pytest.mark.clause("ENG-12")
 def test_a_tiny_temperature_is_greedy() -> None:
-    """ENG-25: temperature 1e-40 (finite, positive) gives the greedy tokens, not the garbage of inf logits."""
+    """ENG-12: temperature 1e-40 (finite, positive) gives the greedy tokens, not the garbage of inf logits."""
     llm = make()
     greedy = tokens(llm, SamplingParams(temperature=0.0, max_tokens=6))
     assert tokens(llm, SamplingParams(temperature=1e-40, max_tokens=6, seed=1)) == greedy
     assert len({t for row in greedy for t in row}) > 1
 
 
-@pytest.mark.clause("ENG-25", "ENG-9")
+@pytest.mark.clause("ENG-12", "ENG-10")
 def test_top_k_past_the_vocabulary_is_off_and_past_int64_refused() -> None:
-    """ENG-25, ENG-9: top_k >= vocab draws exactly as top_k=-1; top_k >= 2**63 is refused when made."""
+    """ENG-12, ENG-10: top_k >= vocab draws exactly as top_k=-1; top_k >= 2**63 is refused when made."""
     llm = make()
     off = tokens(llm, SamplingParams(temperature=1.0, max_tokens=6, seed=3))
     assert tokens(llm, SamplingParams(temperature=1.0, max_tokens=6, seed=3, top_k=10**9)) == off
@@ -46,7 +46,7 @@ def test_top_k_past_the_vocabulary_is_off_and_past_int64_refused() -> None:
     assert llm.engine.stats.failed_steps == 0
 
 
-@pytest.mark.clause("ENG-9")
+@pytest.mark.clause("ENG-10")
 @pytest.mark.parametrize(
     ("call", "field"),
     [
@@ -58,14 +58,14 @@ def test_top_k_past_the_vocabulary_is_off_and_past_int64_refused() -> None:
     ],
 )
 def test_bad_arguments_are_value_errors_naming_the_field(call: Any, field: str) -> None:
-    """ENG-9: wrong types and impossible budgets are ValueErrors naming the field, not TypeErrors or crashes."""
+    """ENG-10: wrong types and impossible budgets are ValueErrors naming the field, not TypeErrors or crashes."""
     with pytest.raises(ValueError, match=field):
         call()
 
 
-@pytest.mark.clause("ENG-9")
+@pytest.mark.clause("ENG-10")
 def test_generate_refuses_arguments_of_the_wrong_shape_and_changes_nothing() -> None:
-    """ENG-9: prompts and sampling_params of the wrong type are refused before anything is added."""
+    """ENG-10: prompts and sampling_params of the wrong type are refused before anything is added."""
     llm = make()
     before = llm.engine._arrivals
     with pytest.raises(ValueError, match="prompts"):
@@ -77,9 +77,9 @@ def test_generate_refuses_arguments_of_the_wrong_shape_and_changes_nothing() -> 
         make(), SamplingParams(temperature=0.0, max_tokens=3))
 
 
-@pytest.mark.clause("ENG-24")
+@pytest.mark.clause("ENG-11")
 def test_a_failure_outside_the_model_makes_the_engine_refuse_further_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENG-24: after an exception inside a step that the model did not raise, every later call is refused."""
+    """ENG-11: after an exception inside a step that the model did not raise, every later call is refused."""
     llm = make()
 
     def broken(*args: Any) -> list[int]:
@@ -95,9 +95,9 @@ def test_a_failure_outside_the_model_makes_the_engine_refuse_further_use(monkeyp
             later()
 
 
-@pytest.mark.clause("ENG-17")
+@pytest.mark.clause("ENG-24")
 def test_run_command_refuses_bad_arguments_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    """ENG-17: `nanoverify run` names the bad argument and exits 2, no traceback."""
+    """ENG-24: `nanoverify run` names the bad argument and exits 2, no traceback."""
     assert cli_main(["run", "--max-input-len", "1"]) == 2
     err = capsys.readouterr().err
     assert "max-input-len" in err and "Traceback" not in err

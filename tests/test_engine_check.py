@@ -22,18 +22,18 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 make = partial(make_llm, kvcache_block_size=2, num_kvcache_blocks=32)
 
 
-@pytest.mark.clause("ENG-15")
+@pytest.mark.clause("ENG-22")
 def test_check_mode_is_off_by_default_and_counts_steps() -> None:
-    """ENG-15: check mode is off unless asked; when on, every step is compared."""
+    """ENG-22: check mode is off unless asked; when on, every step is compared."""
     assert LLM(str(checkpoint("qwen3")), num_kvcache_blocks=8).shadow is None
     llm = make()
     llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.engine.stats.compared_steps == llm.engine.stats.steps > 0
 
 
-@pytest.mark.clause("ENG-15")
+@pytest.mark.clause("ENG-22")
 def test_reordered_batch_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENG-15: a batch in another order than the reference's raises, with both states dumped."""
+    """ENG-22: a batch in another order than the reference's raises, with both states dumped."""
     llm = make()
     real = llm.engine.scheduler.schedule
 
@@ -47,9 +47,9 @@ def test_reordered_batch_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "--- engine scheduler ---" in str(err.value) and "--- reference scheduler ---" in str(err.value)
 
 
-@pytest.mark.clause("ENG-15")
+@pytest.mark.clause("ENG-22")
 def test_different_finish_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENG-15: a scheduler that finishes other requests than the reference raises."""
+    """ENG-22: a scheduler that finishes other requests than the reference raises."""
     llm = make(with_config("qwen3", "eos7", eos_token_id=7))
     real = llm.engine.scheduler.postprocess
 
@@ -61,9 +61,9 @@ def test_different_finish_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
 
-@pytest.mark.clause("ENG-15")
+@pytest.mark.clause("ENG-22")
 def test_corrupted_block_table_is_caught() -> None:
-    """ENG-15: a block table corrupted between steps is caught at the next comparison."""
+    """ENG-22: a block table corrupted between steps is caught at the next comparison."""
     llm = make()
     requests = [llm.engine.add(p, GREEDY, seed=0) for p in PROMPTS]
     llm.engine.step()

@@ -22,9 +22,9 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield root
 
 
-@pytest.mark.clause("ENG-16")
+@pytest.mark.clause("ENG-23")
 def test_default_model_is_made_deterministically_and_loads_like_a_checkpoint(cache_dir: Path) -> None:
-    """ENG-16: made on first use into the cache folder, byte-identical when made again, loaded by transformers
+    """ENG-23: made on first use into the cache folder, byte-identical when made again, loaded by transformers
     (weights and tokenizer) as any checkpoint; greedy output varies and equals transformers'."""
     from transformers import AutoTokenizer
 
@@ -46,9 +46,9 @@ def test_default_model_is_made_deterministically_and_loads_like_a_checkpoint(cac
     assert outs[0].text == hf_tok.decode(outs[0].token_ids, skip_special_tokens=True)
 
 
-@pytest.mark.clause("ENG-17")
+@pytest.mark.clause("ENG-24")
 def test_run_command_reports_identical_decisions(cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """ENG-17: ``nanoverify run`` serves its workload in check mode and reports steps, preemptions, prefix-cache
+    """ENG-24: ``nanoverify run`` serves its workload in check mode and reports steps, preemptions, prefix-cache
     hits and every step's decisions identical to the reference."""
     args = ["run", "--num-requests", "24", "--max-input-len", "24", "--max-output-len", "8"]
     assert cli_main([*args, "--num-kvcache-blocks", "8", "--block-size", "4"]) == 0
@@ -59,18 +59,18 @@ def test_run_command_reports_identical_decisions(cache_dir: Path, capsys: pytest
     assert "preemptions: 0" not in out and "prefix-cache hit tokens: 0" not in out
 
 
-@pytest.mark.clause("ENG-17")
+@pytest.mark.clause("ENG-24")
 def test_generate_command(cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """ENG-17: ``nanoverify generate`` prints one completion per prompt; bad input exits 2 with the field named."""
+    """ENG-24: ``nanoverify generate`` prints one completion per prompt; bad input exits 2 with the field named."""
     assert cli_main(["generate", "--max-tokens", "5", "--seed", "3", "--temperature", "0.7", "Hi", "there"]) == 0
     assert capsys.readouterr().out.count("(5 tokens, length)") == 2
     assert cli_main(["generate", "--max-tokens", "0", "Hi"]) == 2
     assert "max_tokens" in capsys.readouterr().err
 
 
-@pytest.mark.clause("ENG-18")
+@pytest.mark.clause("ENG-25")
 def test_throughput_benchmark_prints_both_sides(cache_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """ENG-18: the throughput benchmark runs the engine and transformers on one workload and prints the ratio."""
+    """ENG-25: the throughput benchmark runs the engine and transformers on one workload and prints the ratio."""
     from optimized.benchmarks.throughput import run
     from optimized.engine.args import EngineArgs
 

@@ -45,11 +45,11 @@ def run_engine(folder: Path, kwargs: dict[str, Any], params: list[SamplingParams
     return llm, [o.token_ids for o in outs]
 
 
-@pytest.mark.clause("ENG-1", "ENG-2", "ENG-3", "ENG-4", "ENG-5", "ENG-6", "ENG-13")
+@pytest.mark.clause("ENG-1", "ENG-2", "ENG-3", "ENG-4", "ENG-5", "ENG-6", "ENG-16")
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_greedy_matches_transformers(family: str, setting: str) -> None:
-    """ENG-1, ENG-2, ENG-3, ENG-4, ENG-5, ENG-6, ENG-13: float64 greedy output is transformers' for Qwen3, Qwen2
+    """ENG-1, ENG-2, ENG-3, ENG-4, ENG-5, ENG-6, ENG-16: float64 greedy output is transformers' for Qwen3, Qwen2
     and Llama, with prefix-cache hits, chunked prefill and preemption actually happening, check mode on."""
     folder = checkpoint(family)
     kwargs, stat = SETTINGS[setting]
@@ -65,9 +65,9 @@ def test_greedy_matches_transformers(family: str, setting: str) -> None:
     assert len({tuple(out) for out in got}) == len(got)
 
 
-@pytest.mark.clause("ENG-12", "ENG-13")
+@pytest.mark.clause("ENG-15", "ENG-16")
 def test_eos_from_config_stops_like_transformers() -> None:
-    """ENG-12, ENG-13: the config's eos (first id: the scheduler's; further ids: engine stop tokens) ends a request
+    """ENG-15, ENG-16: the config's eos (first id: the scheduler's; further ids: engine stop tokens) ends a request
     with finish_reason "stop", where transformers stops too."""
     folder = checkpoint("qwen3")
     plain = hf_greedy(folder, PROMPTS, [16] * len(PROMPTS))[0]
@@ -87,9 +87,9 @@ def test_eos_from_config_stops_like_transformers() -> None:
         assert ignored[0].token_ids == plain and ignored[0].finish_reason == "length"
 
 
-@pytest.mark.clause("ENG-12")
+@pytest.mark.clause("ENG-15")
 def test_stop_token_ids_finish_request() -> None:
-    """ENG-12: a drawn stop token ends its request ("stop") and leaves the scheduler's decisions identical to
+    """ENG-15: a drawn stop token ends its request ("stop") and leaves the scheduler's decisions identical to
     the reference's; the other requests run on unchanged."""
     folder = checkpoint("llama")
     plain = hf_greedy(folder, PROMPTS, [16] * len(PROMPTS))

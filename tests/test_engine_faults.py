@@ -245,14 +245,14 @@ def owner_of(llm: LLM, where: str) -> Any:
 
 
 def refuses_further_use(llm: LLM, cause: str) -> None:
-    """ENG-24: every later call raises a RuntimeError that says what failed and to make a new LLM."""
+    """ENG-11: every later call raises a RuntimeError that says what failed and to make a new LLM."""
     for later in (lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False), lambda: llm.add_request([1, 2, 3], GREEDY),
                   llm.step, lambda: llm.abort(0)):
         with pytest.raises(RuntimeError, match=f"(?s)make a new LLM.*{cause}|{cause}.*make a new LLM"):
             later()
 
 
-@pytest.mark.clause("FAULT-4", "ENG-24")
+@pytest.mark.clause("FAULT-4", "ENG-11")
 @pytest.mark.parametrize("api", ["generate", "step"])
 @pytest.mark.parametrize("error", [KeyboardInterrupt, Bug])
 @pytest.mark.parametrize("point", sorted(POINTS))
@@ -284,7 +284,7 @@ def test_an_exception_anywhere_in_a_step_propagates_and_leaves_no_half_state(
     consistent(llm, idle=True)
 
 
-@pytest.mark.clause("FAULT-5", "ENG-24")
+@pytest.mark.clause("FAULT-5", "ENG-11")
 @pytest.mark.parametrize(("first", "then"), [(ModelFault, KeyboardInterrupt), (KeyboardInterrupt, Bug)])
 def test_a_cleanup_that_fails_never_masks_the_fault(monkeypatch: pytest.MonkeyPatch, first: type[BaseException],
                                                     then: type[BaseException]) -> None:
@@ -301,7 +301,7 @@ def test_a_cleanup_that_fails_never_masks_the_fault(monkeypatch: pytest.MonkeyPa
     refuses_further_use(llm, first.__name__)
 
 
-@pytest.mark.clause("FAULT-5", "ENG-24")
+@pytest.mark.clause("FAULT-5", "ENG-11")
 def test_generate_cleanup_that_fails_never_masks_the_fault(monkeypatch: pytest.MonkeyPatch) -> None:
     """FAULT-5: the model raises a KeyboardInterrupt and aborting generate's own requests afterwards raises: the
     KeyboardInterrupt propagates, and the engine refuses further use, naming what broke it in the abort."""
@@ -315,7 +315,7 @@ def test_generate_cleanup_that_fails_never_masks_the_fault(monkeypatch: pytest.M
     refuses_further_use(llm, "Bug: injected after abort")
 
 
-@pytest.mark.clause("FAULT-4", "ENG-24")
+@pytest.mark.clause("FAULT-4", "ENG-11")
 @pytest.mark.parametrize("error", [KeyboardInterrupt, Bug])
 @pytest.mark.parametrize("operation", ["add", "abort"])
 def test_an_exception_half_way_through_an_add_or_an_abort_leaves_the_engine_refusing(
@@ -344,7 +344,7 @@ class Unprintable(Exception):
         raise ValueError("no message for you")
 
 
-@pytest.mark.clause("FAULT-5", "ENG-24")
+@pytest.mark.clause("FAULT-5", "ENG-11")
 def test_an_exception_that_cannot_be_printed_still_propagates_as_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     """FAULT-5: recording why the engine is broken never raises over the original exception, even when its str()
     raises; the refusal then names its type."""
@@ -376,7 +376,7 @@ class InterruptingIds(dict[int, Any]):
         raise KeyboardInterrupt("in the LLM's bookkeeping")
 
 
-@pytest.mark.clause("FAULT-6", "ENG-24")
+@pytest.mark.clause("FAULT-6", "ENG-11")
 @pytest.mark.parametrize("where", ["add_request", "step", "generate", "abort"])
 def test_an_interrupt_in_the_llms_bookkeeping_leaves_it_refusing(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     """FAULT-6: after the engine did its part, an interrupt before the LLM recorded the id or handed the outputs

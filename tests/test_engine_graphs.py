@@ -34,9 +34,9 @@ def run(enforce_eager: bool | None, **extra: Any) -> tuple[LLM, list[list[int]]]
     return llm, [o.token_ids for o in outs]
 
 
-@pytest.mark.clause("ENG-21", "KERN-16", "KERN-17", "KERN-18", "KERN-19")
+@pytest.mark.clause("ENG-28", "KERN-16", "KERN-17", "KERN-18", "KERN-19")
 def test_graph_decode_equals_eager_across_buckets_preemption_and_prefix_hits() -> None:
-    """ENG-21, KERN-16, KERN-17, KERN-18, KERN-19: with enforce_eager=False every decode step replays a bucket's
+    """ENG-28, KERN-16, KERN-17, KERN-18, KERN-19: with enforce_eager=False every decode step replays a bucket's
     graph over the static buffers, and the tokens (greedy and seeded) equal eager decode's, with preemptions and
     prefix-cache hits happening and decisions identical to the reference (check mode)."""
     eager, expected = run(True)
@@ -56,9 +56,9 @@ def test_graph_decode_equals_eager_across_buckets_preemption_and_prefix_hits() -
     assert graphs.block_tables.shape[1] == -(-graphed.engine.limits.max_model_len // 4)
 
 
-@pytest.mark.clause("ENG-21", "KERN-18")
+@pytest.mark.clause("ENG-28", "KERN-18")
 def test_graph_buffers_are_cleared_between_steps() -> None:
-    """ENG-21, KERN-18: after the run the static block table holds only the last step's rows; the rest is -1."""
+    """ENG-28, KERN-18: after the run the static block table holds only the last step's rows; the rest is -1."""
     llm, _ = run(False)
     graphs = llm.engine.runner.graphs
     assert graphs is not None
@@ -67,18 +67,18 @@ def test_graph_buffers_are_cleared_between_steps() -> None:
     assert bool((graphs.slot_mapping[live:] == -1).all())
 
 
-@pytest.mark.clause("ENG-14", "ENG-21")
+@pytest.mark.clause("ENG-17", "ENG-28")
 def test_enforce_eager_default_and_validation() -> None:
-    """ENG-14, ENG-21: enforce_eager None means eager on the CPU; a non-bool is a ValueError naming the field."""
+    """ENG-17, ENG-28: enforce_eager None means eager on the CPU; a non-bool is a ValueError naming the field."""
     llm = LLM(str(checkpoint("qwen3")), dtype="float64", **SETTINGS)
     assert llm.enforce_eager is True and llm.engine.runner.graphs is None
     with pytest.raises(ValueError, match="enforce_eager"):
         LLM(str(checkpoint("qwen3")), enforce_eager="no")
 
 
-@pytest.mark.clause("ENG-21")
+@pytest.mark.clause("ENG-28")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_refuse_the_torch_backend() -> None:
-    """ENG-21: on CUDA, graphs need a capturable backend; the torch store_kv syncs with the host."""
+    """ENG-28: on CUDA, graphs need a capturable backend; the torch store_kv syncs with the host."""
     with pytest.raises(ValueError, match="enforce_eager"):
         LLM(str(checkpoint("qwen3")), device="cuda", enforce_eager=False, attention_backend="torch")

@@ -199,10 +199,10 @@ BAD_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-@pytest.mark.clause("ENG-1", "ENG-26")
+@pytest.mark.clause("ENG-1", "ENG-7")
 @pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
 def test_unsupported_config_is_refused_by_name(case: str, tmp_path: Path) -> None:
-    """ENG-1, ENG-26: activations other than SiLU, scaled or partial RoPE, sliding windows (however the config
+    """ENG-1, ENG-7: activations other than SiLU, scaled or partial RoPE, sliding windows (however the config
     reaches a layer with one), quantized weights and an odd head_dim are refused by name."""
     changes, field = BAD_CONFIGS[case]
     folder = copy_checkpoint(tmp_path)
@@ -236,10 +236,10 @@ NO_OPS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.mark.clause("ENG-26")
+@pytest.mark.clause("ENG-7")
 @pytest.mark.parametrize("case", sorted(NO_OPS))
 def test_refusals_stop_where_transformers_changes_nothing(case: str, tmp_path: Path) -> None:
-    """ENG-26: the sliding-window and partial-RoPE refusals follow transformers' reading: a window that reaches
+    """ENG-7: the sliding-window and partial-RoPE refusals follow transformers' reading: a window that reaches
     no layer, or a rotary factor of 1, is served, with transformers' own greedy output on the edited folder."""
     folder = copy_checkpoint(tmp_path)
     edit_config(folder, **NO_OPS[case])
@@ -248,9 +248,9 @@ def test_refusals_stop_where_transformers_changes_nothing(case: str, tmp_path: P
     assert greedy(folder) == expected
 
 
-@pytest.mark.clause("ENG-26")
+@pytest.mark.clause("ENG-7")
 def test_rms_norm_eps_reaches_every_norm(tmp_path: Path) -> None:
-    """ENG-26: rms_norm_eps is honoured: a large one changes transformers' tokens, and the engine's equal them (an
+    """ENG-7: rms_norm_eps is honoured: a large one changes transformers' tokens, and the engine's equal them (an
     eps missing from any norm, q/k norms included, would show)."""
     folder = copy_checkpoint(tmp_path)
     edit_config(folder, rms_norm_eps=0.5)
@@ -269,10 +269,10 @@ MINIMAL = {
 }
 
 
-@pytest.mark.clause("ENG-26")
+@pytest.mark.clause("ENG-7")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_absent_and_null_fields_resolve_as_transformers_config(family: str) -> None:
-    """ENG-26: a field config.json leaves out, or sets to null, takes the value transformers' config class of
+    """ENG-7: a field config.json leaves out, or sets to null, takes the value transformers' config class of
     the family gives it (Qwen2/Qwen3 default to 32 KV heads, Qwen3 to head_dim 128); the head_dim is the one
     transformers' attention reads (``getattr(config, "head_dim", hidden // heads)``)."""
     from transformers import CONFIG_MAPPING
@@ -303,10 +303,10 @@ FAMILY_REFUSALS = [
 ]
 
 
-@pytest.mark.clause("ENG-26")
+@pytest.mark.clause("ENG-7")
 @pytest.mark.parametrize(("family", "changes", "field"), FAMILY_REFUSALS)
 def test_family_specific_config_refusals(family: str, changes: dict[str, Any], field: str) -> None:
-    """ENG-26: Llama has no sliding attention, so any use_sliding_window is refused; a null head_dim, which
+    """ENG-7: Llama has no sliding attention, so any use_sliding_window is refused; a null head_dim, which
     transformers' Qwen2 and Qwen3 cannot run, is refused by name; so are KV heads that do not divide the heads."""
     d = {**json.loads((checkpoint(family) / "config.json").read_text()), **changes}
     with pytest.raises(ValueError, match=re.escape(field)):

@@ -1,4 +1,4 @@
-"""Logprobs (ENG-28..ENG-30): the model's raw log_softmax, transformers' in float64, in every scheduling regime."""
+"""Logprobs (ENG-18..ENG-20): the model's raw log_softmax, transformers' in float64, in every scheduling regime."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def hf_logprobs(family: str, ids: list[int]) -> np.ndarray:
 
 
 def expected_entry(row: np.ndarray, token: int, k: int) -> dict[int, tuple[float, int]]:
-    """ENG-28's dict for one position, computed independently: the top k by (-logprob, id), then ``token``."""
+    """ENG-18's dict for one position, computed independently: the top k by (-logprob, id), then ``token``."""
     order = sorted(range(len(row)), key=lambda t: (-row[t], t))
     out = {t: (float(row[t]), rank) for rank, t in enumerate(order[:k], 1)}
     if token not in out:
@@ -71,10 +71,10 @@ def assert_matches_hf(family: str, out: RequestOutput, k: int, prompt_k: int | N
             assert got[t].logprob == pytest.approx(value, abs=HF_TOLERANCE, rel=0)
 
 
-@pytest.mark.clause("ENG-28", "ENG-29")
+@pytest.mark.clause("ENG-18", "ENG-19")
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
 def test_logprobs_are_transformers_log_softmax(family: str) -> None:
-    """ENG-28, ENG-29: greedy and seeded requests' logprobs and prompt logprobs are transformers' log_softmax in
+    """ENG-18, ENG-19: greedy and seeded requests' logprobs and prompt logprobs are transformers' log_softmax in
     float64 (to RoPE's float32 in transformers), the top-K ids exactly, in order, with their ranks; K = 0 holds
     only the drawn token."""
     params = [SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, prompt_logprobs=3),
@@ -91,7 +91,7 @@ def test_logprobs_are_transformers_log_softmax(family: str) -> None:
     assert all(d is None or len(d) == 1 for d in outs[1].prompt_logprobs or [])
 
 
-@pytest.mark.clause("ENG-28", "ENG-30", "ENG-5", "ENG-3", "ENG-4")
+@pytest.mark.clause("ENG-18", "ENG-20", "ENG-5", "ENG-3", "ENG-4")
 @pytest.mark.parametrize("regime", [
     {"kvcache_block_size": 2, "num_kvcache_blocks": 40},  # preemption and recompute
     {"max_num_batched_tokens": 7},  # chunked prefill
@@ -99,7 +99,7 @@ def test_logprobs_are_transformers_log_softmax(family: str) -> None:
     {"enforce_eager": False},  # decode through the graph runner's stand-in
 ])
 def test_logprobs_in_every_regime(regime: dict[str, Any]) -> None:
-    """ENG-30: prompt logprobs across chunks, for prefix-cache hits (recomputed, nothing stored) and after a
+    """ENG-20: prompt logprobs across chunks, for prefix-cache hits (recomputed, nothing stored) and after a
     preemption (no position twice), and generated tokens' logprobs, all equal to transformers'; the regime
     happened."""
     prompts = [[*SHARED, 1, 2, 3], *PROMPTS[2:], [*SHARED, 7, 8], SHARED]
@@ -120,9 +120,9 @@ def test_logprobs_in_every_regime(regime: dict[str, Any]) -> None:
         assert_matches_hf("qwen3", out, sp.logprobs, sp.prompt_logprobs)
 
 
-@pytest.mark.clause("ENG-30")
+@pytest.mark.clause("ENG-20")
 def test_a_whole_prompt_from_the_cache_still_gets_its_prompt_logprobs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENG-30: a prompt the prefix cache holds but for its last token (every earlier position a hit) gets every
+    """ENG-20: a prompt the prefix cache holds but for its last token (every earlier position a hit) gets every
     prompt logprob, recomputed by a forward that stores nothing: no store is asked for a slot of the hit blocks
     (a store of the same values would leave the cache unchanged, so the stores themselves are watched), and the
     cached KV is unchanged, bit for bit."""
@@ -156,9 +156,9 @@ def test_a_whole_prompt_from_the_cache_still_gets_its_prompt_logprobs(monkeypatc
     assert_matches_hf("qwen3", out, 1, 4)
 
 
-@pytest.mark.clause("ENG-29")
+@pytest.mark.clause("ENG-19")
 def test_logprobs_are_exactly_reproducible_alone_and_follow_the_logits() -> None:
-    """ENG-29: the same request twice gives the same bits; each drawn token's logprob is log_softmax of the
+    """ENG-19: the same request twice gives the same bits; each drawn token's logprob is log_softmax of the
     logits the sampler saw (the runner's logits observer), bit for bit."""
     params = SamplingParams(temperature=0.9, seed=8, max_tokens=10, logprobs=3, prompt_logprobs=3)
     seen: list[torch.Tensor] = []
@@ -173,9 +173,9 @@ def test_logprobs_are_exactly_reproducible_alone_and_follow_the_logits() -> None
         assert entry[token].logprob == torch.log_softmax(logits[0], dim=-1)[token].item()
 
 
-@pytest.mark.clause("ENG-29")
+@pytest.mark.clause("ENG-19")
 def test_a_step_nobody_asked_does_no_logprob_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENG-29: without logprobs no prompt plan, no logprob and no logits row beyond the sampled ones; with them,
+    """ENG-19: without logprobs no prompt plan, no logprob and no logits row beyond the sampled ones; with them,
     exactly the prompt rows asked."""
     calls: dict[str, int] = {"plan": 0, "step": 0}
     real_plan, real_step = logprobs.prompt_plan, logprobs.step_logprobs
@@ -207,13 +207,13 @@ def test_a_step_nobody_asked_does_no_logprob_work(monkeypatch: pytest.MonkeyPatc
     assert sum(rows) == 3 + len(PROMPTS[2]) - 1 and calls["plan"] == 1
 
 
-@pytest.mark.clause("ENG-29")
+@pytest.mark.clause("ENG-19")
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 300), vocab=st.sampled_from([2, 7, 33, 257, 1000, 4099]), threads=st.sampled_from([1, 2]),
        wide=st.booleans(), seed=st.integers(0, 2**31))
 def test_log_probs_of_a_row_do_not_depend_on_its_batch(rows: int, vocab: int, threads: int, wide: bool,
                                                         seed: int) -> None:
-    """ENG-29: a row's log_probs alone equal its row in the whole batch and in any slice, bit for bit, at 1 and 2
+    """ENG-19: a row's log_probs alone equal its row in the whole batch and in any slice, bit for bit, at 1 and 2
     threads, in float32 and float64."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, vocab, generator=g, dtype=torch.float64 if wide else torch.float32) * 8
@@ -230,9 +230,9 @@ def test_log_probs_of_a_row_do_not_depend_on_its_batch(rows: int, vocab: int, th
     assert whole.dtype == x.dtype
 
 
-@pytest.mark.clause("ENG-29")
+@pytest.mark.clause("ENG-19")
 def test_top_logprobs_break_ties_by_token_id() -> None:
-    """ENG-29: the top K by descending logprob, ties (at the K-th value too) to the lower id; ranks agree."""
+    """ENG-19: the top K by descending logprob, ties (at the K-th value too) to the lower id; ranks agree."""
     lp = torch.tensor([[0.0, 1.0, 1.0, 1.0, -2.0, 5.0], [3.0, 3.0, 3.0, 3.0, 3.0, 3.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])
     ids, values = top_logprobs(lp, 3)
     assert ids.tolist() == [[5, 1, 2], [0, 1, 2], [5, 4, 3]]
@@ -242,11 +242,11 @@ def test_top_logprobs_break_ties_by_token_id() -> None:
     assert top_logprobs(lp, 0)[0].shape == (3, 0)
 
 
-@pytest.mark.clause("ENG-28", "ENG-9", "ARCH-6")
+@pytest.mark.clause("ENG-18", "ENG-10", "ARCH-6")
 @pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("bad", [-1, 21, True, 1.5, "3", [1]])
 def test_bad_logprob_counts_are_refused_naming_the_field(field: str, bad: object) -> None:
-    """ENG-28: a count that is no integer in [0, 20] (a bool, a float, a negative or larger one) is refused when
+    """ENG-18: a count that is no integer in [0, 20] (a bool, a float, a negative or larger one) is refused when
     the params are made, naming the field; 0, 20, None and a numpy integer are taken."""
     kwargs: Any = {field: bad}
     with pytest.raises(RequestRefused) as caught:
@@ -258,9 +258,9 @@ def test_bad_logprob_counts_are_refused_naming_the_field(field: str, bad: object
         assert value == stored and type(value) is type(stored)
 
 
-@pytest.mark.clause("ENG-28")
+@pytest.mark.clause("ENG-18")
 def test_not_asked_is_none_and_an_abort_keeps_what_it_got() -> None:
-    """ENG-28: outputs carry no logprobs unless asked; an aborted request's output holds one dict per token."""
+    """ENG-18: outputs carry no logprobs unless asked; an aborted request's output holds one dict per token."""
     llm = make()
     out = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert out.logprobs is None and out.prompt_logprobs is None
@@ -273,9 +273,9 @@ def test_not_asked_is_none_and_an_abort_keeps_what_it_got() -> None:
     assert all(isinstance(v, Logprob) for d in aborted.logprobs for v in d.values())
 
 
-@pytest.mark.clause("ENG-29")
+@pytest.mark.clause("ENG-19")
 def test_many_rows_taken_in_slices_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENG-29: a prompt's rows are ranked in slices (bounded memory); since every value is its own row's, the
+    """ENG-19: a prompt's rows are ranked in slices (bounded memory); since every value is its own row's, the
     slices give the bits of one pass over every row, counts differing per row included."""
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(70, VOCAB, generator=gen)

@@ -33,13 +33,13 @@ MAX_TOKENS = [3 + (5 * i) % 17 for i in range(12)]
 
 
 # The torch backend: the sorted decode ranges under test are its path (the in-place "cpu" backend takes whole
-# batches, ENG-19).
+# batches, ENG-26).
 make = partial(make_llm, family="llama", num_kvcache_blocks=160, attention_backend="torch")
 
 
-@pytest.mark.clause("ENG-19")
+@pytest.mark.clause("ENG-26")
 def test_decode_splits_cover_the_batch_with_widths_that_fit() -> None:
-    """ENG-19: ranges are contiguous, cover every row once, respect the limits, and each is as wide as its longest
+    """ENG-26: ranges are contiguous, cover every row once, respect the limits, and each is as wide as its longest
     row needs, whether the rows come sorted (the last row is the longest) or not."""
     drawn = np.random.default_rng(0).integers(1, 200, 37)
     for lens in (sorted(drawn.tolist()), drawn.tolist()):
@@ -52,9 +52,9 @@ def test_decode_splits_cover_the_batch_with_widths_that_fit() -> None:
                 assert width == -(-max(lens[a:b]) // 4)
 
 
-@pytest.mark.clause("ENG-19")
+@pytest.mark.clause("ENG-26")
 def test_split_decode_equals_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENG-19: with a range per row (the most splitting) float64 greedy output is still transformers'."""
+    """ENG-26: with a range per row (the most splitting) float64 greedy output is still transformers'."""
     llm = make()
     backend = llm.engine.runner.backend
     assert isinstance(backend, TorchBackend)
@@ -73,9 +73,9 @@ def test_split_decode_equals_transformers(monkeypatch: pytest.MonkeyPatch) -> No
     assert len(ranges) == llm.engine.stats.decode_steps > 0 and max(ranges) == len(PROMPTS)
 
 
-@pytest.mark.clause("ENG-20")
+@pytest.mark.clause("ENG-27")
 def test_greedy_rows_skip_the_draw(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENG-20: an all-greedy run never calls the sampler; a mixed run sends it only the sampled rows, and the
+    """ENG-27: an all-greedy run never calls the sampler; a mixed run sends it only the sampled rows, and the
     tokens equal one sampler call over the whole batch."""
     calls: list[int] = []
 
@@ -190,9 +190,9 @@ def _first_prefill_hidden(chunk: int) -> tuple[torch.Tensor, list[list[int]]]:
     return seen[0], [o.token_ids for o in outs]
 
 
-@pytest.mark.clause("ENG-23")
+@pytest.mark.clause("ENG-30")
 def test_row_slices_change_no_value() -> None:
-    """ENG-23: a forward in slices of 3 rows is bit for bit the whole-batch forward, and float64 greedy output with
+    """ENG-30: a forward in slices of 3 rows is bit for bit the whole-batch forward, and float64 greedy output with
     slices of 2 rows (prefill and decode) still equals transformers'."""
     whole, _ = _first_prefill_hidden(0)
     sliced, _ = _first_prefill_hidden(3)
@@ -251,12 +251,12 @@ class CapabilitySpy:
         return self.inner.decode(q, k_cache, v_cache, context_lens, block_tables, scale, plan)
 
 
-@pytest.mark.clause("ENG-19", "ENG-23", "KERN-15")
+@pytest.mark.clause("ENG-26", "ENG-30", "KERN-15")
 @pytest.mark.parametrize(("in_place", "planned"), [(True, False), (False, False), (True, True), (False, True)])
 def test_runner_obeys_the_declared_decode_capabilities(
     monkeypatch: pytest.MonkeyPatch, in_place: bool, planned: bool
 ) -> None:
-    """ENG-19, ENG-23, KERN-15: a backend declaring reads_cache_in_place gets each eager decode step's whole batch in
+    """ENG-26, ENG-30, KERN-15: a backend declaring reads_cache_in_place gets each eager decode step's whole batch in
     the scheduler's order, one that does not gets it sorted by context length; one declaring needs_decode_plan is
     asked for one plan per decode step (never for a prefill) and gets that very plan back in every layer, the
     others plan nothing and get None. Greedy float64 tokens stay transformers'."""
@@ -285,9 +285,9 @@ def test_runner_obeys_the_declared_decode_capabilities(
             assert got_plan is expected_plan
 
 
-@pytest.mark.clause("ENG-21", "KERN-15")
+@pytest.mark.clause("ENG-28", "KERN-15")
 def test_graphed_decode_steps_never_plan() -> None:
-    """ENG-21, KERN-15: with enforce_eager=False (the CPU stand-in graph) a backend declaring needs_decode_plan is
+    """ENG-28, KERN-15: with enforce_eager=False (the CPU stand-in graph) a backend declaring needs_decode_plan is
     never asked to plan, and every decode gets no plan (one made at capture would be stale); tokens unchanged."""
     llm = make(enforce_eager=False)
     spy = CapabilitySpy(reads_cache_in_place=False, needs_decode_plan=True)
@@ -298,10 +298,10 @@ def test_graphed_decode_steps_never_plan() -> None:
     assert spy.plans == [] and spy.decodes and all(plan is None for _, plan in spy.decodes)
 
 
-@pytest.mark.clause("ENG-21", "KERN-15")
+@pytest.mark.clause("ENG-28", "KERN-15")
 @pytest.mark.parametrize("capturable", [True, False])
 def test_cuda_graphs_follow_the_declared_capturable(monkeypatch: pytest.MonkeyPatch, capturable: bool) -> None:
-    """ENG-21, KERN-15: on CUDA (faked: the model loads on the CPU) enforce_eager=None captures decode graphs exactly
+    """ENG-28, KERN-15: on CUDA (faked: the model loads on the CPU) enforce_eager=None captures decode graphs exactly
     when the backend declares capturable, and enforce_eager=False with a backend that does not is a ValueError
     naming enforce_eager, raised before any weight loads."""
     import kernels.backend
@@ -368,11 +368,11 @@ def test_backends_declare_their_capabilities_truly() -> None:
         TorchBackend().decode(q, k_cache, v_cache, lens, poisoned, 0.3)
 
 
-@pytest.mark.clause("ENG-22")
+@pytest.mark.clause("ENG-29")
 def test_throughput_benchmark_states_its_fairness(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """ENG-22: one thread count set for both sides and printed; static batches of the stated size; requests
+    """ENG-29: one thread count set for both sides and printed; static batches of the stated size; requests
     with identical tokens reported; only requested tokens counted."""
     from optimized.benchmarks.throughput import run
     from optimized.engine.args import EngineArgs

@@ -65,10 +65,10 @@ def state(llm: LLM) -> tuple[Any, ...]:
     return snapshot(engine.scheduler), snapshot(shadow.ref), sorted(engine.live)
 
 
-@pytest.mark.clause("ENG-9", "ENG-10", "ARCH-6")
+@pytest.mark.clause("ENG-10", "ENG-13", "ARCH-6")
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_refused_request_changes_nothing(case: str) -> None:
-    """ENG-9, ENG-10: the whole call is refused before any request is added; a request already pending and later
+    """ENG-10, ENG-13: the whole call is refused before any request is added; a request already pending and later
     ones complete exactly as they would have. ARCH-6: the refusal carries the field at fault and, past a
     context limit, OpenAI's code (the prompt's field when the prompt with one token cannot fit)."""
     prompt, params, words, field, code = REFUSED[case]
@@ -92,9 +92,9 @@ def test_refused_request_changes_nothing(case: str) -> None:
     assert llm.engine.stats.compared_steps == llm.engine.stats.steps
 
 
-@pytest.mark.clause("ENG-10")
+@pytest.mark.clause("ENG-13")
 def test_admission_rule_is_exact() -> None:
-    """ENG-10: a request fits when ceil((len(prompt) + max_tokens - 1) / block_size) <= num_blocks."""
+    """ENG-13: a request fits when ceil((len(prompt) + max_tokens - 1) / block_size) <= num_blocks."""
     llm = make(num_kvcache_blocks=4)  # 16 slots
     ok = llm.generate([[1] * 9], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
     assert len(ok.token_ids) == 8
@@ -102,7 +102,7 @@ def test_admission_rule_is_exact() -> None:
         llm.generate([[1] * 10], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
 
 
-@pytest.mark.clause("ENG-9")
+@pytest.mark.clause("ENG-10")
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
@@ -128,16 +128,16 @@ def test_admission_rule_is_exact() -> None:
     ],
 )
 def test_bad_sampling_params_are_refused_where_made(kwargs: dict[str, Any], field: str) -> None:
-    """ENG-9, ARCH-6: SamplingParams refuses bad values when made, with a RequestRefused naming the field (in its
+    """ENG-10, ARCH-6: SamplingParams refuses bad values when made, with a RequestRefused naming the field (in its
     message and as ``field``), so no bad request reaches add()."""
     with pytest.raises(RequestRefused, match=field) as refused:
         SamplingParams(**kwargs)
     assert refused.value.field == field and refused.value.code is None
 
 
-@pytest.mark.clause("ENG-9", "ARCH-6")
+@pytest.mark.clause("ENG-10", "ARCH-6")
 def test_the_bounds_themselves_are_taken_and_top_k_zero_is_off() -> None:
-    """ENG-9: temperature 0 and 2, top_p 1 and at most 4 stop strings are taken; top_k 0 means off, stored as -1,
+    """ENG-10: temperature 0 and 2, top_p 1 and at most 4 stop strings are taken; top_k 0 means off, stored as -1,
     and draws what top_k -1 draws."""
     for temperature in (0.0, 2.0):
         assert SamplingParams(temperature=temperature).temperature == temperature
@@ -149,9 +149,9 @@ def test_the_bounds_themselves_are_taken_and_top_k_zero_is_off() -> None:
     assert drawn[0] == drawn[1]
 
 
-@pytest.mark.clause("ENG-9", "ENG-12")
+@pytest.mark.clause("ENG-10", "ENG-15")
 def test_last_vocabulary_id_is_a_valid_stop() -> None:
-    """ENG-9, ENG-12: the bound on stop_token_ids is the vocabulary itself: the last id is accepted, and a stop
+    """ENG-10, ENG-15: the bound on stop_token_ids is the vocabulary itself: the last id is accepted, and a stop
     set made of it and of an id greedy decoding draws ends the request there."""
     llm = make()
     plain = llm.generate([GOOD], GREEDY, use_tqdm=False)[0].token_ids
@@ -162,9 +162,9 @@ def test_last_vocabulary_id_is_a_valid_stop() -> None:
     assert out.token_ids == plain[: first + 1] and out.finish_reason == "stop"
 
 
-@pytest.mark.clause("ENG-11")
+@pytest.mark.clause("ENG-14")
 def test_text_prompt_without_tokenizer_and_bad_params_type() -> None:
-    """ENG-11: a checkpoint without tokenizer files serves token-id prompts; a text prompt is refused clearly."""
+    """ENG-14: a checkpoint without tokenizer files serves token-id prompts; a text prompt is refused clearly."""
     llm = make()
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate(["hello"], GREEDY, use_tqdm=False)
@@ -173,7 +173,7 @@ def test_text_prompt_without_tokenizer_and_bad_params_type() -> None:
     assert llm.generate([GOOD], GREEDY, use_tqdm=False)[0].finish_reason == "length"
 
 
-@pytest.mark.clause("ENG-14")
+@pytest.mark.clause("ENG-17")
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
@@ -190,24 +190,24 @@ def test_text_prompt_without_tokenizer_and_bad_params_type() -> None:
     ],
 )
 def test_bad_engine_config_names_the_field(kwargs: dict[str, Any], field: str) -> None:
-    """ENG-14: a bad LLM argument is a ValueError naming it."""
+    """ENG-17: a bad LLM argument is a ValueError naming it."""
     with pytest.raises(ValueError, match=field):
         make(**kwargs)
 
 
-@pytest.mark.clause("ENG-14")
+@pytest.mark.clause("ENG-17")
 def test_bad_model_folder() -> None:
-    """ENG-14: a model that is not a checkpoint folder is a ValueError naming it."""
+    """ENG-17: a model that is not a checkpoint folder is a ValueError naming it."""
     with pytest.raises(ValueError, match="model"):
         LLM("/nonexistent/checkpoint")
 
 
-@pytest.mark.clause("ENG-9")
+@pytest.mark.clause("ENG-10")
 @pytest.mark.parametrize(("bad", "shown"), [(1.0, "1.0 (float)"), (True, "True (bool)"), ([3], "[3] (list)"),
                                            (np.float64(2.0), "np.float64(2.0) (float64)"), ("7", "'7' (str)")])
 @pytest.mark.parametrize("api", ["generate", "add_request"])
 def test_a_token_id_of_the_wrong_type_says_it_must_be_an_int(bad: object, shown: str, api: str) -> None:
-    """ENG-9: a prompt token id that is no integer is refused as such (not as out of range), naming the value and
+    """ENG-10: a prompt token id that is no integer is refused as such (not as out of range), naming the value and
     its type, and the call changes nothing."""
     llm = make()
     before = state(llm)
@@ -220,9 +220,9 @@ def test_a_token_id_of_the_wrong_type_says_it_must_be_an_int(bad: object, shown:
     assert state(llm) == before and llm.engine._arrivals == 0
 
 
-@pytest.mark.clause("ENG-9")
+@pytest.mark.clause("ENG-10")
 def test_numpy_integer_token_ids_are_accepted_as_plain_ints() -> None:
-    """ENG-9: numpy integer scalars (prompt ids and stop ids) are accepted, stored as plain ints, and generate
+    """ENG-10: numpy integer scalars (prompt ids and stop ids) are accepted, stored as plain ints, and generate
     exactly what the same ints do."""
     llm = make()
     params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(np.int64(VOCAB - 1),))  # type: ignore[arg-type]
@@ -234,10 +234,10 @@ def test_numpy_integer_token_ids_are_accepted_as_plain_ints() -> None:
     assert all(type(t) is int for t in llm.engine.by_arrival[rid].seq.token_ids)
 
 
-@pytest.mark.clause("ENG-9")
+@pytest.mark.clause("ENG-10")
 @pytest.mark.parametrize(("params", "shown"), [([None], "NoneType"), ([{}], "dict"), ([GREEDY, None], "NoneType")])
 def test_sampling_params_list_elements_must_be_sampling_params(params: list[Any], shown: str) -> None:
-    """ENG-9: in a list of sampling params each element must be a SamplingParams (None only as the whole
+    """ENG-10: in a list of sampling params each element must be a SamplingParams (None only as the whole
     argument); the error names the index, and nothing is added."""
     llm = make()
     before = state(llm)
@@ -248,9 +248,9 @@ def test_sampling_params_list_elements_must_be_sampling_params(params: list[Any]
     assert state(llm) == before and llm.engine._arrivals == 0
 
 
-@pytest.mark.clause("ENG-9", "ARCH-6")
+@pytest.mark.clause("ENG-10", "ARCH-6")
 def test_generate_and_add_request_refuse_a_wrong_sampling_params_alike() -> None:
-    """ENG-9, ARCH-6: a sampling_params that is no SamplingParams is a RequestRefused naming ``sampling_params``
+    """ENG-10, ARCH-6: a sampling_params that is no SamplingParams is a RequestRefused naming ``sampling_params``
     from generate (the whole argument, an element, a count that does not match) as from add_request."""
     llm = make()
     for bad in ({"max_tokens": 4}, [GREEDY, GREEDY]):
@@ -263,9 +263,9 @@ def test_generate_and_add_request_refuse_a_wrong_sampling_params_alike() -> None
     assert not llm.has_unfinished_requests()
 
 
-@pytest.mark.clause("ENG-9")
+@pytest.mark.clause("ENG-10")
 def test_numpy_numbers_are_taken_as_the_plain_ones() -> None:
-    """ENG-9: numpy integers are taken wherever an integer is (max_tokens, top_k, seed, as token ids were) and numpy
+    """ENG-10: numpy integers are taken wherever an integer is (max_tokens, top_k, seed, as token ids were) and numpy
     floats wherever a number is (temperature, top_p), stored as plain ints and floats; a numpy bool is no number,
     and a non-integral float is no integer."""
     params = SamplingParams(temperature=np.float32(0.5), max_tokens=np.int64(8), top_k=np.int32(3),  # type: ignore[arg-type]
@@ -294,9 +294,9 @@ def word_level_tokenizer(folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.clause("ENG-9")
+@pytest.mark.clause("ENG-10")
 def test_a_prompt_with_a_lone_surrogate_is_a_value_error_naming_the_prompt(tmp_path: Path) -> None:
-    """ENG-9: a text prompt that is not valid Unicode is a ValueError naming the prompt's index (not a TypeError
+    """ENG-10: a text prompt that is not valid Unicode is a ValueError naming the prompt's index (not a TypeError
     from inside the tokenizer), and nothing is added."""
     llm = make()
     llm.tokenizer = load_tokenizer(word_level_tokenizer(tmp_path))
@@ -309,8 +309,8 @@ def test_a_prompt_with_a_lone_surrogate_is_a_value_error_naming_the_prompt(tmp_p
     assert state(llm) == before
 
 
-@pytest.mark.clause("ENG-9")
+@pytest.mark.clause("ENG-10")
 def test_an_empty_model_path_is_refused() -> None:
-    """ENG-9: model='' is refused naming `model`, not read as the current directory."""
+    """ENG-10: model='' is refused naming `model`, not read as the current directory."""
     with pytest.raises(ValueError, match=r"model must be .* got an empty string"):
         LLM("")

@@ -6,7 +6,7 @@ its layer and rows; ``ModelRunner.run`` is wrapped to snapshot the batch the sch
 ``num_cached_tokens``, ``num_scheduled_tokens``, tokens and block table) before the step, and a forward pre-hook
 records the input ids and positions the model gets. Each step is then checked against the grant alone. The spy
 declares that it gathers its table's width (not ``reads_cache_in_place``), so decode rows come sorted by context
-length (ENG-19), and plans decode steps exactly when the backend it wraps does. Every scenario also ends in
+length (ENG-26), and plans decode steps exactly when the backend it wraps does. Every scenario also ends in
 transformers' greedy tokens, so the KV the runner skipped recomputing was the right KV.
 """
 
@@ -176,7 +176,7 @@ def slot(g: Granted, position: int, block_size: int) -> int:
 
 def runner_rows(step: Step, block_size: int) -> list[Granted]:
     """The batch in the order the runner laid out its rows: the scheduler's for a prefill; for a decode, ordered
-    by context length (ENG-19), read back from the slots the first store wrote (one distinct slot per row)."""
+    by context length (ENG-26), read back from the slots the first store wrote (one distinct slot per row)."""
     if step.is_prefill:
         return step.batch
     by_slot = {slot(g, g.num_tokens - 1, block_size): g for g in step.batch}
@@ -241,10 +241,10 @@ def check_all(watch: Watch, llm: LLM) -> None:
 GREEDY = 0.0
 
 
-@pytest.mark.clause("ENG-2", "ENG-23", "ENG-19")
+@pytest.mark.clause("ENG-2", "ENG-30", "ENG-26")
 def test_each_step_computes_exactly_the_granted_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-2: every prefill and decode step, in a batch of several sequences and with the row-wise work sliced
-    (ENG-23), computes positions [num_cached_tokens, num_cached_tokens + num_scheduled_tokens) of each scheduled
+    (ENG-30), computes positions [num_cached_tokens, num_cached_tokens + num_scheduled_tokens) of each scheduled
     sequence: store_kv of those slots then prefill or decode, in every layer."""
     llm = make_llm()
     watch = Watch(llm, monkeypatch)
@@ -260,7 +260,7 @@ def test_each_step_computes_exactly_the_granted_tokens(monkeypatch: pytest.Monke
     assert sum(c.kind == "store_kv" for c in prefill.calls) == 5 * llm.engine.runner.model.config.num_layers
 
 
-@pytest.mark.clause("ENG-3", "ENG-19")
+@pytest.mark.clause("ENG-3", "ENG-26")
 def test_prefix_cache_hit_is_not_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-3: a sequence allocated with num_cached_tokens > 0 computes only its positions from there (its first
     query position is its cached count), attends to the cached blocks' KV (its context is the whole prompt), and
@@ -288,7 +288,7 @@ def test_prefix_cache_hit_is_not_recomputed(monkeypatch: pytest.MonkeyPatch) -> 
     assert all(c.context_lens == (len(second),) for c in prefill.calls if c.kind == "prefill")
 
 
-@pytest.mark.clause("ENG-4", "ENG-19")
+@pytest.mark.clause("ENG-4", "ENG-26")
 def test_unfinished_chunk_gets_the_placeholder_and_no_logits(monkeypatch: pytest.MonkeyPatch) -> None:
     """ENG-4: a chunk of a chunked prefill attends to all KV its sequence has cached so far (its context is every
     earlier chunk plus itself); logits are computed and a token drawn only for sequences whose prompt is complete

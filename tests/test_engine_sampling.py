@@ -32,9 +32,9 @@ def crowd_params() -> list[SamplingParams]:
     return [kinds[i % 3] for i in range(len(CROWD))]
 
 
-@pytest.mark.clause("ENG-7")
+@pytest.mark.clause("ENG-8")
 def test_seeded_request_same_alone_and_in_a_crowd() -> None:
-    """ENG-7: a seeded request's tokens do not depend on its neighbours, chunking, block size or preemption."""
+    """ENG-8: a seeded request's tokens do not depend on its neighbours, chunking, block size or preemption."""
     alone = make().generate([TARGET], SEEDED, use_tqdm=False)[0].token_ids
     assert len(set(alone)) > 5
     regimes: list[dict[str, Any]] = [
@@ -54,9 +54,9 @@ def test_seeded_request_same_alone_and_in_a_crowd() -> None:
     assert preempted > 0
 
 
-@pytest.mark.clause("ENG-7", "ENG-8")
+@pytest.mark.clause("ENG-8", "ENG-9")
 def test_different_seeds_differ_and_unseeded_requests_are_reproducible() -> None:
-    """ENG-7, ENG-8: different seeds draw different tokens; unseeded requests draw their seed from the LLM's own
+    """ENG-8, ENG-9: different seeds draw different tokens; unseeded requests draw their seed from the LLM's own
     generator at add time: reproducible for the same LLM seed, different between requests."""
     llm = make()
     a, b = llm.generate([TARGET, TARGET], [SEEDED, SamplingParams(**{**SEEDED.__dict__, "seed": 43})], False)

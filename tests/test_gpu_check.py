@@ -59,9 +59,9 @@ def _metrics(work: Path, stage: str) -> dict[str, Any]:
     return dict(data["metrics"])
 
 
-@pytest.mark.clause("GPU-1", "GPU-8")
+@pytest.mark.clause("GPU-1", "GPU-9")
 def test_tiny_run_prints_every_stage_passing_with_its_clause(tiny_run: tuple[Any, Path]) -> None:
-    """GPU-1, GPU-8: every stage in order, one row each plus the throughput row, each citing its clause; the
+    """GPU-1, GPU-9: every stage in order, one row each plus the throughput row, each citing its clause; the
     table is the last thing printed and every row passes, so the exit status is 0."""
     proc, _ = tiny_run
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -92,9 +92,9 @@ def test_tiny_run_kernel_rows(tiny_run: tuple[Any, Path]) -> None:
     assert rows["kernels-direct"][3].startswith("6/6 kernel checks equal torch")
 
 
-@pytest.mark.clause("GPU-9")
+@pytest.mark.clause("GPU-4")
 def test_tiny_run_kernels_invariant_row(tiny_run: tuple[Any, Path]) -> None:
-    """GPU-9: the batch-invariance tests of the Triton kernels ran in their own row, interpreted on the CPU, and
+    """GPU-4: the batch-invariance tests of the Triton kernels ran in their own row, interpreted on the CPU, and
     every one selected passed; the GPU profile runs the whole file there and keeps it out of the kernels row."""
     proc, work = tiny_run
     summary = _rows(proc.stdout)["kernels-invariant"][3]
@@ -107,9 +107,9 @@ def test_tiny_run_kernels_invariant_row(tiny_run: tuple[Any, Path]) -> None:
     assert f"--ignore={GPU.invariant_pytest_args[0]}" in GPU.kernel_pytest_args
 
 
-@pytest.mark.clause("GPU-4")
+@pytest.mark.clause("GPU-5")
 def test_tiny_run_graphs_are_token_exact_and_used(tiny_run: tuple[Any, Path]) -> None:
-    """GPU-4: eager and graph decode agree on every token, and the graph LLM really decoded through graphs."""
+    """GPU-5: eager and graph decode agree on every token, and the graph LLM really decoded through graphs."""
     proc, work = tiny_run
     m = _metrics(work, "graphs-exact")
     assert m["differing"] == 0 and m["graph_buckets"] >= 1
@@ -117,9 +117,9 @@ def test_tiny_run_graphs_are_token_exact_and_used(tiny_run: tuple[Any, Path]) ->
     assert "0 requests differ" in _rows(proc.stdout)["graphs-exact"][3]
 
 
-@pytest.mark.clause("GPU-5", "GPU-6")
+@pytest.mark.clause("GPU-6", "GPU-7")
 def test_tiny_run_checkpoint_and_throughput_numbers(tiny_run: tuple[Any, Path]) -> None:
-    """GPU-5, GPU-6: the checkpoint loads with every parameter; both engine modes produce exactly the requested
+    """GPU-6, GPU-7: the checkpoint loads with every parameter; both engine modes produce exactly the requested
     tokens at a finite positive rate; transformers' subset is stated; the ratios row is their quotient."""
     proc, work = tiny_run
     assert _metrics(work, "checkpoint")["parameters"] == num_parameters(TINY.bench_model)
@@ -138,9 +138,9 @@ def test_tiny_run_checkpoint_and_throughput_numbers(tiny_run: tuple[Any, Path]) 
     assert ratio and float(ratio.group(1)) == pytest.approx(rates["engine-graphs"] / rates["engine-eager"], abs=0.01)
 
 
-@pytest.mark.clause("GPU-7")
+@pytest.mark.clause("GPU-8")
 def test_tiny_run_decode_floor(tiny_run: tuple[Any, Path]) -> None:
-    """GPU-7: a measured CPU copy bandwidth, the floor's bytes from the model and the batch's contexts, and each
+    """GPU-8: a measured CPU copy bandwidth, the floor's bytes from the model and the batch's contexts, and each
     mode's median step no faster than its floor."""
     _, work = tiny_run
     m = _metrics(work, "decode-floor")
@@ -151,9 +151,9 @@ def test_tiny_run_decode_floor(tiny_run: tuple[Any, Path]) -> None:
         assert r["kv_read_bytes"] > 0 and r["weight_bytes"] > 0
 
 
-@pytest.mark.clause("GPU-7")
+@pytest.mark.clause("GPU-8")
 def test_floor_bytes_follow_the_formula(tmp_path: Path) -> None:
-    """GPU-7: W counts the tied embedding once (as lm_head) plus the gathered rows; untied, the embedding matrix
+    """GPU-8: W counts the tied embedding once (as lm_head) plus the gathered rows; untied, the embedding matrix
     is only gathered; KV bytes are 2 * L * kvh * d * e per token read, plus the new tokens written."""
     for tied in (True, False):
         shape = replace(TINY.bench_model, tie_embeddings=tied)
@@ -170,9 +170,9 @@ def test_floor_bytes_follow_the_formula(tmp_path: Path) -> None:
         assert f.seconds == pytest.approx((expected_w + 19 * per_token) / 1e9)
 
 
-@pytest.mark.clause("GPU-5", "GPU-6")
+@pytest.mark.clause("GPU-6", "GPU-7")
 def test_the_bench_shapes_are_qwen3_0_6b_and_nano_vllm_bench() -> None:
-    """GPU-5, GPU-6: the GPU profile's model and workload are the ones the spec names."""
+    """GPU-6, GPU-7: the GPU profile's model and workload are the ones the spec names."""
     assert num_parameters(QWEN3_0_6B) == 596_049_920
     assert GPU.bench_model == QWEN3_0_6B and GPU.bench_dtype == "bfloat16"
     w = GPU.workload
@@ -199,9 +199,9 @@ def test_a_crashing_or_overrunning_stage_is_a_row_not_a_crash(tmp_path: Path) ->
     assert table.splitlines()[-1] == "gpu-check: 0/4 rows PASS"
 
 
-@pytest.mark.clause("GPU-8")
+@pytest.mark.clause("GPU-9")
 def test_bad_arguments_exit_2_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:
-    """GPU-8: the full profile refuses the CPU; unknown stages and a non-positive deadline are refused."""
+    """GPU-9: the full profile refuses the CPU; unknown stages and a non-positive deadline are refused."""
     from optimized.cli import main
 
     with pytest.raises(ValueError, match="device"):
@@ -214,9 +214,9 @@ def test_bad_arguments_exit_2_naming_the_field(capsys: pytest.CaptureFixture[str
     assert "deadline-s" in capsys.readouterr().err
 
 
-@pytest.mark.clause("GPU-2", "GPU-4")
+@pytest.mark.clause("GPU-2", "GPU-5")
 def test_verdicts_report_an_interpreted_gpu_run_failures_and_differing_tokens() -> None:
-    """GPU-2, GPU-4: a GPU kernel run that was interpreted fails even with every test passing; a failed test fails;
+    """GPU-2, GPU-5: a GPU kernel run that was interpreted fails even with every test passing; a failed test fails;
     a request whose graph tokens differ is named with its first differing token."""
     clean = {"tests": 5, "failures": 0, "errors": 0, "skipped": 0, "passed": 5}
     assert gpu_stages.kernels_verdict(clean, True, "0", "cuda")[0]
@@ -229,9 +229,9 @@ def test_verdicts_report_an_interpreted_gpu_run_failures_and_differing_tokens() 
     assert gpu_stages.token_diffs(3, [[1, 2], [3, 4]], [[1, 2], [3, 5]]) == ["B=3 request 1 differs from token 1"]
 
 
-@pytest.mark.clause("GPU-4")
+@pytest.mark.clause("GPU-5")
 def test_graph_info_tells_eager_from_graph_decoding(tmp_path: Path) -> None:
-    """GPU-4: an eager LLM has no graph runner; with enforce_eager=False graphs are found, and counted once used."""
+    """GPU-5: an eager LLM has no graph runner; with enforce_eager=False graphs are found, and counted once used."""
     from optimized.engine.sampling_params import SamplingParams
     from optimized.entry.llm import LLM
 

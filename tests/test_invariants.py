@@ -123,9 +123,9 @@ def batch_reports(state: SchedulerState, batch: list[SeqView], is_prefill: bool,
 # --- the sound states -------------------------------------------------------------------------
 
 
-@pytest.mark.clause("INV-9", "INV-20", "INV-5")
+@pytest.mark.clause("INV-13", "INV-11", "INV-5")
 def test_scenario_reaches_the_shapes_the_corruptions_need() -> None:
-    """INV-9, INV-20, INV-5: the scenario really has a chunk, a shared block, a free cached block."""
+    """INV-13, INV-11, INV-5: the scenario really has a chunk, a shared block, a free cached block."""
     _, batch, is_prefill = scheduled(2)
     assert is_prefill and len(batch) == 1 and batch[0].num_scheduled_tokens == 16
     assert between(2).waiting[0].block_table
@@ -137,12 +137,12 @@ def test_scenario_reaches_the_shapes_the_corruptions_need() -> None:
 
 
 @pytest.mark.clause(
-    "INV-1", "INV-2", "INV-3", "INV-4", "INV-5", "INV-6", "INV-7", "INV-8", "INV-9", "INV-10", "INV-11", "INV-12",
-    "INV-13", "INV-14", "INV-15", "INV-16", "INV-17", "INV-18", "INV-19", "INV-20",
+    "INV-1", "INV-2", "INV-3", "INV-6", "INV-5", "INV-8", "INV-7", "INV-12", "INV-13", "INV-14", "INV-15", "INV-16",
+    "INV-18", "INV-19", "INV-4", "INV-17", "INV-9", "INV-20", "INV-10", "INV-11",
 )
 @pytest.mark.parametrize("step", range(5))
 def test_sound_states_report_nothing(step: int) -> None:
-    """INV-1..INV-20: every snapshot of the uncorrupted scenario is clean, at both check points."""
+    """INV-1..INV-11: every snapshot of the uncorrupted scenario is clean, at both check points."""
     state, batch, is_prefill = scheduled(step)
     assert check_state(state, between_steps=False) == []
     assert check_batch(state, batch, is_prefill) == []
@@ -213,21 +213,21 @@ def test_leaked_block_at_idle() -> None:
     assert state_reports(state, "INV-3")
 
 
-@pytest.mark.clause("INV-4")
+@pytest.mark.clause("INV-6")
 def test_running_out_of_arrival_order() -> None:
-    """INV-4: two running sequences swapped is reported."""
+    """INV-6: two running sequences swapped is reported."""
     state = between(4)
     state.running[0], state.running[1] = state.running[1], state.running[0]
-    assert state_reports(state, "INV-4")
+    assert state_reports(state, "INV-6")
 
 
-@pytest.mark.clause("INV-4")
+@pytest.mark.clause("INV-6")
 def test_waiting_before_running_in_arrival_order() -> None:
-    """INV-4: a waiting sequence older than a running one (a preempted sequence put at the back) is reported."""
+    """INV-6: a waiting sequence older than a running one (a preempted sequence put at the back) is reported."""
     state = between(1)
     state.waiting[0].seq_id = state.running[0].seq_id + 1
     assert state.waiting[0].seq_id < state.running[-1].seq_id
-    assert state_reports(state, "INV-4")
+    assert state_reports(state, "INV-6")
 
 
 @pytest.mark.clause("INV-5")
@@ -248,32 +248,32 @@ def test_prefix_table_points_at_partial_block() -> None:
     assert state_reports(state, "INV-5")
 
 
-@pytest.mark.clause("INV-6")
+@pytest.mark.clause("INV-8")
 def test_cached_tokens_beyond_sequence() -> None:
-    """INV-6: num_cached_tokens larger than num_tokens is reported."""
+    """INV-8: num_cached_tokens larger than num_tokens is reported."""
     state = between(4)
     seq = state.running[0]
     seq.num_cached_tokens = seq.num_tokens + 1
-    assert state_reports(state, "INV-6")
+    assert state_reports(state, "INV-8")
 
 
-@pytest.mark.clause("INV-6")
+@pytest.mark.clause("INV-8")
 def test_cached_tokens_without_blocks() -> None:
-    """INV-6: a sequence with an empty block table but cached tokens is reported."""
+    """INV-8: a sequence with an empty block table but cached tokens is reported."""
     state = between(1)
     waiting = state.waiting[0]
     assert not waiting.block_table
     waiting.num_cached_tokens = BLOCK_SIZE
-    assert state_reports(state, "INV-6")
+    assert state_reports(state, "INV-8")
 
 
-@pytest.mark.clause("INV-6")
+@pytest.mark.clause("INV-8")
 def test_scheduled_tokens_left_after_postprocess() -> None:
-    """INV-6: num_scheduled_tokens not reset between steps is reported (and tolerated right after schedule)."""
+    """INV-8: num_scheduled_tokens not reset between steps is reported (and tolerated right after schedule)."""
     state = between(4)
     state.running[0].num_scheduled_tokens = 1
-    assert state_reports(state, "INV-6")
-    assert not state_reports(state, "INV-6", between_steps=False)
+    assert state_reports(state, "INV-8")
+    assert not state_reports(state, "INV-8", between_steps=False)
 
 
 @pytest.mark.clause("INV-7")
@@ -301,53 +301,53 @@ def test_waiting_sequence_in_decode_mode() -> None:
     assert state_reports(state, "INV-7")
 
 
-@pytest.mark.clause("INV-15")
+@pytest.mark.clause("INV-4")
 def test_hash_without_full_tokens() -> None:
-    """INV-15: a hashed block holding fewer than block_size tokens is reported."""
+    """INV-4: a hashed block holding fewer than block_size tokens is reported."""
     state = between(1)
     hashed = next(b for b in state.blocks if b.hash != -1)
     hashed.token_ids.pop()
-    assert state_reports(state, "INV-15")
+    assert state_reports(state, "INV-4")
 
 
-@pytest.mark.clause("INV-15")
+@pytest.mark.clause("INV-4")
 def test_tokens_without_hash() -> None:
-    """INV-15: an unhashed block that still lists tokens is reported."""
+    """INV-4: an unhashed block that still lists tokens is reported."""
     state = between(1)
     fresh = next(b for b in state.blocks if b.hash == -1)
     fresh.token_ids = [1, 2, 3, 4]
-    assert state_reports(state, "INV-15")
+    assert state_reports(state, "INV-4")
 
 
-@pytest.mark.clause("INV-17")
+@pytest.mark.clause("INV-9")
 def test_live_sequence_past_max_tokens() -> None:
-    """INV-17: a live sequence holding max_tokens completion tokens should have finished."""
+    """INV-9: a live sequence holding max_tokens completion tokens should have finished."""
     state = between(4)
     seq = state.running[0]
     seq.max_tokens = seq.num_tokens - seq.num_prompt_tokens
-    assert state_reports(state, "INV-17")
+    assert state_reports(state, "INV-9")
 
 
-@pytest.mark.clause("INV-19")
+@pytest.mark.clause("INV-10")
 def test_running_sequence_missing_its_last_block() -> None:
-    """INV-19: a running sequence whose block table lacks a block it needs is reported."""
+    """INV-10: a running sequence whose block table lacks a block it needs is reported."""
     state = between(4)
     state.running[2].block_table.pop()
-    assert state_reports(state, "INV-19")
+    assert state_reports(state, "INV-10")
 
 
-@pytest.mark.clause("INV-19")
+@pytest.mark.clause("INV-10")
 def test_running_sequence_lagging_two_tokens() -> None:
-    """INV-19: a running sequence with two uncomputed tokens between steps is reported."""
+    """INV-10: a running sequence with two uncomputed tokens between steps is reported."""
     state = between(4)
     seq = state.running[0]
     seq.num_cached_tokens -= 1
-    assert state_reports(state, "INV-19")
+    assert state_reports(state, "INV-10")
 
 
-@pytest.mark.clause("INV-20")
+@pytest.mark.clause("INV-11")
 def test_blocks_held_behind_the_front_of_waiting() -> None:
-    """INV-20: a waiting sequence behind waiting[0] holding blocks is reported."""
+    """INV-11: a waiting sequence behind waiting[0] holding blocks is reported."""
     state = between(2)
     newcomer = _copy_seq(state.waiting[0])
     newcomer.seq_id += 1
@@ -358,111 +358,111 @@ def test_blocks_held_behind_the_front_of_waiting() -> None:
     state.used_block_ids.add(grabbed)
     state.blocks[grabbed].ref_count = 1
     newcomer.block_table.append(grabbed)
-    assert state_reports(state, "INV-20")
+    assert state_reports(state, "INV-11")
 
 
-@pytest.mark.clause("INV-20")
+@pytest.mark.clause("INV-11")
 def test_partial_prefill_missing_a_block() -> None:
-    """INV-20: a partial prefill in waiting must hold every block of its tokens."""
+    """INV-11: a partial prefill in waiting must hold every block of its tokens."""
     state = between(2)
     state.waiting[0].block_table.pop()
-    assert state_reports(state, "INV-20")
+    assert state_reports(state, "INV-11")
 
 
 # --- batch invariants -------------------------------------------------------------------------
 
 
-@pytest.mark.clause("INV-8")
+@pytest.mark.clause("INV-12")
 def test_batch_over_max_num_seqs() -> None:
-    """INV-8: more sequences than max_num_seqs is reported."""
+    """INV-12: more sequences than max_num_seqs is reported."""
     state, batch, is_prefill = scheduled(4)
     state.max_num_seqs = len(batch) - 1
-    assert batch_reports(state, batch, is_prefill, "INV-8")
-
-
-@pytest.mark.clause("INV-8")
-def test_prefill_batch_over_token_budget() -> None:
-    """INV-8: a prefill batch with more tokens than max_num_batched_tokens is reported."""
-    state, batch, is_prefill = scheduled(0)
-    assert is_prefill
-    state.max_num_batched_tokens = sum(s.num_scheduled_tokens for s in batch) - 1
-    assert batch_reports(state, batch, is_prefill, "INV-8")
-
-
-@pytest.mark.clause("INV-8")
-def test_decode_batch_ignores_token_budget() -> None:
-    """INV-8: the lesson's decode loop never consults the token budget, so a decode batch may exceed it."""
-    state, batch, is_prefill = scheduled(4)
-    assert not is_prefill
-    state.max_num_batched_tokens = 1
-    assert not batch_reports(state, batch, is_prefill, "INV-8")
-
-
-@pytest.mark.clause("INV-9")
-def test_second_sequence_left_unfinished() -> None:
-    """INV-9: a partial prefill anywhere but first in the batch is reported."""
-    state, batch, is_prefill = scheduled(0)
-    assert len(batch) == 2
-    batch[1].num_scheduled_tokens -= 1
-    assert batch_reports(state, batch, is_prefill, "INV-9")
-
-
-@pytest.mark.clause("INV-9")
-def test_chunk_that_does_not_fill_the_budget() -> None:
-    """INV-9: a chunk smaller than the remaining budget is reported (the lesson only chunks at the budget)."""
-    state, batch, is_prefill = scheduled(2)
-    batch[0].num_scheduled_tokens -= 1
-    assert batch_reports(state, batch, is_prefill, "INV-9")
-
-
-@pytest.mark.clause("INV-9")
-def test_chunk_sharing_its_batch() -> None:
-    """INV-9: a first-sequence chunk followed by another sequence is reported."""
-    state, batch, is_prefill = scheduled(0)
-    batch[0].num_scheduled_tokens -= 1
-    assert batch_reports(state, batch, is_prefill, "INV-9")
-
-
-@pytest.mark.clause("INV-10")
-def test_decode_of_two_tokens() -> None:
-    """INV-10: a decode scheduling two tokens for a sequence is reported."""
-    state, batch, is_prefill = scheduled(4)
-    batch[1].num_scheduled_tokens = 2
-    assert batch_reports(state, batch, is_prefill, "INV-10")
-
-
-@pytest.mark.clause("INV-11")
-def test_zero_length_prefill() -> None:
-    """INV-11: a batch sequence with no token to compute is reported."""
-    state, batch, is_prefill = scheduled(0)
-    batch[1].num_scheduled_tokens = 0
-    assert batch_reports(state, batch, is_prefill, "INV-11")
-
-
-@pytest.mark.clause("INV-11")
-def test_tokens_scheduled_outside_the_batch() -> None:
-    """INV-11: a sequence outside the batch with scheduled tokens is reported."""
-    state, batch, is_prefill = scheduled(2)
-    outsider = state.running[0]
-    outsider.num_scheduled_tokens = 1
-    assert batch_reports(state, batch, is_prefill, "INV-11")
+    assert batch_reports(state, batch, is_prefill, "INV-12")
 
 
 @pytest.mark.clause("INV-12")
+def test_prefill_batch_over_token_budget() -> None:
+    """INV-12: a prefill batch with more tokens than max_num_batched_tokens is reported."""
+    state, batch, is_prefill = scheduled(0)
+    assert is_prefill
+    state.max_num_batched_tokens = sum(s.num_scheduled_tokens for s in batch) - 1
+    assert batch_reports(state, batch, is_prefill, "INV-12")
+
+
+@pytest.mark.clause("INV-12")
+def test_decode_batch_ignores_token_budget() -> None:
+    """INV-12: the lesson's decode loop never consults the token budget, so a decode batch may exceed it."""
+    state, batch, is_prefill = scheduled(4)
+    assert not is_prefill
+    state.max_num_batched_tokens = 1
+    assert not batch_reports(state, batch, is_prefill, "INV-12")
+
+
+@pytest.mark.clause("INV-13")
+def test_second_sequence_left_unfinished() -> None:
+    """INV-13: a partial prefill anywhere but first in the batch is reported."""
+    state, batch, is_prefill = scheduled(0)
+    assert len(batch) == 2
+    batch[1].num_scheduled_tokens -= 1
+    assert batch_reports(state, batch, is_prefill, "INV-13")
+
+
+@pytest.mark.clause("INV-13")
+def test_chunk_that_does_not_fill_the_budget() -> None:
+    """INV-13: a chunk smaller than the remaining budget is reported (the lesson only chunks at the budget)."""
+    state, batch, is_prefill = scheduled(2)
+    batch[0].num_scheduled_tokens -= 1
+    assert batch_reports(state, batch, is_prefill, "INV-13")
+
+
+@pytest.mark.clause("INV-13")
+def test_chunk_sharing_its_batch() -> None:
+    """INV-13: a first-sequence chunk followed by another sequence is reported."""
+    state, batch, is_prefill = scheduled(0)
+    batch[0].num_scheduled_tokens -= 1
+    assert batch_reports(state, batch, is_prefill, "INV-13")
+
+
+@pytest.mark.clause("INV-14")
+def test_decode_of_two_tokens() -> None:
+    """INV-14: a decode scheduling two tokens for a sequence is reported."""
+    state, batch, is_prefill = scheduled(4)
+    batch[1].num_scheduled_tokens = 2
+    assert batch_reports(state, batch, is_prefill, "INV-14")
+
+
+@pytest.mark.clause("INV-15")
+def test_zero_length_prefill() -> None:
+    """INV-15: a batch sequence with no token to compute is reported."""
+    state, batch, is_prefill = scheduled(0)
+    batch[1].num_scheduled_tokens = 0
+    assert batch_reports(state, batch, is_prefill, "INV-15")
+
+
+@pytest.mark.clause("INV-15")
+def test_tokens_scheduled_outside_the_batch() -> None:
+    """INV-15: a sequence outside the batch with scheduled tokens is reported."""
+    state, batch, is_prefill = scheduled(2)
+    outsider = state.running[0]
+    outsider.num_scheduled_tokens = 1
+    assert batch_reports(state, batch, is_prefill, "INV-15")
+
+
+@pytest.mark.clause("INV-16")
 def test_write_into_a_shared_block() -> None:
-    """INV-12: a sequence writing a block another sequence also holds is reported."""
+    """INV-16: a sequence writing a block another sequence also holds is reported."""
     state, batch, is_prefill = scheduled(4)
     writer = batch[0]
     target = writer.block_table[writer.num_cached_tokens // BLOCK_SIZE]
     other = batch[2]
     other.block_table.append(target)
     state.blocks[target].ref_count += 1
-    assert batch_reports(state, batch, is_prefill, "INV-12")
+    assert batch_reports(state, batch, is_prefill, "INV-16")
 
 
-@pytest.mark.clause("INV-13", "EDGE-2")
+@pytest.mark.clause("INV-18", "EDGE-2")
 def test_empty_decode_of_the_lesson() -> None:
-    """INV-13: the lesson's empty decode (EDGE-2) — the only sequence preempts itself — is reported."""
+    """INV-18: the lesson's empty decode (EDGE-2) — the only sequence preempts itself — is reported."""
     config = reference.SchedulerConfig(num_blocks=2, block_size=2, max_num_seqs=4, max_num_batched_tokens=64)
     scheduler = reference.Scheduler(config)
     scheduler.add(reference.Sequence([1, 2, 3, 4], reference.SamplingParams(max_tokens=5), 2))
@@ -472,62 +472,62 @@ def test_empty_decode_of_the_lesson() -> None:
         scheduler.schedule()
     state = snapshot(scheduler)
     assert [s.status for s in state.waiting] == ["WAITING"]
-    assert clauses(check_batch(state, [], False)) == {"INV-13"}
+    assert clauses(check_batch(state, [], False)) == {"INV-18"}
     assert check_state(state) == []
 
 
-@pytest.mark.clause("INV-13")
+@pytest.mark.clause("INV-18")
 def test_empty_batch_when_idle_is_fine() -> None:
-    """INV-13: an empty batch with no work is not a violation."""
+    """INV-18: an empty batch with no work is not a violation."""
     assert check_batch(_copy(_SCENARIO.idle), [], False) == []
 
 
-@pytest.mark.clause("INV-14")
+@pytest.mark.clause("INV-19")
 def test_batch_block_table_too_short() -> None:
-    """INV-14: a batch sequence whose block table does not cover its tokens is reported."""
+    """INV-19: a batch sequence whose block table does not cover its tokens is reported."""
     state, batch, is_prefill = scheduled(3)
     batch[0].block_table.pop()
-    assert batch_reports(state, batch, is_prefill, "INV-14")
+    assert batch_reports(state, batch, is_prefill, "INV-19")
 
 
-@pytest.mark.clause("INV-16")
+@pytest.mark.clause("INV-17")
 def test_write_into_a_hashed_block() -> None:
-    """INV-16: writing a block that already carries a hash (the prefix cache could hand it out) is reported."""
+    """INV-17: writing a block that already carries a hash (the prefix cache could hand it out) is reported."""
     state, batch, is_prefill = scheduled(4)
     writer = batch[1]
     target = writer.block_table[writer.num_cached_tokens // BLOCK_SIZE]
     state.blocks[target].hash = 42
-    assert batch_reports(state, batch, is_prefill, "INV-16")
+    assert batch_reports(state, batch, is_prefill, "INV-17")
 
 
-@pytest.mark.clause("INV-18")
+@pytest.mark.clause("INV-20")
 def test_decode_batch_not_at_front_of_running() -> None:
-    """INV-18: a decode batch that is not the front of running, in order, is reported."""
+    """INV-20: a decode batch that is not the front of running, in order, is reported."""
     state, batch, is_prefill = scheduled(4)
-    assert batch_reports(state, [batch[1], batch[0], batch[2]], is_prefill, "INV-18")
+    assert batch_reports(state, [batch[1], batch[0], batch[2]], is_prefill, "INV-20")
 
 
-@pytest.mark.clause("INV-18")
+@pytest.mark.clause("INV-20")
 def test_finished_prefill_not_at_tail_of_running() -> None:
-    """INV-18: a prefill that finished but is not at the tail of running is reported."""
+    """INV-20: a prefill that finished but is not at the tail of running is reported."""
     state, batch, is_prefill = scheduled(1)
     state.running.reverse()
-    assert batch_reports(state, batch, is_prefill, "INV-18")
+    assert batch_reports(state, batch, is_prefill, "INV-20")
 
 
-@pytest.mark.clause("INV-18")
+@pytest.mark.clause("INV-20")
 def test_decode_sequence_still_in_prefill_mode() -> None:
-    """INV-18: a decode batch sequence with is_prefill True is reported."""
+    """INV-20: a decode batch sequence with is_prefill True is reported."""
     state, batch, is_prefill = scheduled(4)
     batch[0].is_prefill = True
-    assert batch_reports(state, batch, is_prefill, "INV-18")
+    assert batch_reports(state, batch, is_prefill, "INV-20")
 
 
-@pytest.mark.clause("INV-18")
+@pytest.mark.clause("INV-20")
 def test_sequence_twice_in_batch() -> None:
-    """INV-18: a batch naming one sequence twice is reported."""
+    """INV-20: a batch naming one sequence twice is reported."""
     state, batch, is_prefill = scheduled(4)
-    assert batch_reports(state, [*batch, batch[0]], is_prefill, "INV-18")
+    assert batch_reports(state, [*batch, batch[0]], is_prefill, "INV-20")
 
 
 # --- the conformance samples ------------------------------------------------------------------
@@ -555,11 +555,11 @@ class Recorder:
 
 
 @pytest.mark.clause(
-    "INV-1", "INV-2", "INV-3", "INV-4", "INV-5", "INV-6", "INV-7", "INV-8", "INV-9", "INV-10", "INV-11", "INV-12",
-    "INV-13", "INV-14", "INV-15", "INV-16", "INV-17", "INV-18", "INV-19", "INV-20",
+    "INV-1", "INV-2", "INV-3", "INV-6", "INV-5", "INV-8", "INV-7", "INV-12", "INV-13", "INV-14", "INV-15", "INV-16",
+    "INV-18", "INV-19", "INV-4", "INV-17", "INV-9", "INV-20", "INV-10", "INV-11",
 )
 def test_all_conformance_samples_replay_without_violations() -> None:
-    """INV-1..INV-20: every state and batch of the 80 reference replays is clean; 3 end in an empty decode."""
+    """INV-1..INV-11: every state and batch of the 80 reference replays is clean; 3 end in an empty decode."""
     samples = [json.loads(line) for line in SAMPLES.read_text().splitlines() if line.strip()]
     assert len(samples) == 80
     found: list[tuple[int, int, Violation]] = []

@@ -1,4 +1,4 @@
-"""MUT-8: the test gaps the mutation run found (spec/mutation.md), each closed by a test here.
+"""MUT-9: the test gaps the mutation run found (spec/mutation.md), each closed by a test here.
 
 Every test names the mutant it kills, by file (``core/`` is optimized/core/, block_math.py is
 invariants/block_math.py) and line. They are part of the judging tests (tests/mutation/targets.py),
@@ -32,27 +32,27 @@ from optimized.engine.sampling_params import SamplingParams
 TABLE = [5, 2, 7, 0]
 
 
-@pytest.mark.clause("MUT-8")
+@pytest.mark.clause("MUT-9")
 @pytest.mark.parametrize("config_class", [ref.SchedulerConfig, opt.SchedulerConfig])
 def test_the_lesson_defaults_of_the_config(config_class: type[ref.SchedulerConfig | opt.SchedulerConfig]) -> None:
-    """MUT-8 (reference/config.py, 16384 -> 16385): the defaults are spec/knobs.md's, in the core's config too."""
+    """MUT-9 (reference/config.py, 16384 -> 16385): the defaults are spec/knobs.md's, in the core's config too."""
     config = config_class(num_blocks=1, block_size=2)
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.eos) == (512, 16384, -1)
 
 
-@pytest.mark.clause("MUT-8", "ADMIT-1")
+@pytest.mark.clause("MUT-9", "ADMIT-1")
 def test_a_request_that_exactly_fills_the_cache_is_admitted() -> None:
-    """MUT-8 (block_math.py 55, ``<=`` -> ``<``): admits is ADMIT-1's rule, up to a request that fills every slot."""
+    """MUT-9 (block_math.py 55, ``<=`` -> ``<``): admits is ADMIT-1's rule, up to a request that fills every slot."""
     for block_size, num_blocks, prompt_len, max_tokens in itertools.product(range(1, 5), range(1, 4), range(1, 14),
                                                                             range(1, 14)):
         fits = prompt_len + max_tokens - 1 <= num_blocks * block_size
         assert admits(prompt_len, max_tokens, block_size, num_blocks) == fits
 
 
-@pytest.mark.clause("MUT-8")
+@pytest.mark.clause("MUT-9")
 @pytest.mark.parametrize("block_size", [1, 2, 3, 4])
 def test_slots_follow_the_block_table(block_size: int) -> None:
-    """MUT-8 (block_math.py 83, 105): slot_of and chunk_slot_runs against the definition, every range."""
+    """MUT-9 (block_math.py 83, 105): slot_of and chunk_slot_runs against the definition, every range."""
     span = len(TABLE) * block_size
     for position in range(span):
         assert slot_of(position, TABLE, block_size) == TABLE[position // block_size] * block_size \
@@ -63,9 +63,9 @@ def test_slots_follow_the_block_table(block_size: int) -> None:
         assert len(runs) == len({p // block_size for p in range(start, end)})
 
 
-@pytest.mark.clause("MUT-8")
+@pytest.mark.clause("MUT-9")
 def test_the_batch_slot_mapping_is_the_rows_slots_in_order() -> None:
-    """MUT-8 (block_math.py 121, 122, 127): batch_slot_mapping over padded rows: each row's slots, joined."""
+    """MUT-9 (block_math.py 121, 122, 127): batch_slot_mapping over padded rows: each row's slots, joined."""
     block_size = 3
     tables = np.array([[5, 2, 7, 0], [4, 1, -1, -1], [6, -1, -1, -1]], dtype=np.int64)
     starts = np.array([2, 0, 1], dtype=np.int64)
@@ -85,9 +85,9 @@ def _step(scheduler: opt.Scheduler, token: int) -> list[opt.Sequence]:
     return out.batch
 
 
-@pytest.mark.clause("MUT-8")
+@pytest.mark.clause("MUT-9")
 def test_last_token_before_and_after_the_scheduler_holds_the_tokens() -> None:
-    """MUT-8 (core/sequence.py 222: -1 -> -2, 226: ``n - 1`` -> ``n - 2``): the last token, or the reference's -1."""
+    """MUT-9 (core/sequence.py 222: -1 -> -2, 226: ``n - 1`` -> ``n - 2``): the last token, or the reference's -1."""
     assert _sequence([], 1).last_token == ref.Sequence([], ref.SamplingParams(), 4).last_token == -1
     seq = _sequence([4, 5, 6], 8)
     assert seq.last_token == 6
@@ -98,9 +98,9 @@ def test_last_token_before_and_after_the_scheduler_holds_the_tokens() -> None:
     assert seq.last_token == 9 and list(seq.token_ids) == [4, 5, 6, 9]
 
 
-@pytest.mark.clause("MUT-8")
+@pytest.mark.clause("MUT-9")
 def test_decode_writes_tokens_where_the_arena_moved_them() -> None:
-    """MUT-8 (core/decode_group.py 179): after the arena packs its regions, decode writes each token where it moved."""
+    """MUT-9 (core/decode_group.py 179): after the arena packs its regions, decode writes each token where it moved."""
     scheduler = opt.Scheduler(opt.SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4))
     gone, kept = _sequence([1, 2], 30), _sequence([3, 4, 5], 30)
     scheduler.add(gone)
@@ -115,9 +115,9 @@ def test_decode_writes_tokens_where_the_arena_moved_them() -> None:
     assert given and list(kept.token_ids) == [3, 4, 5, 6, 7, *given]
 
 
-@pytest.mark.clause("MUT-8")
+@pytest.mark.clause("MUT-9")
 def test_after_a_failed_decode_step_the_rest_can_be_aborted() -> None:
-    """MUT-8 (core/scheduler.py 163): abort_step withdraws the step; a request left running can be aborted at once."""
+    """MUT-9 (core/scheduler.py 163): abort_step withdraws the step; a request left running can be aborted at once."""
     scheduler = opt.Scheduler(opt.SchedulerConfig(num_blocks=16, block_size=4, max_num_seqs=1))
     first, second = _sequence([1, 2, 3], 10), _sequence([4, 5, 6], 10)
     scheduler.add(first)
@@ -131,9 +131,9 @@ def test_after_a_failed_decode_step_the_rest_can_be_aborted() -> None:
     assert scheduler.is_finished()
 
 
-@pytest.mark.clause("MUT-8")
+@pytest.mark.clause("MUT-9")
 def test_a_block_twice_in_one_table_is_freed_once_its_last_holder_goes() -> None:
-    """MUT-8 (core/block_pool.py 90, the reference's loop in release): freed ids join the queue, table end first.
+    """MUT-9 (core/block_pool.py 90, the reference's loop in release): freed ids join the queue, table end first.
 
     A block sits twice in one table only after a hash collision, which no test can make with xxh64; the
     table is built here by hand: block 0 is held twice (``_extra`` 1), block 1 once.
@@ -154,9 +154,9 @@ def _region(tokens: int) -> SimpleNamespace:
     return region
 
 
-@pytest.mark.clause("MUT-8")
+@pytest.mark.clause("MUT-9")
 def test_the_arena_grows_enough_after_a_packing() -> None:
-    """MUT-8 (core/token_arena.py 86, ``self.dead = 0`` deleted): a packing forgets the dead space it reclaimed.
+    """MUT-9 (core/token_arena.py 86, ``self.dead = 0`` deleted): a packing forgets the dead space it reclaimed.
 
     Otherwise the next growth counts those positions as dead again, sizes the array too small and the
     placement does not fit.
@@ -172,9 +172,9 @@ def test_the_arena_grows_enough_after_a_packing() -> None:
         assert arena.data[region.region_offset : region.region_offset + region.n].tolist() == [k] * region.n
 
 
-@pytest.mark.clause("MUT-8")
+@pytest.mark.clause("MUT-9")
 def test_a_bad_count_is_refused_naming_its_field_and_bound() -> None:
-    """MUT-8 (core/errors.py 31, ``minimum is None`` flipped): the ValueError names the field and the bound."""
+    """MUT-9 (core/errors.py 31, ``minimum is None`` flipped): the ValueError names the field and the bound."""
     scheduler = opt.Scheduler(opt.SchedulerConfig(num_blocks=4, block_size=2))
     with pytest.raises(ValueError, match=r"^max_tokens must be an integer >= 1, got 0$"):
         scheduler.add(_sequence([1, 2], 0, block_size=2))
@@ -182,9 +182,9 @@ def test_a_bad_count_is_refused_naming_its_field_and_bound() -> None:
         strict_int("x", "count")
 
 
-@pytest.mark.clause("MUT-8")
+@pytest.mark.clause("MUT-9")
 def test_a_walk_stops_at_a_hash_hit_whose_tokens_differ() -> None:
-    """MUT-8 (core/kv_cache_manager.py 363, ``hits = hit_ids[:j]`` deleted): the hits before the differing block count.
+    """MUT-9 (core/kv_cache_manager.py 363, ``hits = hit_ids[:j]`` deleted): the hits before the differing block count.
 
     Equal chain hashes over other tokens need an xxh64 collision, which no test can make; the stored bytes of
     the second cached block are changed by hand instead. Like the reference, the walk keeps the first hit.
@@ -199,9 +199,9 @@ def test_a_walk_stops_at_a_hash_hit_whose_tokens_differ() -> None:
     assert bm.can_allocate(_sequence([1, 2, 3, 4, 5], 1, block_size=2)) == 1
 
 
-@pytest.mark.clause("MUT-8", "OPT-14")
+@pytest.mark.clause("MUT-9", "OPT-15")
 def test_a_cut_walk_forgets_the_held_hits_past_the_cut() -> None:
-    """MUT-8 (core/walk_memo.py 70, ``del self.held[index:]`` deleted): after a cut, only hits before it count.
+    """MUT-9 (core/walk_memo.py 70, ``del self.held[index:]`` deleted): after a cut, only hits before it count.
 
     The waiting head's walk hits a free block and then a held one; a take unmaps the free one (the walk is
     cut to no hits), and the head must then be admitted as the reference admits it, with no hit counted as
@@ -214,10 +214,10 @@ def test_a_cut_walk_forgets_the_held_hits_past_the_cut() -> None:
     assert p.run([([1, 3, 1, 1, 2], 5, 0), ([1, 3, 1, 1, 2, 1], 5, 1), ([1, 3, 1], 4, 1), ([3], 2, 5)]) > 5
 
 
-@pytest.mark.clause("MUT-8", "OPT-26")
+@pytest.mark.clause("MUT-9", "OPT-12")
 def test_add_abort_churn_never_grows_the_arena_past_four_times_what_it_holds() -> None:
-    """MUT-8 (core/token_arena.py 71 ``self.top - self.dead`` to ``+``, 67 ``self.dead += ...`` deleted, 73 and
-    74 ``2`` to ``3``), OPT-26: packing sizes the array from the live regions only.
+    """MUT-9 (core/token_arena.py 71 ``self.top - self.dead`` to ``+``, 67 ``self.dead += ...`` deleted, 73 and
+    74 ``2`` to ``3``), OPT-12: packing sizes the array from the live regions only.
 
     With released regions counted as live (``top + dead``, or ``dead`` never counted) every packing grows an
     array that churn keeps full, several-fold with ``top + dead``: the audit saw ``add`` run out of memory after
@@ -237,9 +237,9 @@ def test_add_abort_churn_never_grows_the_arena_past_four_times_what_it_holds() -
             sched.abort(live.pop(i % 3))
 
 
-@pytest.mark.clause("MUT-8", "OPT-23")
+@pytest.mark.clause("MUT-9", "OPT-24")
 def test_the_decode_group_counts_exactly_the_stop_ids_and_eos_watchers_of_its_members() -> None:
-    """MUT-8 (core/decode_group.py 100 ``self._watch(core.stops, 1)`` ``1`` to ``2``, 45 ``eos_watchers = 0`` to
+    """MUT-9 (core/decode_group.py 100 ``self._watch(core.stops, 1)`` ``1`` to ``2``, 45 ``eos_watchers = 0`` to
     ``1``): the group watches a stop id while a member has it, and counts the members that stop at EOS.
 
     A count too large never changes who finishes, but a stop id counted twice is never forgotten: the set

@@ -55,10 +55,10 @@ def _tokens(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-@pytest.mark.clause("TP-2", "TP-3", "TP-4", "TP-5")
+@pytest.mark.clause("TP-4", "TP-5", "TP-6", "TP-7")
 def test_tp2_greedy_equals_transformers_and_tp1(tp2: tuple[str, LLM]) -> None:
-    """TP-2, TP-3, TP-4, TP-5: TP=2 greedy float64 is transformers' and TP=1's token for token, with prefix-cache
-    hits, chunked prefill and preemption happening, every step shadowed by the reference on rank 0. TP-5: one
+    """TP-4, TP-5, TP-6, TP-7: TP=2 greedy float64 is transformers' and TP=1's token for token, with prefix-cache
+    hits, chunked prefill and preemption happening, every step shadowed by the reference on rank 0. TP-7: one
     family decodes through the graph runner on every rank (the header's graphed flag), eagerly elsewhere."""
     family, llm = tp2
     folder = checkpoint(family)
@@ -79,9 +79,9 @@ def test_tp2_greedy_equals_transformers_and_tp1(tp2: tuple[str, LLM]) -> None:
     assert runner.num_blocks == SETTINGS["num_kvcache_blocks"]
 
 
-@pytest.mark.clause("TP-4")
+@pytest.mark.clause("TP-6")
 def test_tp2_seeded_sampling_equals_tp1(tp2: tuple[str, LLM]) -> None:
-    """TP-4: seeded sampling draws the same tokens at TP=2 as at TP=1 (rank 0 samples from the gathered logits)."""
+    """TP-6: seeded sampling draws the same tokens at TP=2 as at TP=1 (rank 0 samples from the gathered logits)."""
     family, llm = tp2
     got = _tokens(llm, SEEDED)
     assert got == _tokens(LLM(str(checkpoint(family)), **_settings(family)), SEEDED)
@@ -99,10 +99,10 @@ def _one_kv_head_checkpoint(folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.clause("TP-2", "TP-3", "TP-9", "TP-10")
+@pytest.mark.clause("TP-4", "TP-5", "TP-3", "TP-10")
 def test_one_kv_head_is_replicated_and_odd_vocabulary_padded(tmp_path: Path) -> None:
-    """TP-2, TP-3: one KV head over two ranks is replicated (each rank holds it, its cache too), and a vocabulary of
-    255 is cut into two pieces of 128 (the last padded): output is still transformers' token for token. TP-9:
+    """TP-4, TP-5: one KV head over two ranks is replicated (each rank holds it, its cache too), and a vocabulary of
+    255 is cut into two pieces of 128 (the last padded): output is still transformers' token for token. TP-3:
     leaving the ``with`` block stops the worker (exit status 0), and the closed LLM refuses to step. TP-10: rank 0
     runs on its share of the threads (2 // 2) while open, the caller's count back after close."""
     folder = _one_kv_head_checkpoint(tmp_path / "kv1")
@@ -125,7 +125,7 @@ def test_one_kv_head_is_replicated_and_odd_vocabulary_padded(tmp_path: Path) -> 
         torch.set_num_threads(1)
     assert (threads_while_open, threads_after) == (1, 2)
     assert got == hf_greedy(folder, PROMPTS, MAX_TOKENS)
-    assert [w.exitcode for w in group.workers] == [0]  # TP-9: leaving the with block stopped the worker
+    assert [w.exitcode for w in group.workers] == [0]  # TP-3: leaving the with block stopped the worker
     with pytest.raises(TensorParallelError, match="the LLM was closed"):
         llm.generate(PROMPTS[:1], params[:1], use_tqdm=False)
     llm.close()  # idempotent

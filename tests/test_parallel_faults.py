@@ -84,9 +84,9 @@ def _refuse_join(spec: RunnerSpec, rank: int) -> Group:
     raise AssertionError("the torchrun group was joined before the refusal")
 
 
-@pytest.mark.clause("TP-1", "TP-7")
+@pytest.mark.clause("TP-1", "TP-8")
 def test_torchrun_world_of_another_size_refused(no_spawn: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """TP-1, TP-7: under torchrun, a WORLD_SIZE other than tensor_parallel_size is refused before joining."""
+    """TP-1, TP-8: under torchrun, a WORLD_SIZE other than tensor_parallel_size is refused before joining."""
     for key, value in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(launch, "_join_torchrun", _refuse_join)
@@ -94,9 +94,9 @@ def test_torchrun_world_of_another_size_refused(no_spawn: None, monkeypatch: pyt
         LLM(str(checkpoint("qwen3")), tensor_parallel_size=2, **SMALL)
 
 
-@pytest.mark.clause("TP-6")
+@pytest.mark.clause("TP-2")
 def test_size_one_under_torchrun_joins_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TP-6: tensor_parallel_size=1 under torchrun is a single-process engine in each process: no group is joined."""
+    """TP-2: tensor_parallel_size=1 under torchrun is a single-process engine in each process: no group is joined."""
     for key, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(launch, "_join_torchrun", _refuse_join)
@@ -168,9 +168,9 @@ def _same_shapes_other_weights(folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.clause("TP-7")
+@pytest.mark.clause("TP-8")
 def test_ranks_that_disagree_are_refused(tmp_path: Path) -> None:
-    """TP-7: ranks loading different checkpoints (even of the same shapes, other weights), or with different
+    """TP-8: ranks loading different checkpoints (even of the same shapes, other weights), or with different
     settings, refuse on every rank, naming the rank and what differs; ranks that agree pass."""
     same_shapes = _spec("qwen3", model=str(_same_shapes_other_weights(tmp_path / "other-weights")))
     assert launch._setup(same_shapes)["checkpoint files"] == launch._setup(_spec("qwen3"))["checkpoint files"]
@@ -183,9 +183,9 @@ def test_ranks_that_disagree_are_refused(tmp_path: Path) -> None:
             assert f"tensor-parallel rank 1 has {field}" in str(e)
 
 
-@pytest.mark.clause("TP-8", "TP-9")
+@pytest.mark.clause("TP-9", "TP-3")
 def test_killed_worker_fails_the_next_step_naming_it() -> None:
-    """TP-8, TP-9: a worker killed with SIGKILL makes the next step fail on rank 0 within seconds, naming rank 1 and
+    """TP-9, TP-3: a worker killed with SIGKILL makes the next step fail on rank 0 within seconds, naming rank 1 and
     the signal; every later step fails the same way at once; close() then has nothing left to stop."""
     llm = LLM(str(checkpoint("qwen3")), tensor_parallel_size=2, **SMALL)
     assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].token_ids) == 6
@@ -202,9 +202,9 @@ def test_killed_worker_fails_the_next_step_naming_it() -> None:
     assert worker.exitcode == -signal.SIGKILL
 
 
-@pytest.mark.clause("TP-8")
+@pytest.mark.clause("TP-9")
 def test_worker_that_raises_sends_its_exception_to_rank_0(tmp_path: Path) -> None:
-    """TP-8: a worker whose shard holds a NaN (rank 1's half of a q_proj) raises while loading; rank 0 reports its
+    """TP-9: a worker whose shard holds a NaN (rank 1's half of a q_proj) raises while loading; rank 0 reports its
     exception text, naming the rank, and no worker is left."""
     from safetensors.torch import load_file, save_file
 
@@ -242,10 +242,10 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")  # a zombie has exited; only its exit status waits for a reaper
 
 
-@pytest.mark.clause("TP-6", "TP-9")
+@pytest.mark.clause("TP-2", "TP-3")
 def test_workers_exit_when_the_parent_is_killed(tmp_path: Path) -> None:
-    """TP-9: kill -9 the process holding rank 0, and its workers exit by themselves within seconds, removing the
-    private store's folder (TP-6) that rank 0 no longer can."""
+    """TP-3: kill -9 the process holding rank 0, and its workers exit by themselves within seconds, removing the
+    private store's folder (TP-2) that rank 0 no longer can."""
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
     proc = subprocess.Popen([sys.executable, str(script), str(checkpoint("qwen3"))], stdout=subprocess.PIPE,
@@ -287,9 +287,9 @@ def _all_gone(pids: list[int], within: float) -> bool:
     return all(map(_gone, pids))
 
 
-@pytest.mark.clause("TP-6")
+@pytest.mark.clause("TP-2")
 def test_torchrun_two_ranks_generate_what_one_process_does() -> None:
-    """TP-6: ``torchrun --nproc-per-node 2 -m optimized.cli generate --tensor-parallel-size 2`` (rank 1 becomes a
+    """TP-2: ``torchrun --nproc-per-node 2 -m optimized.cli generate --tensor-parallel-size 2`` (rank 1 becomes a
     worker by itself) prints exactly what one process prints, greedy in float64 on the default model."""
     prompts = ["hello world", "tensor parallel"]
     cmd = ["-m", "optimized.cli", "generate", *prompts, "--dtype", "float64", "--max-tokens", "10"]
@@ -304,9 +304,9 @@ def test_torchrun_two_ranks_generate_what_one_process_does() -> None:
     assert out.stdout == expected  # printed once: rank 1 served and printed nothing
 
 
-@pytest.mark.clause("TP-2")
+@pytest.mark.clause("TP-4")
 def test_memory_check_counts_only_the_ranks_piece(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TP-2: a model too large for the device whole, but whose half fits, is admitted on each of two ranks; the
+    """TP-4: a model too large for the device whole, but whose half fits, is admitted on each of two ranks; the
     refusal, when even the piece does not fit, says it is the rank's piece."""
     from optimized.models import loader
     from optimized.models.config import load_config
@@ -351,9 +351,9 @@ class _SliceRecorder:
         return Piece()
 
 
-@pytest.mark.clause("TP-2")
+@pytest.mark.clause("TP-4")
 def test_a_rank_reads_only_its_own_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TP-2: loading rank 1's shard reads every split tensor through a slice of exactly its own rows or columns,
+    """TP-4: loading rank 1's shard reads every split tensor through a slice of exactly its own rows or columns,
     never whole; only the tensors every rank holds whole (norms, a row-parallel bias) are read whole."""
     from types import SimpleNamespace
 
@@ -390,9 +390,9 @@ class _FailingRunner:
         raise ValueError(f"no forward for {len(step.input_ids)} tokens")
 
 
-@pytest.mark.clause("TP-5", "TP-8")
+@pytest.mark.clause("TP-7", "TP-9")
 def test_worker_that_raises_in_a_step_sends_its_exception_to_rank_0(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TP-5, TP-8: a worker (here a thread of this process running the real serve loop over a real gloo group)
+    """TP-7, TP-9: a worker (here a thread of this process running the real serve loop over a real gloo group)
     receives rank 0's step, raises in its forward, and rank 0's next collective fails at once with that exception's
     text, naming rank 1; the worker's loop ends with status 1."""
     monkeypatch.setattr(launch, "build_runner", lambda spec, group: _FailingRunner())
@@ -415,9 +415,9 @@ def test_worker_that_raises_in_a_step_sends_its_exception_to_rank_0(monkeypatch:
     assert waited < 10 and status == 1
 
 
-@pytest.mark.clause("TP-5")
+@pytest.mark.clause("TP-7")
 def test_step_message_crosses_whole() -> None:
-    """TP-5: a worker receives exactly rank 0's step (prefill or decode, the graphed flag, every array), and the stop
+    """TP-7: a worker receives exactly rank 0's step (prefill or decode, the graphed flag, every array), and the stop
     message ends its loop."""
     ids = np.array([5, 6, 7, 8], dtype=np.int64)
     tables = np.array([[3, 4, -1], [7, -1, -1]], dtype=np.int64)
@@ -461,9 +461,9 @@ class _RaisesOnce(torch.nn.Module):
         return self.layer(*args, **kwargs)
 
 
-@pytest.mark.clause("TP-8")
+@pytest.mark.clause("TP-9")
 def test_rank_0_that_raises_ends_the_group_at_once() -> None:
-    """TP-8: rank 0's own forward raising after the step went out fails the call within moments naming rank 0 (the
+    """TP-9: rank 0's own forward raising after the step went out fails the call within moments naming rank 0 (the
     engine fails the batch, FAULT-1), kills the worker (no collective timeout waited out), and every later call fails
     at once with the same message."""
     llm = LLM(str(checkpoint("qwen3")), tensor_parallel_size=2, **SMALL)
@@ -507,11 +507,11 @@ def _loopback(address: str) -> bool:
         address.startswith("0000000000000000FFFF0000") and address.endswith("7F"))
 
 
-@pytest.mark.clause("TP-6", "TP-9")
+@pytest.mark.clause("TP-2", "TP-3")
 def test_private_store_and_dropped_llm_stops_its_worker() -> None:
-    """TP-6: the spawned group's rendezvous store is a file in a folder only this user may enter (0700), and no
+    """TP-2: the spawned group's rendezvous store is a file in a folder only this user may enter (0700), and no
     process of the group listens on an address other than the loopback (nothing another machine can reach).
-    TP-9: an LLM dropped without close() (garbage collected) still stops its worker, which exits with 0, and the
+    TP-3: an LLM dropped without close() (garbage collected) still stops its worker, which exits with 0, and the
     store's folder is removed."""
     import gc
 
@@ -547,10 +547,10 @@ def _slow_rank_1(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     monkeypatch.setattr(assembly, "kv_cache_blocks", lambda *a: 5 if threading.current_thread().name == "rank1" else 9)
 
 
-@pytest.mark.clause("TP-3", "TP-8")
+@pytest.mark.clause("TP-5", "TP-9")
 def test_slow_shard_load_waits_for_the_start_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TP-8: a rank loading its shard for longer than a collective may take still starts (the start has its own,
-    longer timeout); TP-3: every rank gets the least of the ranks' KV block budgets (5 of 9 and 5)."""
+    """TP-9: a rank loading its shard for longer than a collective may take still starts (the start has its own,
+    longer timeout); TP-5: every rank gets the least of the ranks' KV block budgets (5 of 9 and 5)."""
     _slow_rank_1(monkeypatch, 1.5)
     monkeypatch.setenv("NANOVERIFY_TP_TIMEOUT", "0.8")
     spec = _spec("qwen3", num_kvcache_blocks=None)
@@ -559,9 +559,9 @@ def test_slow_shard_load_waits_for_the_start_timeout(monkeypatch: pytest.MonkeyP
     assert [r.num_blocks for r in runners] == [5, 5]
 
 
-@pytest.mark.clause("TP-8")
+@pytest.mark.clause("TP-9")
 def test_rank_too_slow_to_start_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    """TP-8: a rank that has not loaded its shard within NANOVERIFY_TP_START_TIMEOUT fails the start on rank 0 with
+    """TP-9: a rank that has not loaded its shard within NANOVERIFY_TP_START_TIMEOUT fails the start on rank 0 with
     an error naming that rank and the variable; the slow rank then stops too."""
     _slow_rank_1(monkeypatch, 0.8)
     monkeypatch.setenv("NANOVERIFY_TP_START_TIMEOUT", "0.2")
@@ -571,17 +571,17 @@ def test_rank_too_slow_to_start_is_named(monkeypatch: pytest.MonkeyPatch) -> Non
     assert isinstance(errors[1], TensorParallelError)
 
 
-@pytest.mark.clause("TP-3")
+@pytest.mark.clause("TP-5")
 def test_agree_min_gives_every_rank_the_least() -> None:
-    """TP-3: the all-reduce of the minimum gives each rank the least of the ranks' values."""
+    """TP-5: the all-reduce of the minimum gives each rank the least of the ranks' values."""
     results, errors = _on_two_ranks(lambda group: group.agree_min(7 if group.rank == 0 else 3))
     assert errors == [None, None] and results == [3, 3]
 
 
-@pytest.mark.clause("TP-5")
+@pytest.mark.clause("TP-7")
 @pytest.mark.parametrize("variable", ["NANOVERIFY_TP_TIMEOUT", "NANOVERIFY_TP_START_TIMEOUT"])
 def test_timeouts_refused_by_name(no_spawn: None, monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
-    """TP-5: a timeout variable that is not a finite positive number of seconds is a ValueError naming it, read when
+    """TP-7: a timeout variable that is not a finite positive number of seconds is a ValueError naming it, read when
     the LLM is made (not when the package is imported), before any process starts; a good value is taken."""
     from optimized.parallel.group import collective_timeout, start_timeout
 
@@ -624,9 +624,9 @@ def test_checkpoint_and_memory_refused_before_any_process(
         LLM(str(folder), tensor_parallel_size=2, **{**SMALL, "num_kvcache_blocks": blocks})
 
 
-@pytest.mark.clause("TP-7")
+@pytest.mark.clause("TP-8")
 def test_sampled_digest_covers_header_and_spread_blocks(tmp_path: Path) -> None:
-    """TP-7: a large file's digest covers its header and 16 blocks of 64 KiB spread over it, first and last
+    """TP-8: a large file's digest covers its header and 16 blocks of 64 KiB spread over it, first and last
     included: a change there is seen; a change between the blocks is not (what the sampling trades)."""
     size = 40 * launch.SAMPLE_BYTES
     data = bytearray(os.urandom(size))
@@ -665,9 +665,9 @@ time.sleep(60)
 """
 
 
-@pytest.mark.clause("TP-9")
+@pytest.mark.clause("TP-3")
 def test_parent_watchdog_ends_an_orphan() -> None:
-    """TP-9: a process running the parent watchdog (a bare interpreter, no sockets to notice anything through)
+    """TP-3: a process running the parent watchdog (a bare interpreter, no sockets to notice anything through)
     exits within about a second of its parent being killed with SIGKILL."""
     watchdog = ROOT / "optimized" / "parallel" / "watchdog.py"
     child = subprocess.Popen([sys.executable, "-c", WATCHED, str(watchdog)], stdout=subprocess.PIPE, text=True)

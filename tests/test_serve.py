@@ -185,7 +185,7 @@ def chat_logprobs(offline: LLM, out: Any, k: int) -> list[dict[str, Any]]:
             for t, e in zip(out.token_ids, out.logprobs, strict=True)]
 
 
-@pytest.mark.clause("SERVE-14", "ENG-28")
+@pytest.mark.clause("SERVE-14", "ENG-18")
 def test_logprobs_served_equal_offline(server: Served, offline: LLM) -> None:
     """SERVE-14: completions' ``logprobs: K`` and chat's ``logprobs`` with ``top_logprobs: K``, whole and
     streamed, parsed by the openai client, carry exactly the offline LLM's float64 logprobs in OpenAI's shapes."""
@@ -282,7 +282,7 @@ def test_a_multibyte_character_split_across_tokens_arrives_whole(server: Served,
 @pytest.mark.clause("SERVE-3", "SERVE-2")
 def test_served_equals_offline_with_32_concurrent_clients(server: Served, offline: LLM) -> None:
     """SERVE-3: 32 clients at once, seeded, temperature > 0: each gets exactly the tokens LLM.generate returns
-    for its request alone (float64; the sampler is batch-invariant, ENG-7): the server adds nothing."""
+    for its request alone (float64; the sampler is batch-invariant, ENG-8): the server adds nothing."""
     prompts = [f"client {i}: " + "ab" * (i % 7) for i in range(32)]
     params = [sampled(100 + i, 8 + i % 5) for i in range(32)]
 
@@ -340,7 +340,7 @@ def test_clients_that_hang_up_free_their_blocks(server: Served, offline: LLM) ->
         results = dict(pool.map(client, range(50)))
     stayed = sorted(set(range(50)) - hangups)
     wanted = offline.generate([f"user {i}" for i in stayed], [sampled(500 + i, 20) for i in stayed], use_tqdm=False)
-    assert [results[i] for i in stayed] == [w.token_ids for w in wanted]  # batched: ENG-7 makes it the same
+    assert [results[i] for i in stayed] == [w.token_ids for w in wanted]  # batched: ENG-8 makes it the same
     state = engine_state(server)
     assert state["running"] == state["waiting"] == 0
     assert state["free_blocks"] == state["num_blocks"] == BLOCKS
@@ -502,7 +502,7 @@ RULES: list[tuple[str, dict[str, Any], str, str | None]] = [
 ]
 
 
-@pytest.mark.clause("ARCH-6", "SERVE-8", "ENG-9")
+@pytest.mark.clause("ARCH-6", "SERVE-8", "ENG-10")
 @pytest.mark.parametrize(("name", "fields", "param", "code"), RULES, ids=[r[0] for r in RULES])
 def test_http_and_python_refuse_alike(server: Served, offline: LLM, name: str, fields: dict[str, Any], param: str,
                                       code: str | None) -> None:
@@ -535,7 +535,7 @@ def test_a_chat_sets_one_of_max_tokens_and_max_completion_tokens(server: Served)
     assert same.usage is not None and same.usage.completion_tokens == 3
 
 
-@pytest.mark.clause("ARCH-6", "ENG-9", "SERVE-1")
+@pytest.mark.clause("ARCH-6", "ENG-10", "SERVE-1")
 def test_top_k_zero_and_temperature_two_are_taken_alike(server: Served, offline: LLM) -> None:
     """ARCH-6: top_k 0 means off (vLLM's meaning; stored as -1) in Python and over HTTP, and temperature 2 (the
     bound) is taken by both: the served tokens are LLM.generate's with top_k -1."""

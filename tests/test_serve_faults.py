@@ -43,7 +43,7 @@ def health_until(served: Served, status: int, seconds: float) -> httpx.Response:
         time.sleep(0.1)
 
 
-@pytest.mark.clause("SERVE-20", "SERVE-21", "TP-8")
+@pytest.mark.clause("SERVE-20", "SERVE-21", "TP-9")
 def test_a_dead_tensor_parallel_worker_turns_health_503_naming_its_rank(serve_cache: Path) -> None:
     """SERVE-20: ``serve --tensor-parallel-size 2`` with its worker killed (SIGKILL) while the server is idle:
     within seconds, and before any request finds it, /health is 503 naming the rank, its pid and the signal; a

@@ -482,9 +482,9 @@ def test_a_command_the_engine_process_does_not_know_fails_what_is_in_flight_with
         engine.stop(timeout=5)
 
 
-@pytest.mark.clause("SERVE-2", "TP-6")
+@pytest.mark.clause("SERVE-2", "TP-2")
 def test_served_under_torchrun_as_in_one_process_and_ctrl_c_leaves_nothing(serve_cache: Path) -> None:
-    """SERVE-2, TP-6: ``torchrun --nproc-per-node 2 -m optimized.cli serve --tensor-parallel-size 2``: the engine
+    """SERVE-2, TP-2: ``torchrun --nproc-per-node 2 -m optimized.cli serve --tensor-parallel-size 2``: the engine
     process of rank 0 joins torchrun's group (rank 1 serves it), a greedy float64 completion is token for token
     what one process computes, and Ctrl-C to the job ends every process of it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

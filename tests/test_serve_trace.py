@@ -54,7 +54,7 @@ def _complete(served: Served, i: int) -> str:
     ask = {"model": "default", "prompt": "Hello there " * (1 + i % 3), "max_tokens": 16, "temperature": 0.8,
            "seed": i, "extra_body": {"ignore_eos": True}}
     out = client.completions.create(**ask)  # type: ignore[call-overload]
-    if i % 4 == 3:  # again, to stop at a character of that answer (float64: the same tokens, ENG-7)
+    if i % 4 == 3:  # again, to stop at a character of that answer (float64: the same tokens, ENG-8)
         text = out.choices[0].text
         stop = next(c for c in text[1:] if c != "\ufffd" and c.isprintable())
         out = client.completions.create(**ask, stop=[stop])  # type: ignore[call-overload]

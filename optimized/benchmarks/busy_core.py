@@ -3,7 +3,7 @@
 Each configuration (torch threads x OpenMP wait policy) runs the same small workload (default 50 prompts of 1..64
 tokens, 48 greedy output tokens each, eos ignored) in a fresh process, because libgomp reads ``OMP_WAIT_POLICY``
 once, when torch loads it. "busy" runs it while another process spins on one core. The table prints both times and
-their ratio for every configuration, and marks the one nanoverify picks by itself (spec ENG-27).
+their ratio for every configuration, and marks the one nanoverify picks by itself (spec ENG-31).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Invariants: a decode step of B sequences must at least read every weight once, read the K and V of every token
 each sequence attends to in every layer, and write the new token's K and V; the floor is those bytes over the
-device's copy bandwidth (GPU-6..GPU-8 in spec/gpu.md):
+device's copy bandwidth (GPU-7..GPU-9 in spec/gpu.md):
 
     W      = sum of the model's distinct parameter bytes, less the embedding matrix when it is not tied (then only
              the B rows gathered are read), plus B * hidden * e for the gathered embedding rows

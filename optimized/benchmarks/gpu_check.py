@@ -27,14 +27,14 @@ NEEDS_CHECKPOINT = frozenset({"engine-graphs", "engine-eager", "transformers", "
 CLAUSES = {
     "kernels": "GPU-2",
     "kernels-direct": "GPU-3",
-    "kernels-invariant": "GPU-9",
-    "graphs-exact": "GPU-4",
-    "checkpoint": "GPU-5",
-    "engine-graphs": "GPU-6",
-    "engine-eager": "GPU-6",
-    "transformers": "GPU-6",
-    "throughput": "GPU-6",
-    "decode-floor": "GPU-7",
+    "kernels-invariant": "GPU-4",
+    "graphs-exact": "GPU-5",
+    "checkpoint": "GPU-6",
+    "engine-graphs": "GPU-7",
+    "engine-eager": "GPU-7",
+    "transformers": "GPU-7",
+    "throughput": "GPU-7",
+    "decode-floor": "GPU-8",
 }
 MIN_STAGE_S = 5.0  # a stage is not started with less than this left of the deadline
 

@@ -81,7 +81,7 @@ class Profile:
     copy_bytes: int  # the tensor copied to measure bandwidth
     kernel_pytest_args: tuple[str, ...]  # what pytest runs: a path first, then any selection (a subset on the CPU)
     kernel_pytest_note: str
-    invariant_pytest_args: tuple[str, ...]  # the kernels-invariant stage's pytest selection (GPU-9)
+    invariant_pytest_args: tuple[str, ...]  # the kernels-invariant stage's pytest selection (GPU-4)
     budgets: dict[str, float]
     deadline_s: float
 

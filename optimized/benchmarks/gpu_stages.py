@@ -115,7 +115,7 @@ def stage_kernels(p: Profile, work: Path) -> Result:
 
 
 def stage_kernels_invariant(p: Profile, work: Path) -> Result:
-    """GPU-9: the Triton kernels' batch-invariance properties (KERN-28, KERN-29), on the device."""
+    """GPU-4: the Triton kernels' batch-invariance properties (KERN-28, KERN-29), on the device."""
     selection = " ".join(p.invariant_pytest_args[1:]) or "the whole file"
     return _kernel_pytest(p, work, "kernels-invariant", p.invariant_pytest_args,
                           f"Triton batch invariance, KERN-28/29 ({selection})")

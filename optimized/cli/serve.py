@@ -93,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
     options = server_options(args, os.environ)
     kwargs = engine_args.as_kwargs()
     if torchrun_rank() not in (None, 0):  # a torchrun worker rank: the LLM serves rank 0, then ends the process
-        from optimized import LLM  # (TP-6): it never returns
+        from optimized import LLM  # (TP-2): it never returns
 
         LLM(**kwargs)
         return 0

@@ -4,9 +4,9 @@ Invariants: every block id is either on the free queue (ref count 0) or used;
 ``_extra[b]`` is a used block's ref count minus one and 0 for every free block,
 so taking a fresh block writes no count and releasing a block held once writes
 none either; ``_shared`` counts the blocks with ``_extra > 0``. The free queue
-is FreeBlockQueue, in the reference deque's order (OPT-4). Every free-queue
+is FreeBlockQueue, in the reference deque's order (OPT-6). Every free-queue
 entry before absolute position ``clean_end`` is a block that was never used,
-so it carries no hash and no pending registration (OPT-13). The pool knows
+so it carries no hash and no pending registration (OPT-14). The pool knows
 nothing of hashes: the KV-cache manager forgets a taken block's hash.
 """
 

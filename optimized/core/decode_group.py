@@ -43,7 +43,7 @@ class DecodeGroup:
         self.tables: list[list[list[int]]] = [[] for _ in range(block_size)]
         self.finishes: dict[int, list[Sequence]] = {}
         self.eos_watchers = 0  # members with ignore_eos False
-        self.stop_ids: dict[int, int] = {}  # stop token id -> members watching for it (OPT-23)
+        self.stop_ids: dict[int, int] = {}  # stop token id -> members watching for it (OPT-24)
         self._next_gord = 0
 
     # --- clock arithmetic ----------------------------------------------------------------------

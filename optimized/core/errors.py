@@ -39,7 +39,7 @@ def strict_int(value: object, name: str, minimum: int | None = None) -> int:
 def stop_set(stop_token_ids: Collection[int]) -> frozenset[int]:
     """The stop ids as a set, each a strict int that an int64 token can equal; else a ValueError naming the field.
 
-    A wider id could never be drawn, and numpy refuses to compare an int64 array with it (OPT-23).
+    A wider id could never be drawn, and numpy refuses to compare an int64 array with it (OPT-24).
     """
     stops = frozenset(stop_token_ids)
     if not all(is_strict_int(t) and INT64_MIN <= t <= INT64_MAX for t in stops):

@@ -13,7 +13,7 @@ when ``slot[buf[p - base]] == p``; ``stale`` counts the dead entries at or after
 are not written yet (most released blocks are taken again, or never asked
 about, before anything reads a slot): every reader of ``slot`` first calls
 ``settle``, which writes them. It starts as 0, 1, ...,
-num_blocks-1, like the reference's deque, and keeps the deque's order (OPT-4):
+num_blocks-1, like the reference's deque, and keeps the deque's order (OPT-6):
 ``take`` returns the front ids, ``extend`` adds at the back, ``remove`` drops
 one id where it stands (the reference's ``deque.remove`` without its scan).
 Plain lists, not numpy: most calls move a handful of ids, where numpy's

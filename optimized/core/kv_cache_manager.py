@@ -8,21 +8,21 @@ keeps its hash and contents until it is taken again. What differs from the
 reference (spec/optimized-scheduler.md):
 
 * which blocks are free and how many tables hold each used one is the
-  ``BlockPool``'s (block_pool.py: OPT-4, OPT-13); this class is the prefix
+  ``BlockPool``'s (block_pool.py: OPT-6, OPT-14); this class is the prefix
   cache over it, and forgets a taken block's hash only when the take reaches
   past the pool's never-used blocks; ``_hashes`` and ``_contents`` (dicts)
   hold the registered blocks only, so a registration is three dict updates and
   taking a block pops its entries;
 * chain hashes come from the sequence's own cache, so each full block of a
-  sequence is hashed at most once (OPT-5);
+  sequence is hashed at most once (OPT-7);
 * registering full blocks (``hash_blocks``) only appends a ``FullBlocks``
   entry (sequence, first index, block ids) to ``pending``, and a decode step's
-  fills only a ``DecodeFills`` (clock, members) (OPT-16); the log is applied in order (``flush``) before anything
+  fills only a ``DecodeFills`` (clock, members) (OPT-17); the log is applied in order (``flush``) before anything
   reads the table or a block's hash: a lookup (``can_allocate``), taking a block
   from beyond the pool's never-used blocks, any inspection. The table then holds exactly
   what the reference's eager registrations would have left (OPT-8);
 * ``can_allocate`` remembers the walk it made for a waiting sequence
-  (walk_memo.py) and reuses it while nothing the walk read has changed (OPT-14);
+  (walk_memo.py) and reuses it while nothing the walk read has changed (OPT-15);
 * every chain hash is computed by ``chain_hash``.
 """
 
@@ -72,7 +72,7 @@ class FullBlocks:
 class DecodeFills:
     """A pending registration of one decode step: at clock ``clock`` the last block of each of ``seqs`` filled.
 
-    Which block that was is read back at the flush from the member's segment covering ``clock`` (OPT-16).
+    Which block that was is read back at the flush from the member's segment covering ``clock`` (OPT-17).
     """
 
     clock: int
@@ -99,7 +99,7 @@ class KVCacheManager:
         self._hashes: dict[int, int] = {}
         self._contents: dict[int, bytes] = {}
         self._table: dict[int, int] = {}
-        self.pending: list[FullBlocks | DecodeFills] = []  # applied in order by flush (OPT-8, OPT-16)
+        self.pending: list[FullBlocks | DecodeFills] = []  # applied in order by flush (OPT-8, OPT-17)
         self._memo: WalkMemo | None = None
         self._chain_source: Sequence | None = None  # the last sequence whose chain was hashed from its start
         self._common: tuple[Sequence | None, bytes] = (None, b"")  # a sequence and bytes it starts with
@@ -146,12 +146,12 @@ class KVCacheManager:
 
     # --- hashes ---------------------------------------------------------------------------------------
     def extend_chain(self, seq: Sequence, end: int) -> None:
-        """Chain hashes of full blocks [len(seq.core.hashes), end) of ``seq``, each computed once (OPT-5).
+        """Chain hashes of full blocks [len(seq.core.hashes), end) of ``seq``, each computed once (OPT-7).
 
         The blocks' bytes are kept beside the hashes (``seq.core.pieces``) for the walk to compare and
         the registration to store. A chain hash is a function of the bytes of the blocks up to its
         own, so when a sequence starts with the same full blocks as the last one hashed from its
-        start (a shared system prompt), it takes those hashes instead of computing them (OPT-15).
+        start (a shared system prompt), it takes those hashes instead of computing them (OPT-16).
         """
         chain, pieces = seq.core.hashes, seq.core.pieces
         i = len(chain)
@@ -198,7 +198,7 @@ class KVCacheManager:
         return k
 
     def chain_hash_of(self, seq: Sequence, i: int) -> int:
-        """The chain hash of full block i of ``seq``, computed at most once per sequence (OPT-5)."""
+        """The chain hash of full block i of ``seq``, computed at most once per sequence (OPT-7)."""
         self.extend_chain(seq, i + 1)
         return seq.core.hashes[i]
 
@@ -219,7 +219,7 @@ class KVCacheManager:
 
         The reference chains from the hash stored on the previous block of the table; that block
         holds this sequence's block i-1 (filled by it, or a cache hit on equal tokens), so its hash
-        is this sequence's chain hash i-1, which is what ``extend_chain`` computed (OPT-5).
+        is this sequence's chain hash i-1, which is what ``extend_chain`` computed (OPT-7).
         """
         pending = self.pending
         if not pending:
@@ -292,10 +292,10 @@ class KVCacheManager:
         return self.take_fresh_many(1)[0]
 
     def take_fresh_many(self, m: int) -> list[int]:
-        """The reference's ``_allocate_block`` m times over: the m front ids, in order (OPT-4).
+        """The reference's ``_allocate_block`` m times over: the m front ids, in order (OPT-6).
 
         Entries before the pool's ``clean_end`` are never-used blocks: no hash to forget, nothing pending
-        (OPT-13).
+        (OPT-14).
         """
         free = self.free
         ids = free.take(m)
@@ -350,12 +350,12 @@ class KVCacheManager:
         return memo.cached
 
     def _walk(self, seq: Sequence) -> WalkMemo:
-        """The reference's lookup walk over the sequence's full blocks but its last, remembered (OPT-14)."""
+        """The reference's lookup walk over the sequence's full blocks but its last, remembered (OPT-15)."""
         memo = self._memo = self._fresh_walk(seq)
         return memo
 
     def stale_walk(self) -> str:
-        """"" while the remembered walk is the one a fresh walk would make now; else what differs (OPT-14).
+        """"" while the remembered walk is the one a fresh walk would make now; else what differs (OPT-15).
 
         For a checker (the differential machine): it flushes and hashes, as a lookup would, and keeps the memo.
         """
@@ -367,7 +367,7 @@ class KVCacheManager:
         fresh = self._fresh_walk(memo.seq)
         if kept == (fresh.hits, fresh.held, fresh.used):
             return ""
-        return (f"OPT-14: the walk remembered for sequence {memo.seq.seq_id} (hits, held, used) {kept} is not a "
+        return (f"OPT-15: the walk remembered for sequence {memo.seq.seq_id} (hits, held, used) {kept} is not a "
                 f"fresh walk's {(fresh.hits, fresh.held, fresh.used)}")
 
     def _fresh_walk(self, seq: Sequence) -> WalkMemo:

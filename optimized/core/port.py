@@ -114,7 +114,7 @@ class BlockReader(Protocol):
 class SchedulerPort(Protocol[S]):
     """A scheduler as its consumers drive it.
 
-    ``new_sequence`` makes a sequence this scheduler takes; ``add`` queues it with its stop set (OPT-23), and
+    ``new_sequence`` makes a sequence this scheduler takes; ``add`` queues it with its stop set (OPT-24), and
     refuses with a ValueError, changing nothing, a sequence added before, ``max_tokens`` below 1 or a stop id
     that is not an int;
     ``schedule`` raises ``EmptyDecodeError`` where the lesson's ``assert scheduled_seqs`` fires (EDGE-2), leaving

@@ -85,7 +85,7 @@ class Scheduler:
     def add(self, seq: Sequence, stop_token_ids: Collection[int] = ()) -> None:
         """Queue a new sequence; ValueError (and no change) when it cannot be one of ours.
 
-        ``stop_token_ids``: drawing one of these finishes the sequence, beside EOS (OPT-23).
+        ``stop_token_ids``: drawing one of these finishes the sequence, beside EOS (OPT-24).
         """
         if not isinstance(seq, Sequence):
             raise ValueError(f"seq must be an optimized Sequence, got {type(seq).__name__}")
@@ -116,7 +116,7 @@ class Scheduler:
         """The lesson's postprocess; the sequences it finished, in batch order (OPT-22).
 
         RuntimeError, nothing changed, for a non-empty batch when no step awaits one: each schedule() is
-        postprocessed once (OPT-25).
+        postprocessed once (OPT-23).
         """
         if not self._step_scheduled:
             if not seqs:
@@ -133,7 +133,7 @@ class Scheduler:
         self._last_batch = None
         return finished
 
-    # --- beyond the lesson: abort (spec/abort.md, OPT-18..20) ---------------------------------------
+    # --- beyond the lesson: abort (spec/abort.md, OPT-19..21) ---------------------------------------
     def abort(self, seq: Sequence) -> None:
         """Take a waiting or running sequence back between steps; its blocks are released as deallocate does.
 
@@ -236,7 +236,7 @@ class Scheduler:
         due = group.phases[phase]
         if due:
             bm = self.block_manager
-            if len(due) <= bm.free.count:  # OPT-6: nobody has to be preempted
+            if len(due) <= bm.free.count:  # OPT-4: nobody has to be preempted
                 # list.append over the members' tables at C speed (it returns None, so any() runs to the end).
                 any(map(list.append, group.tables[phase], bm.take_fresh_many(len(due))))
             else:
@@ -252,7 +252,7 @@ class Scheduler:
         """The reference's popleft / can_append / preempt-the-tail loop, visiting only members that need a block.
 
         Members before a needy one pass can_append without taking anything; the
-        queue's tail (index t-1) is what ``running.pop()`` would take (OPT-7). Returns the preempted,
+        queue's tail (index t-1) is what ``running.pop()`` would take (OPT-5). Returns the preempted,
         in the order they were preempted.
         """
         group, running, bm = self._group, self._running, self.block_manager
@@ -336,7 +336,7 @@ class Scheduler:
         return _merged(finishing, [members[j] for j in hits.tolist() if not members[j].ignore_eos])
 
     def _stop_hits(self, tokens: I64, finishing: list[Sequence] | None) -> list[Sequence] | None:
-        """OPT-23: members whose drawn token is one of their own stop tokens finish, as at EOS."""
+        """OPT-24: members whose drawn token is one of their own stop tokens finish, as at EOS."""
         watched = self._group.stop_ids
         if len(watched) <= 4:
             mask = functools.reduce(np.logical_or, [tokens == t for t in watched])
@@ -383,7 +383,7 @@ class Scheduler:
             if (
                 (not seq.ignore_eos and token_id == eos)
                 or core.ntok - seq.num_prompt_tokens == core.max_tokens
-                or (core.stops and token_id in core.stops)  # OPT-23: beside EOS
+                or (core.stops and token_id in core.stops)  # OPT-24: beside EOS
             ):
                 self._running.remove(seq)
                 self._finish(seq)

@@ -15,7 +15,7 @@ group's batch is in flight and 0 otherwise, and ``is_prefill`` is False
 (OPT-3). Tokens live in the scheduler's ``TokenArena`` from ``add`` until the
 sequence finishes, and in ``core.own`` before and after. ``core.hashes[i]`` is
 the prefix-cache chain hash of full block i, computed once (it depends only on
-tokens that never change) and kept across preemptions (OPT-5).
+tokens that never change) and kept across preemptions (OPT-7).
 ``block_table`` is a plain list, shared with the block manager. Ids are unique
 and increasing: arrival order is id order.
 """
@@ -92,9 +92,9 @@ class CoreState:
     """The scheduler core's record of one sequence: its counters, its arena region, its group stay, its hashes.
 
     Fields are written by the core's classes only. ``stops``: the token ids that finish the sequence when
-    drawn, beside EOS (OPT-23). ``segments``: (since, anchor, block table list) per stay in the decode group:
+    drawn, beside EOS (OPT-24). ``segments``: (since, anchor, block table list) per stay in the decode group:
     at clock c >= since its length was anchor + c and its blocks were in that list (read back by a deferred
-    fill, OPT-16). ``pieces[i]``: the bytes of full block i, beside ``hashes[i]``.
+    fill, OPT-17). ``pieces[i]``: the bytes of full block i, beside ``hashes[i]``.
     """
 
     __slots__ = (

@@ -1,4 +1,4 @@
-"""What ``can_allocate`` read for one waiting sequence, kept while it stays valid (OPT-14).
+"""What ``can_allocate`` read for one waiting sequence, kept while it stays valid (OPT-15).
 
 Invariant: while a memo is kept, walking the prefix cache again for its
 sequence would give the same hits; the KV-cache manager drops it (or cuts it,
@@ -12,7 +12,7 @@ from optimized.core.sequence import Sequence
 
 
 class WalkMemo:
-    """What ``can_allocate`` read for one sequence, kept up to date while it stays valid (OPT-14).
+    """What ``can_allocate`` read for one sequence, kept up to date while it stays valid (OPT-15).
 
     The walk looked up the chain hashes ``hashes`` (hash -> first index; the
     hits and the one that missed); the first ``cached`` of ``hits`` are the

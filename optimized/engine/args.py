@@ -115,7 +115,7 @@ class Knob:
 
 def _plain_number(value: object) -> object:
     """A numpy (or other registered) integer or real as the ``int`` or ``float`` it stands for, so a value computed
-    with numpy is taken as Python's would be (ENG-31); bools, numpy's included, and anything else unchanged."""
+    with numpy is taken as Python's would be (ENG-21); bools, numpy's included, and anything else unchanged."""
     if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Real):
         return value
     return operator.index(value) if isinstance(value, numbers.Integral) else float(value)

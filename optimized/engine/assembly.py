@@ -25,7 +25,7 @@ from optimized.models.config import ModelConfig
 class RunnerSpec:
     """What a rank needs to build its runner: ``EngineArgs``' runner fields, resolved (``num_kvcache_blocks`` None
     still means what the memory budget holds, the least over the ranks), and a spawned worker's torch threads.
-    Plain values: spawned workers receive it pickled, and the ranks compare it (TP-7)."""
+    Plain values: spawned workers receive it pickled, and the ranks compare it (TP-8)."""
 
     model: str
     dtype: str  # a name of optimized.engine.args.DTYPE_NAMES

@@ -1,4 +1,4 @@
-"""CPU settings that degrade gracefully when the machine is shared (spec ENG-27).
+"""CPU settings that degrade gracefully when the machine is shared (spec ENG-31).
 
 Invariants: unless ``NANOVERIFY_CPU_DEFAULTS=0``, importing ``optimized`` sets ``OMP_WAIT_POLICY=PASSIVE`` where the
 user has not set it, so OpenMP threads sleep instead of spinning while they wait; and every ``LLM`` lowers torch's

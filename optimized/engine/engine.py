@@ -1,12 +1,12 @@
 """The step loop: schedule, run the model on the batch, hand the tokens back to the scheduler.
 
 Invariants: a request is validated whole before the scheduler sees it, so a
-refused one leaves the scheduler untouched (ENG-9); every sequence the
+refused one leaves the scheduler untouched (ENG-10); every sequence the
 scheduler holds belongs to exactly one live ``Request``; a step runs the model
 on exactly the tokens the scheduler granted and postprocesses exactly that
 batch; the scheduler reports whom a step preempted and finished (OPT-22), so
 a step does no scan of the live requests. Stop tokens are the scheduler's
-(ENG-12, OPT-23): each request's stop set is handed to the scheduler with the
+(ENG-15, OPT-24): each request's stop set is handed to the scheduler with the
 sequence, and postprocess finishes a sequence that draws one, beside EOS.
 Every change is told to the engine's observers (``StepObserver``, ARCH-3), in
 order: check mode's shadow mirrors it on the reference, the recorder writes it.
@@ -18,7 +18,7 @@ told, so the shadow's decisions stay identical. Any other exception
 in a step, an add or an abort (a bug, a divergence, a KeyboardInterrupt at an
 arbitrary point: FAULT-4) may have left the state half changed: ``busy`` then
 still names the interrupted operation, every later call raises RuntimeError
-(ENG-24), and the exception itself propagates untouched; a cleanup that fails
+(ENG-11), and the exception itself propagates untouched; a cleanup that fails
 never replaces the exception that caused it (FAULT-5). The scheduler
 implementation is imported in exactly one place, the import of
 ``optimized.core.scheduler`` below. The engine is not thread-safe: ``LLM``
@@ -56,7 +56,7 @@ class Request:
     draw: DrawParams
     stop_ids: frozenset[int]
     finish_reason: str | None = None
-    # ENG-28: when asked, one dict per generated token, and one per prompt token (the first's None)
+    # ENG-18: when asked, one dict per generated token, and one per prompt token (the first's None)
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
@@ -135,7 +135,7 @@ class Engine:
         self.failed: list[Request] = []  # FAULT-1: requests of failed steps, until the caller takes them
         # The change of state in progress ("a step", "an add", "an abort"), None between changes. Still set after
         # the change raised means nobody restored a consistent state (anything but a model fault, FAULT-4): the
-        # engine is not to be trusted, and ``broken_by`` says what interrupted it (ENG-24).
+        # engine is not to be trusted, and ``broken_by`` says what interrupted it (ENG-11).
         self.busy: str | None = None
         self.broken_by = "an exception"
         self.stats = EngineStats()
@@ -151,11 +151,11 @@ class Engine:
 
     @property
     def trusted(self) -> bool:
-        """No change of state was left half done (ENG-24)."""
+        """No change of state was left half done (ENG-11)."""
         return self.busy is None
 
     def require_trusted(self) -> None:
-        """ENG-24: after a failure inside a step that was not the model's, the state is not to be trusted."""
+        """ENG-11: after a failure inside a step that was not the model's, the state is not to be trusted."""
         if self.busy is not None:
             raise RuntimeError(f"the engine failed inside {self.busy} ({self.broken_by}) and its state is undefined: "
                                "make a new LLM")
@@ -192,7 +192,7 @@ class Engine:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.limits.eos_token_ids[1:])  # the first is the scheduler's own eos
-        # ENG-25: a tiny temperature is greedy, and top_k at or past the vocabulary keeps every token (off).
+        # ENG-12: a tiny temperature is greedy, and top_k at or past the vocabulary keeps every token (off).
         temperature = 0.0 if params.greedy else params.temperature
         top_k = -1 if params.top_k >= self.limits.vocab_size else params.top_k
         prompt_logprobs = -1 if params.prompt_logprobs is None or len(token_ids) < 2 else params.prompt_logprobs
@@ -259,7 +259,7 @@ class Engine:
             self._fail_batch_under(fault, seqs, requests)
             raise
         got = self.runner.take_logprobs()
-        if got:  # ENG-29: only when a request of the step asked
+        if got:  # ENG-19: only when a request of the step asked
             for s, r in zip(seqs, requests, strict=True):
                 if s.seq_id in got:
                     r.draw = keep(got[s.seq_id], r.logprobs, r.prompt_logprobs, r.draw, s.num_prompt_tokens)

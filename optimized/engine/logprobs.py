@@ -1,4 +1,4 @@
-"""Logprobs of one step's rows, for the requests that asked (ENG-28..ENG-30).
+"""Logprobs of one step's rows, for the requests that asked (ENG-18..ENG-20).
 
 Invariant: a row's logprobs are a function of that row's logits alone (``kernels.sampling.log_probs``, row by
 row), so they are as batch-invariant as the logits. A step in which no request asked computes none of this.
@@ -61,7 +61,7 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]
 
     def as_dict(self) -> dict[int, Logprob]:
-        """ENG-28's shape: the top tokens by rank, then the token itself if it is not among them."""
+        """ENG-18's shape: the top tokens by rank, then the token itself if it is not among them."""
         out = {t: Logprob(v, rank) for rank, (t, v) in enumerate(self.top, 1)}
         if self.token not in out:
             out[self.token] = Logprob(self.logprob, self.rank)
@@ -86,7 +86,7 @@ ROWS_AT_ONCE = 256  # rows whose [rows, vocab] intermediates exist at once: a lo
 def row_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int]) -> list[TokenLogprobs]:
     """Row i's ``tokens[i]`` logprob, rank and ``counts[i]`` top alternatives (at most the vocabulary).
 
-    Every value is a function of its own row (ENG-29), so taking the rows in slices of ``ROWS_AT_ONCE`` changes no
+    Every value is a function of its own row (ENG-19), so taking the rows in slices of ``ROWS_AT_ONCE`` changes no
     bit; it bounds the log-softmax copy and the ranking's masks by the slice, not by the prompt."""
     if len(tokens) > ROWS_AT_ONCE:
         return [got for a in range(0, len(tokens), ROWS_AT_ONCE)

@@ -15,13 +15,13 @@ it likes. What a decode step does follows the backend's declared capabilities,
 never its name: a backend that does not read the cache in place (it gathers the
 blocks of its table width, as torch does) gets the rows sorted by context length,
 a backend that reads it in place gets the whole batch in the scheduler's order
-(ENG-19); a backend that needs a decode plan is asked for one once per eager
-decode step and gets it back in every layer (ENG-23); greedy rows never touch
-the random draw (ENG-20). With ``enforce_eager=False`` a decode step of at most
+(ENG-26); a backend that needs a decode plan is asked for one once per eager
+decode step and gets it back in every layer (ENG-30); greedy rows never touch
+the random draw (ENG-27). With ``enforce_eager=False`` a decode step of at most
 ``max_num_seqs`` sequences runs through ``GraphRunner``'s bucketed static
-buffers instead (ENG-21): a CUDA graph on CUDA, which needs a ``capturable``
+buffers instead (ENG-28): a CUDA graph on CUDA, which needs a ``capturable``
 backend, the eager stand-in on the CPU. Under tensor parallelism (spec/parallel.md) rank 0's runner sends each
-step's inputs to the workers, whose runners call ``forward`` with them; only rank 0 samples (TP-4, TP-5).
+step's inputs to the workers, whose runners call ``forward`` with them; only rank 0 samples (TP-6, TP-7).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class ScheduledSeq(PromptSeq, Protocol):
 class DrawParams:
     """How one request's tokens are drawn; ``seed`` is always set (the engine draws one if the user did not).
     ``logprobs``, ``prompt_logprobs``: the top alternatives its request wants with each drawn token's and each
-    prompt token's logprob, -1 for none; ``prompt_from``: the first prompt position not yet covered (ENG-30)."""
+    prompt token's logprob, -1 for none; ``prompt_from``: the first prompt position not yet covered (ENG-20)."""
 
     temperature: float
     top_k: int
@@ -83,7 +83,7 @@ I64 = npt.NDArray[np.int64]
 
 @dataclass
 class StepMessage:
-    """One step as every tensor-parallel rank runs it (TP-5; optimized/parallel/step.py puts it on the wire).
+    """One step as every tensor-parallel rank runs it (TP-7; optimized/parallel/step.py puts it on the wire).
     ``StepInputs`` adds what rank 0 alone needs."""
 
     is_prefill: bool
@@ -109,7 +109,7 @@ class StepBroadcast(Protocol):
         ...
 
     def fail_here(self, cause: BaseException) -> CollectiveError:
-        """End the group naming rank 0 and ``cause``, so no worker waits out a collective (TP-8)."""
+        """End the group naming rank 0 and ``cause``, so no worker waits out a collective (TP-9)."""
         ...
 
 
@@ -119,7 +119,7 @@ class RankGroup(TensorParallel, StepBroadcast, Protocol):
 
 @dataclass
 class StepInputs(StepMessage):
-    """One step's inputs: what every tensor-parallel rank runs (``StepMessage``, TP-5) and, for rank 0 alone, which
+    """One step's inputs: what every tensor-parallel rank runs (``StepMessage``, TP-7) and, for rank 0 alone, which
     sequences of the batch get a token."""
 
     sample_rows: I64
@@ -261,7 +261,7 @@ class ModelRunner:
     ) -> list[int]:
         """One forward, rows in the order given; ``graphed`` decode steps run through the graph runner."""
         inp = prepare(seqs, is_prefill, self.block_size, graphed)
-        wants = asked(draws)  # ENG-29: a step nobody asked logprobs of does none of their work
+        wants = asked(draws)  # ENG-19: a step nobody asked logprobs of does none of their work
         plan = prompt_plan(seqs, draws, inp.cu_seqlens_q, inp.context_lens) if wants and is_prefill else None
         step = inp if plan is None else replace(inp, logit_rows=np.concatenate([inp.logit_rows, plan.rows]))
         logits = self.forward(step) if self.tp is None else self._forward_everywhere(self.tp, step)
@@ -286,13 +286,13 @@ class ModelRunner:
         return tokens
 
     def take_logprobs(self) -> dict[int, SeqLogprobs]:
-        """The last step's logprobs by seq_id (ENG-29), once; empty when no request of it asked."""
+        """The last step's logprobs by seq_id (ENG-19), once; empty when no request of it asked."""
         got, self.step_logprobs = self.step_logprobs, {}
         return got
 
     def _forward_everywhere(self, tp: StepBroadcast, step: StepMessage) -> torch.Tensor | None:
-        """Rank 0 under tensor parallelism: the step to the workers, then its own forward (TP-5). An exception of
-        rank 0's own ends the group at once, naming rank 0, so no worker waits out a collective (TP-8); an
+        """Rank 0 under tensor parallelism: the step to the workers, then its own forward (TP-7). An exception of
+        rank 0's own ends the group at once, naming rank 0, so no worker waits out a collective (TP-9); an
         interruption (KeyboardInterrupt) ends it too and propagates unchanged."""
         try:
             tp.send_step(step)  # the workers run this very forward on their shards
@@ -308,7 +308,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepMessage) -> torch.Tensor | None:
         """The step's forward; the logits of its ``logit_rows`` (None when there are none). Under tensor
-        parallelism every rank calls this with the same step, and rank 0 gets the whole logits (TP-5)."""
+        parallelism every rank calls this with the same step, and rank 0 gets the whole logits (TP-7)."""
         input_ids, positions = self._tensor(step.input_ids), self._tensor(step.positions)
         if step.graphed:
             assert self.graphs is not None

@@ -6,7 +6,7 @@ outcome (ran or failed), an abort. The engine knows observers only through this
 protocol; the entry floor (optimized/entry/) chooses and wires them, so the
 engine imports neither verify/ nor trace/ (spec/architecture.md, ARCH-3).
 
-A hook that raises inside a change leaves the engine untrusted (ENG-24), except
+A hook that raises inside a change leaves the engine untrusted (ENG-11), except
 ``step_failed``, which must not raise (FAULT-5: the model's fault is what
 propagates). ``before_change`` and ``check_add`` run before a change begins, so
 a refusal there changes nothing.
@@ -28,7 +28,7 @@ class StepObserver(Protocol):
         """Raise to refuse any change (a closed or broken trace), before it begins."""
 
     def check_add(self, token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ValueError to refuse a request this observer could not take (ENG-9); changes nothing."""
+        """Raise ValueError to refuse a request this observer could not take (ENG-10); changes nothing."""
 
     def added(self, request: Request) -> None:
         """``request`` was queued (inside the add)."""

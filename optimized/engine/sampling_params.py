@@ -8,7 +8,7 @@ ids below the vocabulary, the context length) are checked where the request
 meets the model (``validation.validate_request``). The rules are the server's
 too (ARCH-6): temperature in [0, 2] and at most 4 stop strings (OpenAI's
 bounds), top_k 0 or -1 for off (vLLM's; 0 is stored as -1), ``logprobs`` and ``prompt_logprobs`` None or 0..20
-(OpenAI's ``top_logprobs`` bound, vLLM's default ``max_logprobs``; ENG-28).
+(OpenAI's ``top_logprobs`` bound, vLLM's default ``max_logprobs``; ENG-18).
 Integers (token ids, max_tokens, top_k, seed) may be of any integer type, a numpy
 integer too, and are stored as plain ints; numbers (temperature, top_p) may be
 any real type, a numpy float too, and are stored as floats; a bool is neither.
@@ -31,7 +31,7 @@ INT64_MAX = (1 << 63) - 1
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 4096  # SERVE-16: the stop strings' characters in all
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound, vLLM's default max_logprobs (ENG-28)
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound, vLLM's default max_logprobs (ENG-18)
 
 
 class RequestRefused(ValueError):
@@ -52,7 +52,7 @@ class RequestRefused(ValueError):
 
 
 def token_id(value: object, field: str = "prompt", what: str = "token ids must be ints") -> int:
-    """ENG-9: a token id as a plain int; any integer type (a numpy integer too), never a bool, float or list."""
+    """ENG-10: a token id as a plain int; any integer type (a numpy integer too), never a bool, float or list."""
     if type(value) is int:
         return value
     as_int = _as_int(value)
@@ -91,15 +91,15 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (SERVE-5); one str means (str,)
-    logprobs: int | None = None  # ENG-28: each generated token's logprob and this many top alternatives
-    prompt_logprobs: int | None = None  # ENG-28: the same for every prompt token but the first
+    logprobs: int | None = None  # ENG-18: each generated token's logprob and this many top alternatives
+    prompt_logprobs: int | None = None  # ENG-18: the same for every prompt token but the first
 
     def __post_init__(self) -> None:
         for name, value in self._normalized().items():
             object.__setattr__(self, name, value)
 
     def check(self) -> None:
-        """ENG-9: refuse (``RequestRefused``) a params object changed after it was made, as when it was made."""
+        """ENG-10: refuse (``RequestRefused``) a params object changed after it was made, as when it was made."""
         self._normalized()
 
     def _normalized(self) -> dict[str, Any]:
@@ -139,7 +139,7 @@ class SamplingParams:
 
 
 def _logprob_count(name: str, value: object) -> int | None:
-    """ENG-28: None (none asked) or how many top alternatives, 0..``MAX_LOGPROBS``, as a plain int."""
+    """ENG-18: None (none asked) or how many top alternatives, 0..``MAX_LOGPROBS``, as a plain int."""
     if value is None:
         return None
     count = _as_int(value)
@@ -150,7 +150,7 @@ def _logprob_count(name: str, value: object) -> int | None:
 
 @dataclass(frozen=True)
 class Logprob:
-    """ENG-28: a token's log probability under the model's raw distribution (``log_softmax`` of its logits, before
+    """ENG-18: a token's log probability under the model's raw distribution (``log_softmax`` of its logits, before
     temperature, top-k and top-p) and its rank there: 1 for the most likely token, ties ranked by token id."""
 
     logprob: float

@@ -1,4 +1,4 @@
-"""Whether the engine can take a request: the one validator (ENG-9, ARCH-6).
+"""Whether the engine can take a request: the one validator (ENG-10, ARCH-6).
 
 Invariant: it changes nothing, and it refuses with a ``RequestRefused`` (a
 ValueError) carrying the field at fault and, for the context limits, OpenAI's
@@ -39,14 +39,14 @@ class EngineLimits:
         return self.eos_token_ids[0] if self.eos_token_ids else -1
 
     def room(self, prompt_len: int) -> int:
-        """The largest max_tokens a prompt of ``prompt_len`` tokens is admitted with, at least 1 (ENG-10:
+        """The largest max_tokens a prompt of ``prompt_len`` tokens is admitted with, at least 1 (ENG-13:
         prompt + max_tokens - 1 tokens must fit the cache)."""
         cache = self.num_blocks * self.block_size + 1
         return max(1, min(self.max_model_len, cache) - prompt_len)
 
 
 def prompt_ids(prompt: object, tokenizer: Tokenizer) -> list[int]:
-    """ENG-9: a text prompt's token ids (it must be valid Unicode: a lone surrogate is not), or a token-id prompt
+    """ENG-10: a text prompt's token ids (it must be valid Unicode: a lone surrogate is not), or a token-id prompt
     as given (``validate_request`` checks its ids)."""
     if isinstance(prompt, str):
         try:
@@ -56,7 +56,7 @@ def prompt_ids(prompt: object, tokenizer: Tokenizer) -> list[int]:
                                  f"({prompt[e.start:e.end]!r})") from None
         try:
             return tokenizer.encode(prompt)
-        except ValueError as e:  # a checkpoint without a tokenizer (ENG-11)
+        except ValueError as e:  # a checkpoint without a tokenizer (ENG-14)
             raise RequestRefused("prompt", f"text cannot be encoded: {e}") from None
     if not isinstance(prompt, list):
         raise RequestRefused("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -75,7 +75,7 @@ def _past_limit(prompt_len: int, max_tokens: int, limits: EngineLimits) -> str |
 
 def validate_request(token_ids: Seq[int], params: SamplingParams, limits: EngineLimits,
                      recheck: bool = True) -> list[int]:
-    """The prompt as plain ints, or a ``RequestRefused`` when the engine must refuse it (ENG-9). Changes nothing.
+    """The prompt as plain ints, or a ``RequestRefused`` when the engine must refuse it (ENG-10). Changes nothing.
 
     A request past a context limit names ``prompt`` when the prompt with one completion token cannot fit, else
     ``max_tokens``. ``recheck`` False: the caller made ``params`` just now (its values were checked then), so they

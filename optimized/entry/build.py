@@ -70,7 +70,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
     dev = _device(args.device)
     dtype = args.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     model_dir = _model_dir(args.model)
-    cpu_defaults.cap_threads()  # ENG-27: before the first forward, so the thread pool starts at its size
+    cpu_defaults.cap_threads()  # ENG-31: before the first forward, so the thread pool starts at its size
     try:
         backend = get_backend(args.attention_backend, dev)
     except ValueError as e:

@@ -2,7 +2,7 @@
 
 Invariants: a bad constructor argument is a ValueError naming the field,
 raised before anything is loaded; ``generate`` validates every request of the
-call before adding any (ENG-9), so a refused call changes nothing; it returns
+call before adding any (ENG-10), so a refused call changes nothing; it returns
 one ``RequestOutput`` per prompt, in prompt order. Unseeded requests get a seed
 drawn at add time from the LLM's own generator (``seed``), so a whole run is
 reproducible and no request shares another's draws. Beside ``generate`` the
@@ -65,7 +65,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" (eos or a stop token), "length", "abort" (ABORT-8) or "error" (FAULT-1)
-    # ENG-28: asked with SamplingParams.logprobs, one dict per generated token (token id -> Logprob: the top
+    # ENG-18: asked with SamplingParams.logprobs, one dict per generated token (token id -> Logprob: the top
     # alternatives by rank, then the drawn token if not among them); prompt_logprobs likewise per prompt token,
     # None for the first. None when not asked.
     logprobs: list[dict[int, Logprob]] | None = None
@@ -141,7 +141,7 @@ class LLM:
         name that is none of them is a ValueError naming it. ``num_kvcache_blocks`` defaults to what fits a memory
         budget: ``gpu_memory_utilization`` of the GPU (less what weights and activations take) or
         ``cpu_kvcache_gib`` GiB on the CPU. ``enforce_eager`` None means CUDA-graph decode on CUDA with a
-        capturable backend, eager everywhere else (ENG-21). ``tensor_parallel_size`` N > 1 splits the model over
+        capturable backend, eager everywhere else (ENG-28). ``tensor_parallel_size`` N > 1 splits the model over
         N processes (spec/parallel.md): N - 1 spawned workers, or the ranks torchrun started (on a torchrun rank
         other than 0 this serves rank 0 and then exits the process). ``close()`` (or leaving a ``with`` block)
         stops them. ``trace``: a file the run is recorded in as it happens (spec/trace.md, TRACE-1), each step's
@@ -152,7 +152,7 @@ class LLM:
         args = EngineArgs.of(model=model, **kwargs)
         trace_path = trace_file(args.trace)
         parts = build_engine(args)
-        if parts.group is not None:  # TP-9: an LLM dropped unclosed still stops its workers
+        if parts.group is not None:  # TP-3: an LLM dropped unclosed still stops its workers
             weakref.finalize(self, launch.close, parts.group)
         self._group = parts.group
         self.settings = parts.settings  # (read API) EngineArgs with every None resolved: dtype, device, backend...
@@ -204,7 +204,7 @@ class LLM:
 
     @property
     def trusted(self) -> bool:
-        """The LLM may still be used: no exception left the engine's state undefined (ENG-24) nor broke off
+        """The LLM may still be used: no exception left the engine's state undefined (ENG-11) nor broke off
         this LLM's bookkeeping (FAULT-6)."""
         return self.engine.trusted and self.interrupted is None
 
@@ -253,12 +253,12 @@ class LLM:
         return self.engine.runner.model
 
     def decode_graphs(self) -> tuple[int, int]:
-        """The decode steps served by graphs so far, and the graphs captured (0, 0 when eager: ENG-21)."""
+        """The decode steps served by graphs so far, and the graphs captured (0, 0 when eager: ENG-28)."""
         graphs = self.engine.runner.graphs
         return (0, 0) if graphs is None else (self.engine.runner.graph_steps, len(graphs.graphs))
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any, and wait for them (TP-9); the LLM is unusable afterwards
+        """Stop the tensor-parallel workers, if any, and wait for them (TP-3); the LLM is unusable afterwards
         under tensor parallelism. Idempotent; a single-process LLM has nothing to stop. A trace is flushed and
         closed (TRACE-1)."""
         from optimized.parallel import launch
@@ -281,7 +281,7 @@ class LLM:
         self.close()
 
     def _validated(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
-        """ENG-9, ARCH-6: the prompt's token ids and its params, or a RequestRefused (nothing changed); every
+        """ENG-10, ARCH-6: the prompt's token ids and its params, or a RequestRefused (nothing changed); every
         observer is asked last (TRACE-4: the trace's add record)."""
         return validated_request(prompt, params, self.engine.limits, self.tokenizer, self._ask_observers)
 
@@ -306,7 +306,7 @@ class LLM:
             return _completion_since(request, start)
 
     def completion_logprobs(self, request_id: int, start: int = 0) -> list[dict[int, Logprob]] | None:
-        """SERVE-3, ENG-28: a live request's generated tokens' logprobs so far, from ``start``; None once it has
+        """SERVE-3, ENG-18: a live request's generated tokens' logprobs so far, from ``start``; None once it has
         finished or when it did not ask. Between steps only."""
         with self._lock:
             request = self.engine.by_arrival.get(request_id)
@@ -327,14 +327,14 @@ class LLM:
     def add_validated(self, prompt_ids: list[int], sampling_params: SamplingParams) -> int:
         """``add_request`` for a caller that ran the one validator (``entry.requests.validated_request``) with this
         LLM's limits and ``trace_check(self.traced)``, as the server's HTTP side does: only trust and the trace's
-        writability are checked again (ENG-24, TRACE-1). Its request_id; its output has no prompt text."""
+        writability are checked again (ENG-11, TRACE-1). Its request_id; its output has no prompt text."""
         with self._lock, _Bookkeeping(self, "an add_request"):
             request = self._add(prompt_ids, sampling_params)
             self._stepped[request.arrival] = None
         return request.arrival
 
     def _require_trusted(self) -> None:
-        """ENG-24, FAULT-6, first of all; read under the lock, since another thread's step makes the engine busy."""
+        """ENG-11, FAULT-6, first of all; read under the lock, since another thread's step makes the engine busy."""
         with self._lock:
             self._require_trusted_locked()
 
@@ -355,7 +355,7 @@ class LLM:
         FAULT-1: if the model raises, the exception propagates; the failed batch's requests finish with
         finish_reason "error" and the next step() returns their outputs.
         """
-        # The bookkeeping refuses an untrusted LLM (ENG-24), even when there is nothing to step.
+        # The bookkeeping refuses an untrusted LLM (ENG-11), even when there is nothing to step.
         with self._lock, _Bookkeeping(self, "a step"):
             finished = self._engine_step() if self.engine.has_unfinished() else []
             # Taken only now: if the step raised, what was pending is still pending.
@@ -452,7 +452,7 @@ class LLM:
 
     @staticmethod
     def _params_per_prompt(sampling_params: object, count: int) -> list[SamplingParams]:
-        """ENG-9: one SamplingParams for each prompt; None (the whole argument only) means the defaults."""
+        """ENG-10: one SamplingParams for each prompt; None (the whole argument only) means the defaults."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):

@@ -1,4 +1,4 @@
-"""The one validator, composed once for ``LLM`` and the server's HTTP side (ENG-9, ARCH-6).
+"""The one validator, composed once for ``LLM`` and the server's HTTP side (ENG-10, ARCH-6).
 
 Invariant: ``validated_request`` changes nothing and refuses with a ``RequestRefused``; a request it passes, with
 the engine's limits and tracing, is one the engine takes (``LLM.add_validated`` checks only trust and the

@@ -66,7 +66,7 @@ class ModelConfig:
 
     @property
     def eos(self) -> int:
-        """The scheduler's single eos id (-1: none); further eos ids are engine stop tokens (ENG-12)."""
+        """The scheduler's single eos id (-1: none); further eos ids are engine stop tokens (ENG-15)."""
         return self.eos_token_ids[0] if self.eos_token_ids else -1
 
 

@@ -11,7 +11,7 @@ one matrix each (the loader fills the packed rows from the checkpoint's
 separate tensors), in the order q, k, v and gate, up. The arithmetic follows
 transformers' modeling code op for op so that float64 greedy output matches it.
 
-Under tensor parallelism (spec/parallel.md, TP-2) a model is one rank's piece: its modules are built from the
+Under tensor parallelism (spec/parallel.md, TP-4) a model is one rank's piece: its modules are built from the
 shard's local config, o_proj and down_proj all-reduce their partial sums before adding their bias, the embedding
 looks up only its vocabulary slice (other ids give -0) and all-reduces, and ``logits`` gathers the vocabulary
 slices to rank 0. In the batch-invariant mode those all-reduces add in rank order, and a row-parallel layer sums its
@@ -344,7 +344,7 @@ class CausalLM(nn.Module):
         row_chunk: int = 0,
     ) -> torch.Tensor:
         """Final hidden states [N, hidden] (normed); logits are computed only for the rows sampled. A step of more
-        than ``row_chunk`` rows runs its row-wise work in slices of that many rows (0: the whole batch, ENG-23)."""
+        than ``row_chunk`` rows runs its row-wise work in slices of that many rows (0: the whole batch, ENG-30)."""
         x = self.embed_tokens(input_ids)
         rope = rotary_rows(positions, ctx.cos_sin, x.dtype)
         rows = row_slices(x.shape[0], row_chunk)

@@ -14,7 +14,7 @@ and the model the config describes (weights plus the rotary table) must fit in t
 is checked finite in the engine's dtype as it lands (CKPT-6). Any file the safetensors library still cannot read
 is a ValueError naming it (CKPT-2).
 
-A tensor-parallel rank (spec/parallel.md, TP-2) reads only its own piece of each split tensor from the file
+A tensor-parallel rank (spec/parallel.md, TP-4) reads only its own piece of each split tensor from the file
 (``safe_open(...).get_slice``), so no rank ever holds the whole model; the checks above stay on the whole
 checkpoint's headers.
 """
@@ -170,7 +170,7 @@ def _device_memory(device: torch.device) -> int:
 
 
 def check_fits(c: ModelConfig, dtype: torch.dtype, device: torch.device, shard: Shard | None = None) -> None:
-    """Refuse, naming the sizes, a config whose model (with ``shard``: that rank's piece of it, TP-2) would not fit
+    """Refuse, naming the sizes, a config whose model (with ``shard``: that rank's piece of it, TP-4) would not fit
     in the device's memory (CKPT-5)."""
     held = c if shard is None else shard.local_config(c)
     needed, available = _bytes_needed(held, dtype), _device_memory(device)
@@ -240,7 +240,7 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 def _read(f: Any, name: str, model: CausalLM) -> torch.Tensor:
-    """Checkpoint tensor ``name``, or only this rank's piece of it under tensor parallelism (TP-2)."""
+    """Checkpoint tensor ``name``, or only this rank's piece of it under tensor parallelism (TP-4)."""
     if model.tp is None:
         return f.get_tensor(name)  # type: ignore[no-any-return]
     part = source_slice(model.tp.shard, model.config, name)

@@ -2,14 +2,14 @@
 
 Invariant: for a world of ``size`` ranks, every weight of the checkpoint is either split into ``size``
 disjoint equal pieces (one per rank) or held whole by every rank, and the split is a pure function of the
-config and the rank, so every rank computes the same plan without talking (TP-2). Column-parallel (rows of the
+config and the rank, so every rank computes the same plan without talking (TP-4). Column-parallel (rows of the
 checkpoint matrix split): q, k, v, gate, up (weights and biases), the embedding and the LM head (by vocabulary).
 Row-parallel (columns split, partial sums all-reduced, the bias added once after): o_proj and down_proj. Norms are
 whole on every rank. The vocabulary is cut into ``ceil(vocab_size / size)`` rows per rank, the last rank's
 piece padded with zero rows whose logits are dropped when gathered, so any vocabulary size splits (as vLLM pads
 it). KV heads are split like query heads; when ``size`` exceeds their count, each rank holds one
 KV head, the one its query heads read (replicated over ``size // num_kv_heads`` ranks, as vLLM does), which needs
-``size`` to be a multiple of the KV head count (TP-3).
+``size`` to be a multiple of the KV head count (TP-5).
 
 In the batch-invariant mode a row-parallel layer's K is also cut into ``REDUCTION_CHUNKS`` equal consecutive chunks,
 whose sums are added by ``fixed_order_sum``, so a shard holds whole chunks and 1, 2 or 4 ranks add the same sums in
@@ -44,7 +44,7 @@ def fixed_order_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def check_divisible(c: ModelConfig, size: int) -> None:
-    """ValueError naming the config field that ``size`` ranks cannot split evenly (TP-3)."""
+    """ValueError naming the config field that ``size`` ranks cannot split evenly (TP-5)."""
     fields = (
         ("num_attention_heads", c.num_heads),
         ("intermediate_size", c.intermediate_size),

@@ -1,7 +1,7 @@
 """One tensor-parallel process group: the collectives a step needs, and what rank 0 says when one fails.
 
 Invariant: every collective either completes on every rank or raises ``TensorParallelError`` on rank 0 within
-the collective timeout (TP-8), naming the rank at fault when it can be known: a worker that raised left its
+the collective timeout (TP-9), naming the rank at fault when it can be known: a worker that raised left its
 exception text in the rendezvous store before exiting, a worker that died left an exit code (spawned workers),
 rank 0 itself raised in a step, a rank did not load its shard within the start timeout. After a failure the group
 is dead: every later call raises the same error at once, the failing rank's side of the process groups is freed
@@ -82,7 +82,7 @@ def start_timeout() -> timedelta:
 
 def private_store() -> tuple[Any, Path]:
     """A rendezvous store only this user can reach: a file in a fresh folder of mode 0700 (``tempfile.mkdtemp``),
-    no listening socket (TP-6). The caller removes the folder when the group ends."""
+    no listening socket (TP-2). The caller removes the folder when the group ends."""
     folder = Path(tempfile.mkdtemp(prefix="nanoverify-tp-"))
     return open_store(folder), folder
 
@@ -247,7 +247,7 @@ class Group:
         return self.end(self._diagnose(cause)) if self.failure is None else TensorParallelError(self.failure)
 
     def fail_here(self, cause: BaseException) -> TensorParallelError:
-        """This rank raised outside a collective (rank 0's forward, after the step went out, TP-8): the group is
+        """This rank raised outside a collective (rank 0's forward, after the step went out, TP-9): the group is
         dead, its peers are stopped at once, and the error names this rank."""
         if self.failure is not None:
             return TensorParallelError(self.failure)
@@ -271,7 +271,7 @@ class Group:
 
     def wait_for_ranks(self, stage: str, timeout: timedelta) -> None:
         """Every rank got to ``stage`` (e.g. "load its shard") within ``timeout``, or TensorParallelError naming
-        the rank that raised, died, or did not get there in time (TP-8): a store poll, not a collective, so a slow
+        the rank that raised, died, or did not get there in time (TP-9): a store poll, not a collective, so a slow
         rank is named rather than blamed on a collective's timeout."""
         self.check_alive()
         self.store.set(f"nanoverify/{stage}/{self.rank}", "1")

@@ -1,4 +1,4 @@
-"""Starting a tensor-parallel engine: refusals first, then the workers, then each rank's runner (TP-1, TP-6, TP-7).
+"""Starting a tensor-parallel engine: refusals first, then the workers, then each rank's runner (TP-1, TP-2, TP-8).
 
 Invariant: everything that can be refused by name (the size, the model's divisibility, the device count, a torchrun
 world of another size, the timeout variables, the checkpoint's headers, rank 0's piece or KV cache not fitting in
@@ -70,7 +70,7 @@ def check_plan(size: int, c: ModelConfig, device: torch.device) -> None:
     """The refusals that need no process (TP-1): divisibility, the device count, torchrun's world size."""
     if size == 1:
         return
-    collective_timeout(), start_timeout()  # their variables, read and refused by name now (TP-5)
+    collective_timeout(), start_timeout()  # their variables, read and refused by name now (TP-7)
     check_divisible(c, size)
     if device.type == "cuda" and torchrun_rank() is None and torch.cuda.device_count() < size:
         raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, this machine has "
@@ -89,7 +89,7 @@ def _device(spec: RunnerSpec, rank: int) -> torch.device:
     return torch.device("cuda", local)
 
 
-# Agreement across ranks (TP-7) ---------------------------------------------------------------------------------
+# Agreement across ranks (TP-8) ---------------------------------------------------------------------------------
 
 
 SAMPLES, SAMPLE_BYTES = 16, 64 * 1024  # the blocks of a weights file whose sha256 every rank compares
@@ -161,7 +161,7 @@ def build_runner(spec: RunnerSpec, group: Group) -> ModelRunner:
 
 def engine_runner(spec: RunnerSpec) -> tuple[ModelRunner, Group]:
     """Rank 0's runner and group, its workers started (spawned, or joined under torchrun); ``close(group)`` stops
-    them. On a torchrun rank other than 0 this serves rank 0 until it stops and then exits the process (TP-6): it
+    them. On a torchrun rank other than 0 this serves rank 0 until it stops and then exits the process (TP-2): it
     never returns there."""
     rank = torchrun_rank()
     check_before_start(spec)
@@ -195,7 +195,7 @@ def _restore_threads(group: Group) -> None:
 
 def check_before_start(spec: RunnerSpec) -> None:
     """What this rank can refuse alone, refused before any process starts (TP-1): the checkpoint's headers
-    (CKPT-5), its piece's fit in memory (CKPT-5, TP-2) and a ``num_kvcache_blocks`` beyond this machine's memory."""
+    (CKPT-5), its piece's fit in memory (CKPT-5, TP-4) and a ``num_kvcache_blocks`` beyond this machine's memory."""
     from optimized.models.config import load_config
     from optimized.models.loader import check_checkpoint
 
@@ -229,7 +229,7 @@ def close(group: Group | None) -> None:
 
 def group_fault() -> str | None:
     """Why an open tensor-parallel group this process leads is dead, or None while each is whole: its failure
-    (TP-8), or a worker it spawned that has exited, which ends the group now (the rank named, as a step would have
+    (TP-9), or a worker it spawned that has exited, which ends the group now (the rank named, as a step would have
     found it). Call it from the thread that steps the engine, between steps."""
     for group in list(_LED):
         if group.failure is None and any(proc.exitcode is not None for proc in group.workers):
@@ -243,7 +243,7 @@ def group_fault() -> str | None:
 
 
 def _spawn(spec: RunnerSpec) -> Group:
-    """The workers, around a store in a private folder (TP-6): rank 0's group holds them and the folder."""
+    """The workers, around a store in a private folder (TP-2): rank 0's group holds them and the folder."""
     import multiprocessing
 
     store, folder = private_store()
@@ -309,7 +309,7 @@ def _report(store: Any, rank: int, error: BaseException) -> None:
 
 def serve(group: Group, spec: RunnerSpec) -> int:
     """A worker: build this rank's runner and run rank 0's steps until told to stop; the exit status. An exception
-    is left in the store for rank 0 (TP-8) and ends the worker."""
+    is left in the store for rank 0 (TP-9) and ends the worker."""
     try:
         runner = build_runner(spec, group)
         while (step := receive_step(group)) is not None:

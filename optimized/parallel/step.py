@@ -1,10 +1,10 @@
-"""The step protocol: what rank 0 sends the workers each step, and the stop message (TP-5).
+"""The step protocol: what rank 0 sends the workers each step, and the stop message (TP-7).
 
 Invariant: a worker runs exactly the forward rank 0 runs, on exactly rank 0's inputs: rank 0 broadcasts a fixed
 header (the operation, prefill or decode, graphed or eager, and the array lengths) over the control group, then
 one int64 payload holding the step's token ids, positions, slot mapping, cumulative query lengths, context lengths,
 block tables and the rows whose logits are wanted, over the compute group. Nothing else crosses: the scheduler,
-the shadow, sampling and detokenization stay on rank 0 (TP-4).
+the shadow, sampling and detokenization stay on rank 0 (TP-6).
 """
 
 from __future__ import annotations

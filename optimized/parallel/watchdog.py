@@ -1,4 +1,4 @@
-"""A worker's parent watchdog (TP-9): the process exits as soon as the process that started it is gone.
+"""A worker's parent watchdog (TP-3): the process exits as soon as the process that started it is gone.
 
 Invariant: a process that called ``watch_parent(p)`` while ``p`` was its parent exits (status 1) within about
 ``POLL_SECONDS`` of ``p`` dying, however it died (SIGKILL included): the orphan is re-parented, ``os.getppid()``

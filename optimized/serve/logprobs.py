@@ -1,6 +1,6 @@
 """Logprobs on the wire, in OpenAI's two shapes (SERVE-14).
 
-Invariant: every value is the engine's own ``Logprob.logprob`` (ENG-28) as a JSON number, except below
+Invariant: every value is the engine's own ``Logprob.logprob`` (ENG-18) as a JSON number, except below
 ``FLOOR`` (``-inf`` has no JSON form), which is sent as ``FLOOR``, as vLLM does. A token's text is its id
 decoded alone; its ``bytes`` (chat) are that text's UTF-8, so a token holding part of a character reads as
 U+FFFD, as in vLLM. Where two of a position's alternatives decode to the same text, the legacy shape's

@@ -10,7 +10,7 @@ sent the tokens it gained (``TokenEvent``), and every finished one its output
 stream's asyncio queue (``call_soon_threadsafe``), in the server through the
 pipe to the HTTP process (engine_process.py); a stream's events are in order
 and end with exactly one ``FinishEvent`` or ``FailEvent``. When the engine can no longer be trusted (check mode's
-``ShadowDivergence``, ENG-15; any failure that leaves it untrusted, ENG-24)
+``ShadowDivergence``, ENG-22; any failure that leaves it untrusted, ENG-11)
 the loop records why in ``failure``, logs it (both schedulers' states, for a
 divergence), fails every stream with a 500 that says so and stops: nothing is
 admitted after (SERVE-11), no probe is taken, and every probe not answered
@@ -360,7 +360,7 @@ class EngineLoop:
             outputs = self.llm.step()
         except Exception as e:
             if isinstance(e, ShadowDivergence | CollectiveError) or not self.llm.trusted:
-                raise  # a collective's failure leaves the tensor-parallel group dead (TP-8): no step can run again
+                raise  # a collective's failure leaves the tensor-parallel group dead (TP-9): no step can run again
             log.error("a step failed and its batch ended with an error (FAULT-1): %s", e)
             self._publish()
             return  # the failed requests' outputs (finish_reason "error") come with the next step

@@ -1,7 +1,7 @@
 """The invariants a replay checks at each step, at a cost independent of the cache's size (TRACE-5).
 
 Invariant: after every ``schedule()`` the replay checks every batch invariant
-(INV-8..14, 16, 18, ``check_batch`` whole) and, after every change of state,
+(INV-12..20, ``check_batch`` whole) and, after every change of state,
 INV-2 over the blocks live sequences hold (each exists, and
 ``invariants.check_block_refs`` holds for it); every ``FULL_EVERY``-th step and
 at the end of the trace it checks every state invariant over a full snapshot.

@@ -58,7 +58,7 @@ def add_record(request_id: int, prompt: Sequence[int], max_tokens: int, ignore_e
 
 def check_add_record(prompt: Sequence[int], max_tokens: int, ignore_eos: bool) -> None:
     """ValueError when the request's ``add`` record, whatever its id and step, would be a line the reader refuses:
-    the request is refused with the other limits (ENG-9, TRACE-4), before anything changes."""
+    the request is refused with the other limits (ENG-10, TRACE-4), before anything changes."""
     add_record(INT64_MAX, prompt, max_tokens, ignore_eos, INT64_MAX)
 
 

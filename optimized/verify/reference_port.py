@@ -86,7 +86,7 @@ class ReferencePort:
         self.blocks = ReferenceBlocks(self.lesson_scheduler.block_manager)
         self._stops: dict[int, frozenset[int]] = {}  # seq_id -> its stop set, for the sequences that have one
         self._added: set[int] = set()  # the seq_ids ever added: a second add is refused, as the optimized one does
-        self._step_scheduled = False  # as the optimized scheduler's: a step awaits its one postprocess (OPT-25)
+        self._step_scheduled = False  # as the optimized scheduler's: a step awaits its one postprocess (OPT-23)
 
     @property
     def waiting(self) -> deque[reference.Sequence]:
@@ -105,7 +105,7 @@ class ReferencePort:
         return self.lesson_scheduler.is_finished()
 
     def add(self, seq: reference.Sequence, stop_token_ids: Collection[int] = ()) -> None:
-        """The lesson's add; a stop set is honoured by ``extensions.postprocess_with_stops`` (OPT-23). The port's
+        """The lesson's add; a stop set is honoured by ``extensions.postprocess_with_stops`` (OPT-24). The port's
         refusals first (the lesson takes anything): a sequence added before, ``max_tokens`` below 1, a stop id
         that is not an int64 integer."""
         if seq.seq_id in self._added:
@@ -122,7 +122,7 @@ class ReferencePort:
         lesson = self.lesson_scheduler
         running_before = list(lesson.running)
         waiting = lesson.waiting
-        holding = waiting[0] if waiting and waiting[0].block_table else None  # only waiting[0] holds (INV-20)
+        holding = waiting[0] if waiting and waiting[0].block_table else None  # only waiting[0] holds (INV-11)
         try:
             batch, is_prefill = lesson.schedule()
         except AssertionError as e:

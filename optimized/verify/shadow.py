@@ -211,7 +211,7 @@ class Shadow:
 
     def close(self, trusted: bool = True) -> None:
         """CHECK-3: the whole states once more, if anything changed since they were last compared, no comparison
-        failed or was interrupted and the engine is ``trusted`` (no change of its state left half done, ENG-24:
+        failed or was interrupted and the engine is ``trusted`` (no change of its state left half done, ENG-11:
         the reference would be part of a step behind). While another exception propagates, a divergence is
         noted on it instead of raised, so that it never hides that exception."""
         if self._engine is None or not (self._changed and self._sound and trusted):
@@ -226,7 +226,7 @@ class Shadow:
 
     # --- the comparisons ----------------------------------------------------------------------------------
     def add(self, arrival: int, token_ids: Sequence[int], params: SamplingParams, stops: frozenset[int]) -> None:
-        """The same request; ``stops`` its stop set (ENG-12), which the reference honours through the port."""
+        """The same request; ``stops`` its stop set (ENG-15), which the reference honours through the port."""
         seq = self.ref.new_sequence(list(token_ids), params.max_tokens, params.ignore_eos, params.temperature)
         self.by_arrival[arrival] = seq
         self.arrival_of[seq.seq_id] = arrival
@@ -310,7 +310,7 @@ class Shadow:
             ref_seqs = [_seq_row(self.arrival_of.get(v.seq_id, -1), v) for v in ref_views]
             if mine_seqs != ref_seqs:
                 self._fail(engine_scheduler, f"{queue} (full check {when}): engine={mine_seqs} reference={ref_seqs}")
-        # The states are equal where the invariants that read blocks look (INV-1, 2, 3, 5, 15: the blocks, the free
+        # The states are equal where the invariants that read blocks look (INV-1..5: the blocks, the free
         # queue, the used set, the prefix table, the tables), so those hold on the reference as on the engine; the
         # rest read the sequences' ids and statuses, which the comparison does not.
         violations = check_live(ref_state)
@@ -359,7 +359,7 @@ class Shadow:
 
     def after_postprocess(self, engine_scheduler: SchedulerPort[Any], tokens: list[int], finished: list[int]) -> None:
         self._begin(engine_scheduler)
-        done = self.ref.postprocess(self.batch, tokens, self.is_prefill)  # the stop sets too (ENG-12)
+        done = self.ref.postprocess(self.batch, tokens, self.is_prefill)  # the stop sets too (ENG-15)
         ref_finished = [self.arrival_of[s.seq_id] for s in done]
         if sorted(finished) != sorted(ref_finished):
             self._fail(engine_scheduler, f"finished arrivals engine={finished} reference={ref_finished}")

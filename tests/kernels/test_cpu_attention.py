@@ -624,10 +624,10 @@ def test_chooser_falls_back_to_torch_and_says_why(fresh_cache: Path, monkeypatch
         assert get_backend(None, CPU).name == "torch"
 
 
-@pytest.mark.clause("ENG-19", "KERN-24")
+@pytest.mark.clause("ENG-26", "KERN-24")
 @pytest.mark.usefixtures("engine_env")
 def test_engine_decodes_the_whole_batch_in_the_schedulers_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENG-19, KERN-24: on the CPU the engine picks the "cpu" backend and its eager decode hands each layer's decode
+    """ENG-26, KERN-24: on the CPU the engine picks the "cpu" backend and its eager decode hands each layer's decode
     the whole batch, in the scheduler's order (no sorting, no ranges); float64 greedy output is transformers'."""
     rng = random.Random(5)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(1, 30))] for _ in range(7)]

@@ -1,7 +1,7 @@
 """The Triton kernels' rows are their own (KERN-28, KERN-29): the same bits alone as in any batch.
 
 Run like every Triton test here: interpreted on the CPU, compiled on the device named by NANOVERIFY_KERNEL_DEVICE
-(gpu-check's ``kernels-invariant`` stage, GPU-9). Inputs are drawn on the CPU and moved to the ``device`` fixture;
+(gpu-check's ``kernels-invariant`` stage, GPU-4). Inputs are drawn on the CPU and moved to the ``device`` fixture;
 outputs are poisoned with NaN before each call. Shapes are tiny, because the interpreter is slow.
 """
 

@@ -1,4 +1,4 @@
-"""Survivors already explained: equivalent mutants and dead code, left out of the score with their reason (MUT-9).
+"""Survivors already explained: equivalent mutants and dead code, left out of the score with their reason (MUT-6).
 
 An entry names a mutant by its file, the stripped text of its line and its
 edit, not by line number, so it survives code moving within the file; an
@@ -24,7 +24,7 @@ class Explained:
 
 
 EQUIVALENT_ARENA_SIZE = ("equivalent: only how big the token array is, never which tokens a region holds, and it stays "
-                         "within OPT-26's bound (four times the live regions or the initial size)")
+                         "within OPT-12's bound (four times the live regions or the initial size)")
 ARENA_INIT = "def __init__(self, on_move: Callable[[], None], capacity: int = 1 << 16) -> None:"
 
 EQUIVALENT_SHARED = ("equivalent: _shared > 0 only sends release() down its counting path, which frees the same ids; "
@@ -37,7 +37,7 @@ EXPLAINED: tuple[Explained, ...] = (
               "equivalent: in a decode step the other operand holds anyway (cached + scheduled == tokens), and a "
               "sequence mid-chunk is still WAITING, so the RUNNING check skips it whatever kept says. This needs each "
               "postprocess to follow exactly one schedule() (a second one has scheduled == 0): the port refuses any "
-              "other postprocess (OPT-25), and only the port calls this"),
+              "other postprocess (OPT-23), and only the port calls this"),
     Explained("optimized/core/block_pool.py", "self._shared += sum(1 for b in hits if extra[b] == 1)", "1", "2",
               EQUIVALENT_SHARED + " (the same edit of ``extra[b] == 1`` undercounts and is killed)"),
     Explained("optimized/core/block_pool.py", "self._shared += 1", "1", "2", EQUIVALENT_SHARED),
@@ -86,7 +86,7 @@ EXPLAINED: tuple[Explained, ...] = (
               "equivalent: dissolving the decode group only writes its members' state back to their own fields, "
               "which is right at any time; a batch of members reaches this branch only while the group is in "
               "flight (the first operand): a decode batch postprocessed again, after its step, is refused "
-              "(OPT-25), and a prefill batch holds no member. This needs postprocess to get the batch its "
+              "(OPT-23), and a prefill batch holds no member. This needs postprocess to get the batch its "
               "schedule() returned (or a copy), as every driver of the port does"),
     Explained("optimized/core/scheduler.py", "if len(watched) <= 4:", "len(watched) <= 4", "(len(watched) < 4)",
               "equivalent: both branches compute the same mask (a few comparisons or np.isin) for any int64 stop "

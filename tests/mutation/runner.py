@@ -149,7 +149,7 @@ def run(source: Path, mutants: list[Mutant], command: tuple[str, ...], copied: I
         explain: Callable[[Mutant, list[str]], str] = explanation) -> Score:
     """Copy the tree ``jobs`` times, check the unmutated tests pass, then judge every mutant (in file order).
 
-    A survivor that ``explain`` gives a reason for is marked explained (MUT-9).
+    A survivor that ``explain`` gives a reason for is marked explained (MUT-6).
     """
     lines = {path: (source / path).read_text().splitlines() for path in {m.path for m in mutants}}
     spaces = [Workspace.copy_of(source, workspace / f"w{i}", copied, command) for i in range(max(1, jobs))]

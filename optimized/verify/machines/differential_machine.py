@@ -3,7 +3,7 @@
 Each run draws a tiny configuration (half the runs a tight one: blocks of two
 tokens, two to six of them, short budgets; the others block size 2-16, mostly
 2-4, a handful of blocks), whether requests must obey the admission rule
-(ADMIT-1) or may overflow the cache, and its swarm (``Swarm``, MUT-7): which
+(ADMIT-1) or may overflow the cache, and its swarm (``Swarm``, MUT-8): which
 rules may fire, whether the model is greedy (a token per length, so equal
 prompts continue alike) or drawn, how often a request has stop tokens, and
 whether arrivals follow earlier requests. Rules add requests whose prompts
@@ -12,9 +12,9 @@ or with all or part of an earlier request's tokens (prompt and output so far;
 in a following run most often a running request's, with a tail up to the
 whole cache), then goes on, so prompts share and extend each other and hit
 blocks that decode filled; cache hits are freed and walked again while a
-request waits (MUT-7). Rules run steps (the same model tokens to both), give
+request waits (MUT-8). Rules run steps (the same model tokens to both), give
 some requests stop tokens that
-finish it beside EOS (OPT-23: the port's ``add`` takes the stop set), and
+finish it beside EOS (OPT-24: the port's ``add`` takes the stop set), and
 sometimes hand the batch back to postprocess as a copy of the list schedule()
 returned, which the optimized scheduler must treat like the list itself. At most MAX_LIVE
 requests are live at once, and a rule lets the queue drain, so a run is many
@@ -24,7 +24,7 @@ index: batch order, num_scheduled_tokens, block tables, the prefill flag,
 preemptions, finishes, queue orders, every sequence's counters and tokens, and
 the whole block-manager state (free-queue order, ref counts, hashes, prefix
 table), and the walk the optimized scheduler remembers for a waiting request
-must be the walk it would make afresh (OPT-14). Both must hit the empty decode (the port's EmptyDecodeError; the
+must be the walk it would make afresh (OPT-15). Both must hit the empty decode (the port's EmptyDecodeError; the
 reference's adapter raises it where the lesson's assert fires) at the same
 step, and leave the same state behind it: the run goes on after it, so later
 steps compare too. Beyond the lesson
@@ -86,7 +86,7 @@ configs = st.one_of(tight_configs, roomy_configs)
 
 @dataclass(frozen=True)
 class Swarm:
-    """One run's mix (swarm testing, MUT-7): which rules may fire, and how requests and model tokens are drawn.
+    """One run's mix (swarm testing, MUT-8): which rules may fire, and how requests and model tokens are drawn.
 
     A rule left out makes the others more frequent, so each run explores its own corner (say, arrivals and
     single steps only, never a drain). ``greedy`` is a model that draws the token for a sequence of length n as
@@ -148,7 +148,7 @@ class DifferentialMachine(FailureRule):
         self.config = SchedulerConfig(num_blocks=1, block_size=2)
         self.ref: SchedulerPort[Any] | None = None
         self.opt: SchedulerPort[Any] | None = None
-        self.opt_core: Scheduler | None = None  # self.opt, for the one check of its insides (OPT-14)
+        self.opt_core: Scheduler | None = None  # self.opt, for the one check of its insides (OPT-15)
         self.admission_rule = True
         self.swarm = Swarm(True, True, True, True, True, True, None, 8, False)
         self.prefixes: list[list[int]] = []
@@ -212,7 +212,7 @@ class DifferentialMachine(FailureRule):
             most = longest if long_follower else 2 * self.config.block_size
             length = max(1, min(longest, len(shared) + data.draw(st.integers(0, most), label="tail length")))
         else:
-            # The length first, uniform up to the whole cache: long prompts keep later ones waiting (MUT-7).
+            # The length first, uniform up to the whole cache: long prompts keep later ones waiting (MUT-8).
             length = data.draw(st.integers(1, longest), label="prompt length")
             shared = data.draw(st.sampled_from(self.prefixes + earlier), label="prefix")
         shared = shared[:length]
