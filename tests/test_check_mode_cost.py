@@ -292,8 +292,8 @@ def test_bench_check_prints_both_sides_and_the_ratio(capsys: pytest.CaptureFixtu
 @pytest.mark.clause("CHECK-5")
 def test_bench_serve_compare_check_prints_both_sides_and_the_ratio(capsys: pytest.CaptureFixture[str]) -> None:
     """CHECK-5: `nanoverify bench serve --compare-check` starts two real servers (one with --check and the given
-    check_full_every), sends both the same workloads alternating, and prints every run's output tok/s, both medians
-    and the ratio against the 75% target."""
+    check_full_every), sends both the same workloads alternating, and prints every run's output tok/s and server CPU
+    seconds, both medians and the ratio against the 75% target, and the ratio per server CPU second."""
     code = main(["bench", "serve", "--compare-check", "--model", str(checkpoint("qwen3")), "--requests", "3",
                  "--max-input-len", "5", "--max-output-len", "3", "--rounds", "1", "--check-full-every", "2"])
     out = capsys.readouterr().out
@@ -305,6 +305,8 @@ def test_bench_serve_compare_check_prints_both_sides_and_the_ratio(capsys: pytes
     assert [line.split(":")[0].split()[-1] for line in runs] == ["unchecked", "checked", "checked", "unchecked"]
     assert all(" output tok/s (" in line and "FAILED" not in line for line in runs), runs
     assert "  unchecked median " in out and "checked keeps" in out and "the 75% target" in out
+    assert all(" s server CPU)" in line for line in runs), runs  # Linux: every run's server CPU seconds
+    assert "  per server CPU second: unchecked median " in out, out
 
 
 @pytest.mark.clause("CHECK-3", "CHECK-4")
