@@ -142,7 +142,7 @@ def test_scenario_reaches_the_shapes_the_corruptions_need() -> None:
 )
 @pytest.mark.parametrize("step", range(5))
 def test_sound_states_report_nothing(step: int) -> None:
-    """INV-1..INV-11: every snapshot of the uncorrupted scenario is clean, at both check points."""
+    """INV-1..INV-20: every snapshot of the uncorrupted scenario is clean, at both check points."""
     state, batch, is_prefill = scheduled(step)
     assert check_state(state, between_steps=False) == []
     assert check_batch(state, batch, is_prefill) == []
@@ -559,7 +559,7 @@ class Recorder:
     "INV-18", "INV-19", "INV-4", "INV-17", "INV-9", "INV-20", "INV-10", "INV-11",
 )
 def test_all_conformance_samples_replay_without_violations() -> None:
-    """INV-1..INV-11: every state and batch of the 80 reference replays is clean; 3 end in an empty decode."""
+    """INV-1..INV-20: every state and batch of the 80 reference replays is clean; 3 end in an empty decode."""
     samples = [json.loads(line) for line in SAMPLES.read_text().splitlines() if line.strip()]
     assert len(samples) == 80
     found: list[tuple[int, int, Violation]] = []

@@ -1,4 +1,4 @@
-"""MUT-1..MUT-7, MUT-6: the mutation tool (tests/mutation/) on tiny files and a planted survivor.
+"""MUT-1..MUT-7: the mutation tool (tests/mutation/) on tiny files and a planted survivor.
 
 The mutator's edits are checked on a few lines of code; the runner on a
 two-file project in a temporary folder whose test leaves one mutant alive.
