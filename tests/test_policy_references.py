@@ -59,7 +59,7 @@ def prompt_of(arrival: Arrival) -> list[int]:
 
 
 def fits(arrival: Arrival, config: SchedulerConfig) -> bool:
-    """What an engine admits (ENG-9): the whole request fits the cache alone, so no step can be empty (EDGE-2)."""
+    """What an engine admits (ENG-10): the whole request fits the cache alone, so no step can be empty (EDGE-2)."""
     return len(prompt_of(arrival)) + arrival.max_tokens <= config.num_blocks * config.block_size
 
 
@@ -83,7 +83,7 @@ Observer = Callable[[Any, list[Sequence], bool, Before], None]
 def drive(scheduler: Scheduler, workload: Workload, observe: Observer | None = None,
           with_priority: bool = False, idle_steps: int = 3000) -> list[Decision]:
     """Run ``workload`` through ``scheduler``: its arrivals before each step, then steps until all finish; the
-    shared invariants (every state clause but the lesson's FIFO order, INV-4) checked after every postprocess."""
+    shared invariants (every state clause but the lesson's FIFO order, INV-6) checked after every postprocess."""
     decisions: list[Decision] = []
     arrived: dict[int, Arrival] = {}
     draws = iter(workload.tokens * 10_000)
@@ -112,7 +112,7 @@ def drive(scheduler: Scheduler, workload: Workload, observe: Observer | None = N
         if observe is not None:
             observe(scheduler, batch, is_prefill, before)
         scheduler.postprocess(batch, [next(draws) for _ in batch], is_prefill)
-        found = [v for v in check_state(snapshot(scheduler)) if v.clause != "INV-4"]
+        found = [v for v in check_state(snapshot(scheduler)) if v.clause != "INV-6"]
         assert not found, found
     assert scheduler.is_finished(), "the workload did not drain"
     return decisions
