@@ -163,7 +163,7 @@ def test_completions_and_chat_whole_and_streamed(server: Served, offline: LLM) -
 
 
 def legacy_logprobs(offline: LLM, out: Any, offset: int = 0) -> dict[str, Any]:
-    """SERVE-14's completions shape for an offline output, built here from its ``Logprob`` dicts."""
+    """SERVE-6's completions shape for an offline output, built here from its ``Logprob`` dicts."""
     text = [offline.tokenizer.decode([t]) for t in out.token_ids]
     tops = []
     for entry in out.logprobs:
@@ -176,7 +176,7 @@ def legacy_logprobs(offline: LLM, out: Any, offset: int = 0) -> dict[str, Any]:
 
 
 def chat_logprobs(offline: LLM, out: Any, k: int) -> list[dict[str, Any]]:
-    """SERVE-14's chat ``content`` for an offline output."""
+    """SERVE-6's chat ``content`` for an offline output."""
     def one(t: int, value: float) -> dict[str, Any]:
         text = offline.tokenizer.decode([t])
         return {"token": text, "logprob": value, "bytes": list(text.encode())}
@@ -185,9 +185,9 @@ def chat_logprobs(offline: LLM, out: Any, k: int) -> list[dict[str, Any]]:
             for t, e in zip(out.token_ids, out.logprobs, strict=True)]
 
 
-@pytest.mark.clause("SERVE-14", "ENG-18")
+@pytest.mark.clause("SERVE-6", "ENG-18")
 def test_logprobs_served_equal_offline(server: Served, offline: LLM) -> None:
-    """SERVE-14: completions' ``logprobs: K`` and chat's ``logprobs`` with ``top_logprobs: K``, whole and
+    """SERVE-6: completions' ``logprobs: K`` and chat's ``logprobs`` with ``top_logprobs: K``, whole and
     streamed, parsed by the openai client, carry exactly the offline LLM's float64 logprobs in OpenAI's shapes."""
     client = server.client
     params = sampled(21, 10, logprobs=3)
@@ -297,7 +297,7 @@ def test_served_equals_offline_with_32_concurrent_clients(server: Served, offlin
 
 
 def engine_state(server: Served) -> dict[str, Any]:
-    """The engine between steps once it is idle (SERVE-6's /health?verbose=1)."""
+    """The engine between steps once it is idle (SERVE-7's /health?verbose=1)."""
     deadline = time.monotonic() + 30
     while True:
         state: dict[str, Any] = server.get("/health", params={"verbose": "1"}).json()["engine"]
@@ -313,9 +313,9 @@ def metric(server: Served, name: str) -> float:
     return 0.0
 
 
-@pytest.mark.clause("SERVE-6", "SERVE-11", "SERVE-12")
+@pytest.mark.clause("SERVE-7", "SERVE-12", "SERVE-13")
 def test_clients_that_hang_up_free_their_blocks(server: Served, offline: LLM) -> None:
-    """SERVE-6: 50 streaming clients, half hang up at random points; the others get complete answers (the
+    """SERVE-7: 50 streaming clients, half hang up at random points; the others get complete answers (the
     offline tokens); afterwards every block is free and every invariant holds on the engine's scheduler (read
     between steps through /health?verbose=1); each hang-up was aborted, and check mode compared every step
     with zero divergences (health stays 200)."""
@@ -347,7 +347,7 @@ def test_clients_that_hang_up_free_their_blocks(server: Served, offline: LLM) ->
     assert state["violations"] == []
     assert state["compared_steps"] > compared_before
     assert metric(server, "nanoverify:num_requests_running") == metric(server, "nanoverify:num_requests_waiting") == 0
-    assert metric(server, "nanoverify:kv_cache_usage_perc") == 0  # SERVE-12: gauges as the engine is, exactly
+    assert metric(server, "nanoverify:kv_cache_usage_perc") == 0  # SERVE-13: gauges as the engine is, exactly
     aborted = metric(server, 'nanoverify:request_success_total{finished_reason="abort"}') - aborted_before
     assert aborted == 25  # 1000 tokens each: every one hung up before it could finish
     assert metric(server, "nanoverify:check_divergences_total") == 0
@@ -454,12 +454,12 @@ BAD: list[tuple[str, str, dict[str, Any] | bytes, int, str | None, str]] = [
 ]
 
 
-@pytest.mark.clause("SERVE-8")
+@pytest.mark.clause("SERVE-9")
 @pytest.mark.parametrize(("name", "path", "payload", "status", "param", "words"), BAD, ids=[b[0] for b in BAD])
 def test_bad_requests_are_refused_with_openai_errors(server: Served, name: str, path: str,
                                                      payload: dict[str, Any] | bytes, status: int, param: str | None,
                                                      words: str) -> None:
-    """SERVE-8: each wrong type, range or limit is its status with OpenAI's error JSON naming the field."""
+    """SERVE-9: each wrong type, range or limit is its status with OpenAI's error JSON naming the field."""
     raw = payload if isinstance(payload, bytes) else json.dumps(payload)
     response = server.post(path, raw, **{"Content-Type": "application/json"})
     assert response.status_code == status, response.text
@@ -502,7 +502,7 @@ RULES: list[tuple[str, dict[str, Any], str, str | None]] = [
 ]
 
 
-@pytest.mark.clause("ARCH-6", "SERVE-8", "ENG-10")
+@pytest.mark.clause("ARCH-6", "SERVE-9", "ENG-10")
 @pytest.mark.parametrize(("name", "fields", "param", "code"), RULES, ids=[r[0] for r in RULES])
 def test_http_and_python_refuse_alike(server: Served, offline: LLM, name: str, fields: dict[str, Any], param: str,
                                       code: str | None) -> None:
@@ -520,9 +520,9 @@ def test_http_and_python_refuse_alike(server: Served, offline: LLM, name: str, f
     assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error"), error
 
 
-@pytest.mark.clause("SERVE-8")
+@pytest.mark.clause("SERVE-9")
 def test_a_chat_sets_one_of_max_tokens_and_max_completion_tokens(server: Served) -> None:
-    """SERVE-8: a chat that sets both limits must set them alike (else max_tokens would be dropped unchecked: a
+    """SERVE-9: a chat that sets both limits must set them alike (else max_tokens would be dropped unchecked: a
     -1 beside a good max_completion_tokens was a 200); equal, they are one limit."""
     chat = server.client.chat.completions
     messages: Any = [{"role": "user", "content": "x"}]
@@ -551,10 +551,10 @@ def test_top_k_zero_and_temperature_two_are_taken_alike(server: Served, offline:
         assert token_ids(server.client.completions.create(**request).choices[0]) == want
 
 
-@pytest.mark.clause("SERVE-8", "SERVE-10")
+@pytest.mark.clause("SERVE-9", "SERVE-11")
 def test_keys_bodies_and_the_server_keeps_serving(server: Served) -> None:
-    """SERVE-10: no key or a wrong key is a 401 (the openai client's AuthenticationError) on every /v1 path;
-    /health and /metrics need none. SERVE-8: a body over the limit is a 413, declared or streamed; unknown
+    """SERVE-11: no key or a wrong key is a 401 (the openai client's AuthenticationError) on every /v1 path;
+    /health and /metrics need none. SERVE-9: a body over the limit is a 413, declared or streamed; unknown
     fields are ignored; after all the refusals the server still answers."""
     ok = json.dumps({"model": "default", "prompt": "x", "max_tokens": 2, "logit_bias": {}, "whatever": 1,
                      "echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": None,
@@ -595,9 +595,9 @@ def test_keys_bodies_and_the_server_keeps_serving(server: Served) -> None:
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
 
 
-@pytest.mark.clause("SERVE-12")
+@pytest.mark.clause("SERVE-13")
 def test_metrics_follow_vllm_names(server: Served) -> None:
-    """SERVE-12: Prometheus text with vLLM's names under nanoverify:, counters that moved with the work above."""
+    """SERVE-13: Prometheus text with vLLM's names under nanoverify:, counters that moved with the work above."""
     server.client.completions.create(model="default", prompt="metrics", max_tokens=3, temperature=0)
     text = server.get("/metrics").text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",

@@ -89,9 +89,9 @@ def test_sampling_params_stop_is_validated() -> None:
             SamplingParams(stop=bad)  # type: ignore[arg-type]
 
 
-@pytest.mark.clause("SERVE-9")
+@pytest.mark.clause("SERVE-10")
 def test_chat_templates(tmp_path: Path) -> None:
-    """SERVE-9: a checkpoint's chat_template (a string, or the "default" of named ones) is used, with its special
+    """SERVE-10: a checkpoint's chat_template (a string, or the "default" of named ones) is used, with its special
     tokens; without one, nanoverify's documented template; a template that fails is a ValueError."""
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert load_chat_template(tmp_path).render(messages) == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"

@@ -1,5 +1,5 @@
 """The server when its engine fails or stalls, when shutdown's aborts are slow, on a busy port, and the names it
-serves under (SERVE-7, SERVE-20..24): spawned servers, real signals, real gloo workers."""
+serves under (SERVE-8, SERVE-19..23): spawned servers, real signals, real gloo workers."""
 
 from __future__ import annotations
 
@@ -43,12 +43,12 @@ def health_until(served: Served, status: int, seconds: float) -> httpx.Response:
         time.sleep(0.1)
 
 
-@pytest.mark.clause("SERVE-20", "SERVE-21", "TP-9")
+@pytest.mark.clause("SERVE-19", "SERVE-20", "TP-9")
 def test_a_dead_tensor_parallel_worker_turns_health_503_naming_its_rank(serve_cache: Path) -> None:
-    """SERVE-20: ``serve --tensor-parallel-size 2`` with its worker killed (SIGKILL) while the server is idle:
+    """SERVE-19: ``serve --tensor-parallel-size 2`` with its worker killed (SIGKILL) while the server is idle:
     within seconds, and before any request finds it, /health is 503 naming the rank, its pid and the signal; a
     request is refused with a 503 saying the same; the gauges read 0 and SIGTERM ends the server with status 3
-    (SERVE-21)."""
+    (SERVE-20)."""
     served = spawn(["--tensor-parallel-size", "2", "--num-kvcache-blocks", "64"], serve_cache / "tp-dead.log")
     try:
         ok = httpx.post(served.url + "/v1/completions", json={"model": "default", "prompt": "hi", "max_tokens": 2},
@@ -74,11 +74,11 @@ def test_a_dead_tensor_parallel_worker_turns_health_503_naming_its_rank(serve_ca
     assert code == 3, (served.log.read_text()[-3000:])
 
 
-@pytest.mark.clause("SERVE-22", "SERVE-7")
+@pytest.mark.clause("SERVE-21", "SERVE-8")
 def test_a_frozen_engine_is_stalled_then_healthy_and_late_aborts_still_end_every_stream(serve_cache: Path) -> None:
-    """SERVE-22: the engine process stopped (SIGSTOP) with streams in flight: past ``--step-timeout`` /health is
+    """SERVE-21: the engine process stopped (SIGSTOP) with streams in flight: past ``--step-timeout`` /health is
     503 saying how long no step has finished, and a new request is refused (503); resumed (SIGCONT), /health is
-    200 again. SERVE-7: then SIGTERM, and the grace period ends and the aborts are asked for while the engine
+    200 again. SERVE-8: then SIGTERM, and the grace period ends and the aborts are asked for while the engine
     cannot answer (stopped again from just after SIGTERM until 7 s later, as a long step or a costly abort would
     hold it): every stream still ends with its abort chunk and [DONE] once the engine delivers them, none is cut
     off, and a stall that ended is no loss: the server exits 0 (one server for both: each costs a model load)."""
@@ -127,9 +127,9 @@ def test_a_frozen_engine_is_stalled_then_healthy_and_late_aborts_still_end_every
         stop(served)
 
 
-@pytest.mark.clause("SERVE-24")
+@pytest.mark.clause("SERVE-23")
 def test_a_busy_port_is_one_line_and_status_2_before_the_model_loads() -> None:
-    """SERVE-24: ``serve`` on a port another socket holds prints exactly one line naming the address and the
+    """SERVE-23: ``serve`` on a port another socket holds prints exactly one line naming the address and the
     reason and exits 2, without starting the engine process (nothing of the model's loading is logged)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -145,9 +145,9 @@ def test_a_busy_port_is_one_line_and_status_2_before_the_model_loads() -> None:
     assert "in use" in lines[0] and done.stdout == ""
 
 
-@pytest.mark.clause("SERVE-23")
+@pytest.mark.clause("SERVE-22")
 def test_served_under_the_model_argument_its_folder_and_served_model_name(serve_cache: Path) -> None:
-    """SERVE-23: ``--model PATH`` is served under PATH as given (the name answers carry and /v1/models lists
+    """SERVE-22: ``--model PATH`` is served under PATH as given (the name answers carry and /v1/models lists
     first) and under its folder's name; another name is a 404; ``--served-model-name A B`` replaces both (the
     options are built as the served ones are, without a second model load); a blank name is
     refused before anything loads."""
@@ -170,9 +170,9 @@ def test_served_under_the_model_argument_its_folder_and_served_model_name(serve_
     assert (options.served_model, options.other_names) == ("tiny", ("tiny-alias",))
 
 
-@pytest.mark.clause("SERVE-24")
+@pytest.mark.clause("SERVE-23")
 def test_the_bound_socket_is_closed_when_serving_cannot_begin(tmp_path: Path) -> None:
-    """SERVE-24: the socket bound before the model loaded is closed (and the loop stopped) when serving fails
+    """SERVE-23: the socket bound before the model loaded is closed (and the loop stopped) when serving fails
     before uvicorn runs, here on a checkpoint whose tokenizer_config.json is not JSON (the chat template's)."""
     from optimized import LLM
     from optimized.serve.app import ServerOptions

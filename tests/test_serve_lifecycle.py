@@ -45,9 +45,9 @@ def stream_lines(client: httpx.Client, url: str, payload: dict[str, Any], seen: 
                 seen.set()
 
 
-@pytest.mark.clause("SERVE-7")
+@pytest.mark.clause("SERVE-8")
 def test_sigterm_drains_then_aborts_and_exits_zero(serve_cache: Path) -> None:
-    """SERVE-7: on SIGTERM the server admits nothing more (503) while in-flight streams go on; a short one
+    """SERVE-8: on SIGTERM the server admits nothing more (503) while in-flight streams go on; a short one
     finishes normally, the long ones are aborted at the deadline and end cleanly (finish_reason "abort", then
     [DONE]); the process exits 0 within the grace period (plus the settle time). A tiny checkpoint with a long
     context: the long requests cannot finish within the grace period, the short one (in flight when the signal
@@ -112,10 +112,10 @@ class InProcess:
         assert not self.thread.is_alive(), "the in-process server did not stop"
 
 
-@pytest.mark.clause("SERVE-11", "SERVE-21")
+@pytest.mark.clause("SERVE-12", "SERVE-20")
 def test_a_divergence_fails_requests_and_turns_health_503(caplog: pytest.LogCaptureFixture,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-11: when check mode's shadow raises ShadowDivergence, the requests in flight fail with a 500 that
+    """SERVE-12: when check mode's shadow raises ShadowDivergence, the requests in flight fail with a 500 that
     says so (streamed: an error event), /health turns 503, nothing more is admitted, and the log holds both
     schedulers' states."""
     llm = make_llm(num_kvcache_blocks=64)
@@ -158,15 +158,15 @@ def test_a_divergence_fails_requests_and_turns_health_503(caplog: pytest.LogCapt
         assert "--- engine scheduler ---" in logged and "--- reference scheduler ---" in logged
         assert "injected by the test" in logged
         assert "nanoverify:check_divergences_total 1.0" in server.metrics.text().decode()
-        for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):  # SERVE-21
+        for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):  # SERVE-20
             assert server.metrics.registry.get_sample_value("nanoverify:" + gauge) == 0, gauge
     finally:
         server.close()
 
 
-@pytest.mark.clause("SERVE-6", "SERVE-2")
+@pytest.mark.clause("SERVE-7", "SERVE-2")
 def test_a_cancelled_request_is_aborted_before_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-6: the loop aborts a cancelled request before it runs another step (the one in progress may
+    """SERVE-7: the loop aborts a cancelled request before it runs another step (the one in progress may
     finish), its blocks are free again and its stream is told nothing more; SERVE-2: requests submitted while
     the loop steps join the running batch between steps."""
     llm = make_llm(num_kvcache_blocks=64)
@@ -208,9 +208,9 @@ def test_a_cancelled_request_is_aborted_before_the_next_step(monkeypatch: pytest
         loop.stop()
 
 
-@pytest.mark.clause("SERVE-10")
+@pytest.mark.clause("SERVE-11")
 def test_serve_flags_are_checked_before_anything_loads(capsys: pytest.CaptureFixture[str]) -> None:
-    """SERVE-10, CLI-2: a bad port, a blank or non-ASCII key, a negative grace, an engine option out of range is one
+    """SERVE-11, CLI-2: a bad port, a blank or non-ASCII key, a negative grace, an engine option out of range is one
     line and status 2, nothing loaded."""
     for argv, words in ((["--port", "70000"], "--port"), (["--api-key", "  "], "--api-key"),
                         (["--shutdown-timeout", "-1"], "--shutdown-timeout"), (["--api-key", "k\u00e9y"], "ASCII"),
@@ -221,9 +221,9 @@ def test_serve_flags_are_checked_before_anything_loads(capsys: pytest.CaptureFix
         assert words in err and err.count("\n") == 1, err
 
 
-@pytest.mark.clause("SERVE-11")
+@pytest.mark.clause("SERVE-12")
 def test_a_model_fault_fails_only_its_batch_and_the_server_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-11, FAULT-1: a step whose model run raises fails its batch's requests with a 500; the engine stays
+    """SERVE-12, FAULT-1: a step whose model run raises fails its batch's requests with a 500; the engine stays
     trusted, /health stays 200 and the next request is served."""
     llm = make_llm(num_kvcache_blocks=64)
     real = llm.engine.runner.run
@@ -248,9 +248,9 @@ def test_a_model_fault_fails_only_its_batch_and_the_server_goes_on(monkeypatch: 
         server.close()
 
 
-@pytest.mark.clause("SERVE-7")
+@pytest.mark.clause("SERVE-8")
 def test_a_second_signal_aborts_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-7: the first signal starts the drain (admission closed); a second one aborts what is left and
+    """SERVE-8: the first signal starts the drain (admission closed); a second one aborts what is left and
     tells uvicorn to exit without waiting for the grace period."""
     from optimized.serve.server import NanoverifyServer
 
@@ -275,9 +275,9 @@ def test_a_second_signal_aborts_at_once(monkeypatch: pytest.MonkeyPatch) -> None
         assert not server.drainer.is_alive()
 
 
-@pytest.mark.clause("SERVE-13")
+@pytest.mark.clause("SERVE-14")
 def test_the_bench_client_measures_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-13: bench serve's HTTP client against a live server: every request completes with exactly its
+    """SERVE-14: bench serve's HTTP client against a live server: every request completes with exactly its
     length, one timed chunk per step (token ids asked for), and the report counts them all."""
     from optimized.benchmarks import serve as bench
 
@@ -294,9 +294,9 @@ def test_the_bench_client_measures_every_step(monkeypatch: pytest.MonkeyPatch) -
     assert bench.report(jobs, results, duration) == pytest.approx(sum(j.output_len for j in jobs) / duration)
 
 
-@pytest.mark.clause("SERVE-13")
+@pytest.mark.clause("SERVE-14")
 def test_bench_workloads_arrivals_and_percentiles(tmp_path: Path) -> None:
-    """SERVE-13: gamma arrivals at the asked rate (inf: all at once), the shipped trace scaled as documented, a bad
+    """SERVE-14: gamma arrivals at the asked rate (inf: all at once), the shipped trace scaled as documented, a bad
     trace file refused naming its line, percentiles interpolated as numpy's."""
     import random as _random
 
@@ -325,9 +325,9 @@ def test_bench_workloads_arrivals_and_percentiles(tmp_path: Path) -> None:
     assert stats == {"mean": 2.5, "p50": 2.5, "p90": pytest.approx(3.7), "p99": pytest.approx(3.97)}
 
 
-@pytest.mark.clause("SERVE-2", "SERVE-7")
+@pytest.mark.clause("SERVE-2", "SERVE-8")
 def test_an_idle_loop_sleeps_even_after_aborting_everything(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-2: with nothing to do the loop sleeps on its condition; SERVE-7: the shutdown's abort of everything
+    """SERVE-2: with nothing to do the loop sleeps on its condition; SERVE-8: the shutdown's abort of everything
     is done once, not again and again (a loop spinning through the grace period would steal the CPU)."""
     loop = EngineLoop(make_llm(num_kvcache_blocks=16), Metrics())
     turns = [0]
@@ -348,9 +348,9 @@ def test_an_idle_loop_sleeps_even_after_aborting_everything(monkeypatch: pytest.
         loop.stop()
 
 
-@pytest.mark.clause("SERVE-10", "SERVE-1", "SERVE-23")
+@pytest.mark.clause("SERVE-11", "SERVE-1", "SERVE-22")
 def test_the_key_comes_from_the_flag_or_the_environment() -> None:
-    """SERVE-10: --api-key wins over NANOVERIFY_API_KEY; an empty variable means no key; a blank one is refused.
+    """SERVE-11: --api-key wins over NANOVERIFY_API_KEY; an empty variable means no key; a blank one is refused.
     SERVE-1: the served name is "default" for the embedded model, else the checkpoint folder's name."""
     from optimized.cli.serve import api_key, served_names
 
@@ -365,13 +365,13 @@ def test_the_key_comes_from_the_flag_or_the_environment() -> None:
         with pytest.raises(ValueError, match=source):
             api_key(flag, env)
     assert served_names(None) == ("default",)
-    assert served_names("/models/qwen3-0.6b/") == ("/models/qwen3-0.6b/", "qwen3-0.6b")  # SERVE-23
+    assert served_names("/models/qwen3-0.6b/") == ("/models/qwen3-0.6b/", "qwen3-0.6b")  # SERVE-22
     assert served_names("/models/qwen3-0.6b/", ["a", "b", "a"]) == ("a", "b")
 
 
-@pytest.mark.clause("SERVE-6")
+@pytest.mark.clause("SERVE-7")
 def test_a_client_that_stops_waiting_for_a_whole_answer_cancels_it() -> None:
-    """SERVE-6: a non-streamed request whose client gives up (a timeout closes the connection) is aborted; its
+    """SERVE-7: a non-streamed request whose client gives up (a timeout closes the connection) is aborted; its
     blocks are free again."""
     llm = make_llm(with_config("qwen3", "long-context", max_position_embeddings=8192), num_kvcache_blocks=2100,
                    check=False)
@@ -420,9 +420,9 @@ def test_stream_interval_groups_tokens_into_fewer_chunks(monkeypatch: pytest.Mon
         server.close()
 
 
-@pytest.mark.clause("SERVE-10")
+@pytest.mark.clause("SERVE-11")
 def test_a_port_in_use_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
-    """SERVE-10, CLI-1: a port another socket holds is refused as one line naming it, status 2 (not uvicorn's
+    """SERVE-11, CLI-1: a port another socket holds is refused as one line naming it, status 2 (not uvicorn's
     own exit status)."""
     import socket
 
@@ -444,9 +444,9 @@ async def _last_event(stream: Stream) -> Any:
             return event
 
 
-@pytest.mark.clause("SERVE-11", "SERVE-6")
+@pytest.mark.clause("SERVE-12", "SERVE-7")
 def test_a_hang_up_during_a_failed_step_leaves_the_loop_serving(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-11, SERVE-6: a model fault (FAULT-1) whose request's client hangs up while the step fails: the failed
+    """SERVE-12, SERVE-7: a model fault (FAULT-1) whose request's client hangs up while the step fails: the failed
     output, which comes from the next step, goes to the cancelled stream (nobody listens); the loop goes on and
     serves the next request."""
     llm = make_llm(num_kvcache_blocks=64, check=False)
@@ -483,9 +483,9 @@ def test_a_hang_up_during_a_failed_step_leaves_the_loop_serving(monkeypatch: pyt
         loop.stop()
 
 
-@pytest.mark.clause("SERVE-12")
+@pytest.mark.clause("SERVE-13")
 def test_gauges_follow_a_turn_that_only_aborts() -> None:
-    """SERVE-12: a hang-up that leaves nothing to step still updates the gauges: running 0, KV cache usage 0."""
+    """SERVE-13: a hang-up that leaves nothing to step still updates the gauges: running 0, KV cache usage 0."""
     llm = make_llm(num_kvcache_blocks=64, check=False)
     metrics = Metrics()
     loop = EngineLoop(llm, metrics)
@@ -512,9 +512,9 @@ def test_gauges_follow_a_turn_that_only_aborts() -> None:
         loop.stop()
 
 
-@pytest.mark.clause("SERVE-11")
+@pytest.mark.clause("SERVE-12")
 def test_a_probe_after_the_loop_stopped_is_refused_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-11: a probe (/health?verbose=1) asked for once the loop is stopping is refused at once, never left
+    """SERVE-12: a probe (/health?verbose=1) asked for once the loop is stopping is refused at once, never left
     waiting for a turn that will not come."""
     from optimized.serve.loop import Unavailable
 
@@ -534,9 +534,9 @@ def test_a_probe_after_the_loop_stopped_is_refused_not_lost(monkeypatch: pytest.
     assert late and isinstance(late[0].exception(timeout=2), Unavailable)
 
 
-@pytest.mark.clause("SERVE-11", "SERVE-12")
+@pytest.mark.clause("SERVE-12", "SERVE-13")
 def test_a_divergence_found_by_an_abort_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-11, SERVE-12: check mode's shadow diverging while a hang-up is aborted fails the loop and counts one
+    """SERVE-12, SERVE-13: check mode's shadow diverging while a hang-up is aborted fails the loop and counts one
     divergence, as a divergence found by a step does."""
     llm = make_llm(num_kvcache_blocks=64)
     shadow = llm.shadow
@@ -566,9 +566,9 @@ def test_a_divergence_found_by_an_abort_is_counted(monkeypatch: pytest.MonkeyPat
         loop.stop()
 
 
-@pytest.mark.clause("SERVE-12")
+@pytest.mark.clause("SERVE-13")
 def test_prefix_cache_hits_never_exceed_queries_under_preemption() -> None:
-    """SERVE-12: prefix-cache queries and hits are counted on one base, each time a sequence is given blocks (a
+    """SERVE-13: prefix-cache queries and hits are counted on one base, each time a sequence is given blocks (a
     preempted one again, with its generated tokens), both from EngineStats: hits <= queries, and preemption
     re-admissions query more than the prompts alone."""
     llm = make_llm(num_kvcache_blocks=12, check=False)  # 4 requests of up to 34 tokens in 48 slots: preemption
@@ -609,9 +609,9 @@ def test_prefix_cache_hits_never_exceed_queries_under_preemption() -> None:
     assert queries == stats.prefix_cache_query_tokens == looked_up[0] > sum(map(len, prompts))
 
 
-@pytest.mark.clause("SERVE-2", "SERVE-8", "ARCH-6")
+@pytest.mark.clause("SERVE-2", "SERVE-9", "ARCH-6")
 def test_a_served_request_is_validated_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-2, SERVE-8, ARCH-6: one HTTP request runs the one validator once, and its ``SamplingParams``' value
+    """SERVE-2, SERVE-9, ARCH-6: one HTTP request runs the one validator once, and its ``SamplingParams``' value
     checks once (when the handler made it): the engine loop admits it with ``LLM.add_validated``, which checks
     nothing of the request again (before: three validations, with ``add_request`` in the loop); a Python
     ``add_request`` still re-checks the params it was handed, which may have changed since they were made."""
@@ -649,9 +649,9 @@ def test_a_served_request_is_validated_once(monkeypatch: pytest.MonkeyPatch) -> 
         server.close()
 
 
-@pytest.mark.clause("SERVE-8", "ARCH-6")
+@pytest.mark.clause("SERVE-9", "ARCH-6")
 def test_the_server_answers_a_refusal_by_its_attributes_never_its_text(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-8, ARCH-6: the HTTP side's refusal becomes a 400 whose param and code are the refusal's field and
+    """SERVE-9, ARCH-6: the HTTP side's refusal becomes a 400 whose param and code are the refusal's field and
     code, even when its message names neither: the server reads no message text."""
     import optimized.entry.requests as requests_module
 
@@ -670,9 +670,9 @@ def test_the_server_answers_a_refusal_by_its_attributes_never_its_text(monkeypat
         server.close()
 
 
-@pytest.mark.clause("SERVE-13", "SERVE-1")
+@pytest.mark.clause("SERVE-14", "SERVE-1")
 def test_bench_serve_starts_the_server_with_every_engine_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-13: bench serve hands the server every engine flag it was given (the LLM the server builds is the one
+    """SERVE-14: bench serve hands the server every engine flag it was given (the LLM the server builds is the one
     the offline side builds), and no API key (its client sends none). SERVE-1: serve takes all of LLM's engine
     options."""
     import argparse
@@ -697,9 +697,9 @@ def test_bench_serve_starts_the_server_with_every_engine_flag(monkeypatch: pytes
     assert "NANOVERIFY_API_KEY" not in bench.server_environment()
 
 
-@pytest.mark.clause("SERVE-12")
+@pytest.mark.clause("SERVE-13")
 def test_queue_time_ends_when_the_first_chunk_of_a_prompt_is_computed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-12: request_queue_time_seconds ends at the start of the step that first computed the request: for a
+    """SERVE-13: request_queue_time_seconds ends at the start of the step that first computed the request: for a
     prompt prefilled in chunks, the first chunk's step, not the step of its first token."""
     from optimized.serve.app import _Timing
 
@@ -734,9 +734,9 @@ def test_queue_time_ends_when_the_first_chunk_of_a_prompt_is_computed(monkeypatc
     assert stream.arrived + queued <= step_starts[0]  # the first step (its first chunk) began the computing
 
 
-@pytest.mark.clause("SERVE-3", "SERVE-7")
+@pytest.mark.clause("SERVE-3", "SERVE-8")
 def test_a_failed_step_s_output_is_delivered_even_when_the_loop_stops_next(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-3, SERVE-7: a stream's events end with exactly one output or failure, even when the loop is told to
+    """SERVE-3, SERVE-8: a stream's events end with exactly one output or failure, even when the loop is told to
     stop while a step fails (FAULT-1): the failed output, due with the next step, is still delivered."""
     llm = make_llm(num_kvcache_blocks=64, check=False)
     loop = EngineLoop(llm, Metrics())
@@ -766,9 +766,9 @@ def test_a_failed_step_s_output_is_delivered_even_when_the_loop_stops_next(monke
         loop.stop()
 
 
-@pytest.mark.clause("SERVE-11")
+@pytest.mark.clause("SERVE-12")
 def test_a_probe_whose_caller_gave_up_is_skipped_not_a_crash() -> None:
-    """SERVE-6: a /health?verbose=1 read whose handler was cancelled (uvicorn cancels the tasks still open at
+    """SERVE-7: a /health?verbose=1 read whose handler was cancelled (uvicorn cancels the tasks still open at
     shutdown, and the probe's future with them) is skipped: the loop goes on serving and answers the next one;
     refusing a cancelled probe raises nothing either (the server's reader of the engine process does that)."""
     from concurrent.futures import Future
@@ -803,9 +803,9 @@ def test_a_probe_whose_caller_gave_up_is_skipped_not_a_crash() -> None:
     assert reader._states == {}
 
 
-@pytest.mark.clause("SERVE-11")
+@pytest.mark.clause("SERVE-12")
 def test_a_verbose_health_read_the_loop_refuses_is_a_503_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-11: when the engine read behind /health?verbose=1 is refused (the loop stopped or failed between the
+    """SERVE-12: when the engine read behind /health?verbose=1 is refused (the loop stopped or failed between the
     status check and the read), the answer is a 503 with the reason, not a bare 500."""
     from concurrent.futures import Future
 
@@ -834,9 +834,9 @@ def test_a_verbose_health_read_the_loop_refuses_is_a_503_with_the_reason(monkeyp
         server.close()
 
 
-@pytest.mark.clause("SERVE-13")
+@pytest.mark.clause("SERVE-14")
 def test_the_bench_counts_the_cpu_of_every_process_under_the_server() -> None:
-    """SERVE-13: the server's CPU time includes what the processes under it spent (the engine process): here a
+    """SERVE-14: the server's CPU time includes what the processes under it spent (the engine process): here a
     parent that spends none and a child that spends 0.5 s."""
     import subprocess
     import sys

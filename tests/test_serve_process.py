@@ -117,11 +117,11 @@ def stream_in_background(url: str, model: str, max_tokens: int) -> tuple[threadi
     return thread, first, lines
 
 
-@pytest.mark.clause("SERVE-2", "SERVE-11", "SERVE-21")
+@pytest.mark.clause("SERVE-2", "SERVE-12", "SERVE-20")
 def test_a_killed_engine_process_fails_its_requests_and_turns_health_503(serve_cache: Path) -> None:
-    """SERVE-2: the engine runs in the server's one child process. SERVE-11: when that process dies, a stream in
+    """SERVE-2: the engine runs in the server's one child process. SERVE-12: when that process dies, a stream in
     flight ends with an error event that says so, /health is 503 with the reason, new requests are 503, and the
-    server still shuts down. SERVE-21: the gauges drop to 0 (they read 1 running and blocks in use before), and
+    server still shuts down. SERVE-20: the gauges drop to 0 (they read 1 running and blocks in use before), and
     SIGTERM then ends the server with status 3, not 0."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
     served = spawn(["--model", str(folder)], serve_cache / "engine-killed.log")
@@ -172,9 +172,9 @@ def test_a_killed_server_leaves_no_engine_behind(serve_cache: Path) -> None:
         kill(served, engine)
 
 
-@pytest.mark.clause("SERVE-7")
+@pytest.mark.clause("SERVE-8")
 def test_ctrl_c_to_the_foreground_job_drains_like_sigterm(serve_cache: Path) -> None:
-    """SERVE-7: Ctrl-C sends SIGINT to every process of the foreground job, the engine process too; only the server
+    """SERVE-8: Ctrl-C sends SIGINT to every process of the foreground job, the engine process too; only the server
     acts on it: the stream in flight completes (finish_reason "length"), and both processes exit, the server with
     status 0. The grace period is ample: the default 10 s held 2,000 tokens at 200 tok/s, not on a loaded machine."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
@@ -200,9 +200,9 @@ def metric_value(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-@pytest.mark.clause("SERVE-12")
+@pytest.mark.clause("SERVE-13")
 def test_the_engine_processes_counts_reach_metrics_before_the_answers(serve_cache: Path) -> None:
-    """SERVE-12: the engine process's counters cross the pipe ahead of the events they concern: once every
+    """SERVE-13: the engine process's counters cross the pipe ahead of the events they concern: once every
     client has its whole answer, /metrics counts exactly their prompt and generated tokens and finishes, the
     gauges say nothing runs, and the engine (read between steps) holds every block free of requests."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
@@ -246,9 +246,9 @@ def test_a_model_the_engine_process_refuses_is_one_line_and_status_2(tmp_path: P
     assert [p for p in multiprocessing.active_children() if p.name == "nanoverify-engine"] == []
 
 
-@pytest.mark.clause("SERVE-6", "SERVE-7")
+@pytest.mark.clause("SERVE-7", "SERVE-8")
 def test_a_hang_up_is_forgotten_at_once_so_a_drain_does_not_wait_for_it(serve_cache: Path) -> None:
-    """SERVE-6: a client that hangs up mid-stream has its request aborted, and is no longer in flight; SERVE-7: so
+    """SERVE-7: a client that hangs up mid-stream has its request aborted, and is no longer in flight; SERVE-8: so
     a SIGTERM after it finds nothing to wait for and the server exits at once, not at the end of the grace
     period."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
@@ -274,9 +274,9 @@ def test_a_hang_up_is_forgotten_at_once_so_a_drain_does_not_wait_for_it(serve_ca
         kill(served)
 
 
-@pytest.mark.clause("SERVE-8", "TRACE-4")
+@pytest.mark.clause("SERVE-9", "TRACE-4")
 def test_a_request_the_trace_cannot_record_is_a_400_before_its_stream_starts(serve_cache: Path) -> None:
-    """SERVE-8, TRACE-4: with --trace, a prompt whose add record would pass the trace reader's line limit is
+    """SERVE-9, TRACE-4: with --trace, a prompt whose add record would pass the trace reader's line limit is
     refused like any other limit, a 400 naming it, also when streamed (never a 200 whose stream then fails)."""
     folder = with_config("qwen3", "long-trace", max_position_embeddings=500_000)
     trace = serve_cache / "long.trace.jsonl"
@@ -359,9 +359,9 @@ def assert_aborted_drained_and_stopped(engine: EngineProcess, sent: Recording) -
     assert time.monotonic() - started < 20 and engine.process.exitcode == 0
 
 
-@pytest.mark.clause("SERVE-11")
+@pytest.mark.clause("SERVE-12")
 def test_a_message_the_server_cannot_take_ends_trust_but_not_the_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SERVE-11: if the server's reader cannot take a message from the engine process (a defect of ours), the
+    """SERVE-12: if the server's reader cannot take a message from the engine process (a defect of ours), the
     request in flight fails with a 500 that says so, nothing more is admitted, the engine is told to abort, and
     stopping still ends the engine process at once (the reader keeps draining the pipe)."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
@@ -384,9 +384,9 @@ def test_a_message_the_server_cannot_take_ends_trust_but_not_the_shutdown(monkey
         engine.stop(timeout=5)
 
 
-@pytest.mark.clause("SERVE-21")
+@pytest.mark.clause("SERVE-20")
 def test_an_engine_process_killed_for_not_stopping_is_a_loss() -> None:
-    """SERVE-21: an engine process that does not stop within its time (stopped with SIGSTOP, told to stop with 1 s
+    """SERVE-20: an engine process that does not stop within its time (stopped with SIGSTOP, told to stop with 1 s
     to do it) is killed: that is a loss (``failure`` says so), the stream in
     flight ends with the shutdown's 503, and the gauges that read 1 running and blocks in use drop to 0."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
@@ -419,9 +419,9 @@ def test_an_engine_process_killed_for_not_stopping_is_a_loss() -> None:
         engine.stop(timeout=5)
 
 
-@pytest.mark.clause("SERVE-11")
+@pytest.mark.clause("SERVE-12")
 def test_a_message_the_server_cannot_even_unpickle_ends_trust_too() -> None:
-    """SERVE-11: a message from the engine process that is read whole but cannot be unpickled ends trust as one
+    """SERVE-12: a message from the engine process that is read whole but cannot be unpickled ends trust as one
     that cannot be taken: the stream in flight fails with a 500, the engine is told to abort, the reader goes on
     draining, and stopping ends the engine process at once."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
@@ -436,9 +436,9 @@ def test_a_message_the_server_cannot_even_unpickle_ends_trust_too() -> None:
         engine.stop(timeout=5)
 
 
-@pytest.mark.clause("SERVE-11")
+@pytest.mark.clause("SERVE-12")
 def test_a_command_the_server_cannot_send_ends_trust_but_not_the_shutdown() -> None:
-    """SERVE-11: a command that cannot cross the pipe (a defect of ours: here one that does not pickle) ends
+    """SERVE-12: a command that cannot cross the pipe (a defect of ours: here one that does not pickle) ends
     trust: the stream in flight fails with a 500 that says so, the engine is told to abort, a submit queued
     behind the bad command is dropped, and the stop after them still reaches the engine process."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
@@ -459,11 +459,11 @@ def test_a_command_the_server_cannot_send_ends_trust_but_not_the_shutdown() -> N
         engine.stop(timeout=5)
 
 
-@pytest.mark.clause("SERVE-11", "SERVE-7")
+@pytest.mark.clause("SERVE-12", "SERVE-8")
 def test_a_command_the_engine_process_does_not_know_fails_what_is_in_flight_with_a_500() -> None:
-    """SERVE-11, SERVE-7: a command the engine process cannot carry out (a defect of ours: here the old
+    """SERVE-12, SERVE-8: a command the engine process cannot carry out (a defect of ours: here the old
     string-tagged tuple) ends trust: the request in flight fails with a 500 naming the command's type, never a
-    clean finish_reason "abort" (which SERVE-7 keeps for shutdown), even though the engine process's stop then
+    clean finish_reason "abort" (which SERVE-8 keeps for shutdown), even though the engine process's stop then
     aborts it; nothing more is admitted and stopping still ends at once."""
     folder = with_config("qwen3", "engine-process", max_position_embeddings=8192)
     engine = _engine(folder)
@@ -571,9 +571,9 @@ def test_every_pipe_message_is_a_frozen_dataclass_that_crosses_a_real_pipe_whole
         receiving.close()
 
 
-@pytest.mark.clause("ARCH-7", "SERVE-12")
+@pytest.mark.clause("ARCH-7", "SERVE-13")
 def test_metrics_updates_are_dispatched_by_type_and_a_tagged_tuple_is_refused() -> None:
-    """ARCH-7, SERVE-12: ``Metrics.apply`` replays each typed update into its series; the old string-tagged
+    """ARCH-7, SERVE-13: ``Metrics.apply`` replays each typed update into its series; the old string-tagged
     tuple, or anything of no known type, is a TypeError (a defect the pipe's reader turns into lost trust),
     and so is a message the server's reader does not take."""
     metrics = Metrics()

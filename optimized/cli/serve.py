@@ -49,7 +49,7 @@ def served_model_name(text: str) -> str:
 
 
 def served_names(model: str | None, given: list[str] | None = None) -> tuple[str, ...]:
-    """SERVE-23: the names clients may pass as ``model``, the first the one answers carry: ``--served-model-name``'s,
+    """SERVE-22: the names clients may pass as ``model``, the first the one answers carry: ``--served-model-name``'s,
     else the ``--model`` argument as given and its folder's name, else "default" (the embedded model)."""
     if given:
         return tuple(dict.fromkeys(given))
@@ -59,7 +59,7 @@ def served_names(model: str | None, given: list[str] | None = None) -> tuple[str
 
 
 def api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
-    """SERVE-10: the key clients must send: ``--api-key``, else NANOVERIFY_API_KEY (unset or empty: none)."""
+    """SERVE-11: the key clients must send: ``--api-key``, else NANOVERIFY_API_KEY (unset or empty: none)."""
     source = "--api-key" if flag is not None else "NANOVERIFY_API_KEY"
     key = flag if flag is not None else environ.get("NANOVERIFY_API_KEY") or None
     if key is None:
@@ -72,7 +72,7 @@ def api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
 
 
 def server_options(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerOptions:
-    """The HTTP side's options from ``serve``'s arguments: the served names (SERVE-23), the key (SERVE-10)."""
+    """The HTTP side's options from ``serve``'s arguments: the served names (SERVE-22), the key (SERVE-11)."""
     from optimized.serve.app import ServerOptions
 
     names = served_names(args.model, args.served_model_name)
@@ -97,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
 
         LLM(**kwargs)
         return 0
-    sock = listening_socket(args.host, args.port)  # SERVE-24: a busy port is refused before the model loads
+    sock = listening_socket(args.host, args.port)  # SERVE-23: a busy port is refused before the model loads
     try:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")

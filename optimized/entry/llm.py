@@ -74,7 +74,7 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class Gauges:
-    """The engine's load between steps (SERVE-6's gauges)."""
+    """The engine's load between steps (SERVE-7's gauges)."""
 
     running: int
     waiting: int
@@ -84,7 +84,7 @@ class Gauges:
 
 @dataclass(frozen=True)
 class EngineState:
-    """The scheduler between steps, and every state invariant checked on it (SERVE-6's verbose health)."""
+    """The scheduler between steps, and every state invariant checked on it (SERVE-7's verbose health)."""
 
     num_blocks: int
     free_blocks: int
@@ -209,7 +209,7 @@ class LLM:
         return self.engine.trusted and self.interrupted is None
 
     def engine_state(self) -> EngineState:
-        """SERVE-6: the scheduler's block accounting and queues, and the violations of every state invariant
+        """SERVE-7: the scheduler's block accounting and queues, and the violations of every state invariant
         (invariants.md) on it; read under the lock, so between steps."""
         from invariants import check_state, snapshot
 
@@ -220,7 +220,7 @@ class LLM:
                                self.engine.stats.compared_steps)
 
     def started(self, request_id: int) -> bool:
-        """SERVE-12: a step has begun computing the request (it holds blocks), or it is no longer live."""
+        """SERVE-13: a step has begun computing the request (it holds blocks), or it is no longer live."""
         with self._lock:
             request = self.engine.by_arrival.get(request_id)
             return request is None or bool(request.seq.block_table)

@@ -12,7 +12,7 @@ loading and sizing are ``load_runner``'s of optimized/engine/assembly.py, which 
 worker exits when rank 0 says stop, when a collective with rank 0 fails (rank 0 died or ended the group: its
 connections closed), or when its parent process is gone (the watchdog). Rank 0 can also ask between steps,
 idle or not, whether a worker it spawned has exited (``group_fault``): a server learns of a dead group before
-any request finds it (SERVE-20).
+any request finds it (SERVE-19).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The HTTP side: OpenAI's endpoints over an ``EngineHandle`` (spec/serve.md).
 
 Invariants: the key is checked first, for every /v1 path (``KeyCheck``,
-SERVE-10); a handler checks the body's shape (protocol.py), then the request in
+SERVE-11); a handler checks the body's shape (protocol.py), then the request in
 full with the one validator (``entry.requests.validated_request``: the rules
 ``LLM`` applies, ARCH-6), builds its ``SamplingParams`` once and submits
-nothing before (SERVE-8), so a refused request changes nothing; a
+nothing before (SERVE-9), so a refused request changes nothing; a
 ``RequestRefused`` becomes a 400 by its ``field``, ``reason`` and ``code``
 (``param: reason``, ``param`` the body's name for the field), never by its
 text; the engine process takes the request as validated. Every error is
@@ -14,7 +14,7 @@ reaches the client only through ``IncrementalDetokenizer`` (whole characters,
 never a possible stop string's beginning), and the streamed pieces add up to
 the non-streamed text; a stream sends nothing before the first output, then a
 chunk per engine step, empty while its text is held (SERVE-17). A handler that
-ends before its request finished (the client went away, SERVE-6) cancels it in
+ends before its request finished (the client went away, SERVE-7) cancels it in
 ``finally``.
 """
 
@@ -56,13 +56,13 @@ from optimized.serve.loop import (
 from optimized.serve.metrics import Metrics
 from optimized.serve.protocol import ApiError, ChatRequest, CompletionRequest, parse_request
 
-MAX_BODY_BYTES = 1 << 20  # SERVE-8: 1 MiB holds a 4096-token prompt as ids many times over
+MAX_BODY_BYTES = 1 << 20  # SERVE-9: 1 MiB holds a 4096-token prompt as ids many times over
 
 
 @dataclass
 class ServerOptions:
     served_model: str = "default"
-    other_names: tuple[str, ...] = ()  # SERVE-23: more names a request's model may give (/v1/models lists them)
+    other_names: tuple[str, ...] = ()  # SERVE-22: more names a request's model may give (/v1/models lists them)
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     stream_interval: int = 1  # SERVE-4: a streamed chunk once this many tokens wait (the first token at once)
@@ -78,7 +78,7 @@ class Lifecycle:
 
 
 class BodyLimit:
-    """SERVE-8: a body over ``limit`` bytes is a 413, by its Content-Length or as it streams in."""
+    """SERVE-9: a body over ``limit`` bytes is a 413, by its Content-Length or as it streams in."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
@@ -111,7 +111,7 @@ class BodyLimit:
 
 
 class KeyCheck:
-    """SERVE-10: with a key set, every path under /v1 needs ``Authorization: Bearer KEY`` or is a 401, before
+    """SERVE-11: with a key set, every path under /v1 needs ``Authorization: Bearer KEY`` or is a 401, before
     anything else (an unknown path's 404, a wrong method's 405, a body's 413). The header's raw bytes are
     compared, in constant time."""
 
@@ -192,7 +192,7 @@ class _Handlers:
 
     # --- plain endpoints --------------------------------------------------------------------------
     async def health(self, request: Request) -> JSONResponse:
-        """SERVE-11: 200 only while the engine loop runs, trusted, and the server admits requests."""
+        """SERVE-12: 200 only while the engine loop runs, trusted, and the server admits requests."""
         status = self._status()
         body: dict[str, Any] = {"status": status}
         if status == "ok" and request.query_params.get("verbose") in ("1", "true"):
@@ -258,7 +258,7 @@ class _Handlers:
 
     def _validated(self, call: _Call, prompt: str | list[int],
                    max_tokens: int | None) -> tuple[list[int], SamplingParams]:
-        """SERVE-8, ARCH-6: the prompt's ids and the request's ``SamplingParams``, or the one validator's refusal
+        """SERVE-9, ARCH-6: the prompt's ids and the request's ``SamplingParams``, or the one validator's refusal
         as a 400. A max_tokens left to the server is all the room the limits leave."""
         sampling = _sampling(call.body)
 
@@ -290,7 +290,7 @@ class _Handlers:
         return await self._whole(request, stream, call)
 
     async def _whole(self, request: Request, stream: Stream, call: _Call) -> JSONResponse:
-        """A non-streamed answer; a client that disconnects while waiting cancels its request (SERVE-6)."""
+        """A non-streamed answer; a client that disconnects while waiting cancels its request (SERVE-7)."""
         self.life.handlers += 1
         timing = _Timing(self.metrics, stream)
         waiter = asyncio.ensure_future(self._finish(stream, timing))
@@ -327,7 +327,7 @@ class _Handlers:
     async def _sse(self, stream: Stream, call: _Call) -> AsyncIterator[str]:
         """SERVE-4, SERVE-17: Server-Sent Events as vLLM sends them: nothing before the first output (chat's role
         chunk goes with it), then a chunk per engine step (per ``stream_interval`` steps), its text empty while
-        nothing can be released; cancelled by a disconnect (SERVE-6)."""
+        nothing can be released; cancelled by a disconnect (SERVE-7)."""
         self.life.handlers += 1
         model = self.options.served_model
         detokenizer = IncrementalDetokenizer(self.tokenizer, stream.params.stop)
@@ -335,7 +335,7 @@ class _Handlers:
         ended = False
         role_due = call.kind == "chat.completion"  # chat's first chunk names the role, with the first output
         pending: list[int] = []  # tokens whose chunk is not sent yet
-        pending_logprobs: list[dict[int, Logprob]] = []  # theirs, when asked (SERVE-14)
+        pending_logprobs: list[dict[int, Logprob]] = []  # theirs, when asked (SERVE-6)
         chunks = 0  # content chunks sent
         try:
             while not ended:
@@ -395,7 +395,7 @@ def _sampling(body: CompletionRequest | ChatRequest) -> dict[str, Any]:
     """The body's sampling fields as ``SamplingParams`` arguments; those it left out take its defaults."""
     given = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
              "stop": body.stop,
-             # SERVE-14: completions' logprobs count; chat's top_logprobs when logprobs is true
+             # SERVE-6: completions' logprobs count; chat's top_logprobs when logprobs is true
              "logprobs": body.logprobs if isinstance(body, CompletionRequest)
              else (body.top_logprobs or 0) if body.logprobs else None}
     return {**{name: value for name, value in given.items() if value is not None}, "ignore_eos": body.ignore_eos,
@@ -409,7 +409,7 @@ def _sse_data(payload: dict[str, Any]) -> str:
 
 
 class _Timing:
-    """The request histograms of one request, observed as its events arrive (SERVE-12)."""
+    """The request histograms of one request, observed as its events arrive (SERVE-13)."""
 
     def __init__(self, metrics: Metrics, stream: Stream) -> None:
         self.metrics = metrics
@@ -443,7 +443,7 @@ class _Call:
         # "max_completion_tokens".
         self.wire_names = {"prompt": prompt_field, "max_tokens": limit_field,
                            "logprobs": "top_logprobs" if kind == "chat.completion" else "logprobs"}
-        self.logprobs: LogprobsWire | None = None  # SERVE-14: asked
+        self.logprobs: LogprobsWire | None = None  # SERVE-6: asked
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.id = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())

@@ -1,4 +1,4 @@
-"""Chat messages to prompt text: the checkpoint's chat template, or nanoverify's own (SERVE-9).
+"""Chat messages to prompt text: the checkpoint's chat template, or nanoverify's own (SERVE-10).
 
 Invariant: a checkpoint whose ``tokenizer_config.json`` has a ``chat_template``
 (a Jinja string, or a list of named ones: "default" is used) is rendered with

@@ -7,22 +7,22 @@ submitted until that stream's last event has arrived or its client has hung up
 joins them, and every message on it is a small frozen dataclass dispatched by
 its type (ARCH-7); one of no known type is a defect of ours.
 Down go commands, in the order they were given (so a cancel never overtakes its
-submit): ``Submit``, ``Cancel``, ``ReadState`` (SERVE-6's probe), ``AbortAll``,
+submit): ``Submit``, ``Cancel``, ``ReadState`` (SERVE-7's probe), ``AbortAll``,
 ``Stop``. Up come ``Ready`` (or ``NotBuilt``) first, then, in the order the loop
 made them: metrics updates (``MetricUpdate``), each send's ``Events`` (keyed by
 stream), ``StateAnswer``s, and at most one ``Failed``. The HTTP process writes only
 from its sender thread and reads only in its reader thread, so it never stops
 reading because a write is blocked: neither side can wait on the other in a
 circle. The engine process ignores SIGINT and SIGTERM (the HTTP side drains,
-SERVE-7, then says stop) and stops when the pipe closes: a server killed
+SERVE-8, then says stop) and stops when the pipe closes: a server killed
 outright leaves no engine behind. If the engine process ends without being
 told to stop, or a message cannot cross the pipe or be carried out (a defect of
 ours: the engine process sends ``Failed`` before it stops, so its stop's aborts
 are never taken for a clean end), every open stream fails with a 500 and
-``failure`` says why, as when the loop fails (SERVE-11). Every message up is
+``failure`` says why, as when the loop fails (SERVE-12). Every message up is
 also the engine's heartbeat: while a request is in flight and nothing has come
 up for ``step_timeout`` seconds, ``failure`` says the engine is stalled and for
-how long, until a message comes again (SERVE-22).
+how long, until a message comes again (SERVE-21).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from optimized.serve.metrics import Metrics, MetricsRecorder, MetricUpdate
 
 log = logging.getLogger("nanoverify.serve")
 _STOP_SECONDS = 60  # for the engine process to abort what is left, close its LLM (a trace's flush) and exit
-STEP_TIMEOUT_SECONDS = 60.0  # SERVE-22: silence while requests are in flight before the engine is called stalled
+STEP_TIMEOUT_SECONDS = 60.0  # SERVE-21: silence while requests are in flight before the engine is called stalled
 
 
 # --- down the pipe: the server's commands -----------------------------------------------------------------------
@@ -131,13 +131,13 @@ class EngineProcess:
     def __init__(self, llm_kwargs: dict[str, Any], metrics: Metrics,
                  step_timeout: float = STEP_TIMEOUT_SECONDS) -> None:
         """Spawn the engine process and wait until its ``LLM`` is built; what the ``LLM`` raised is raised here.
-        ``step_timeout``: SERVE-22's bound (0: never stalled)."""
+        ``step_timeout``: SERVE-21's bound (0: never stalled)."""
         context = multiprocessing.get_context("spawn")  # torch's thread pools do not survive a fork
         self._conn, child = context.Pipe()
         # Not a daemon: a daemon may not start processes, and the engine starts tensor-parallel workers.
         self.process = context.Process(target=engine_main, args=(child, llm_kwargs), name="nanoverify-engine")
         self.metrics = metrics
-        self._failure: str | None = None  # why the engine is lost for good (SERVE-11)
+        self._failure: str | None = None  # why the engine is lost for good (SERVE-12)
         self.step_timeout = step_timeout
         self._quiet_since = time.perf_counter()  # the last message up, or the last time nothing was in flight
         self._lock = threading.RLock()  # reentrant: a finalizer's cancel may run while this thread holds it
@@ -175,7 +175,7 @@ class EngineProcess:
 
     @property
     def failure(self) -> str | None:
-        """Why the engine serves nothing: lost for good (SERVE-11), or stalled while requests wait (SERVE-22)."""
+        """Why the engine serves nothing: lost for good (SERVE-12), or stalled while requests wait (SERVE-21)."""
         return self._failure or self._stalled()
 
     def _stalled(self) -> str | None:
@@ -206,7 +206,7 @@ class EngineProcess:
         self._outbox.put(Submit(stream.key, stream.prompt_ids, stream.params))
 
     def cancel(self, stream: Stream) -> None:
-        """The client went away: the engine aborts the request at its next gap between steps (SERVE-6). Nobody
+        """The client went away: the engine aborts the request at its next gap between steps (SERVE-7). Nobody
         waits for the stream any more: it is forgotten here at once (events still on their way are dropped)."""
         with self._lock:
             if stream.cancelled or stream.done or self._streams.pop(stream.key, None) is None:
@@ -215,7 +215,7 @@ class EngineProcess:
         self._outbox.put(Cancel(stream.key))
 
     def engine_state(self) -> Future[EngineState]:
-        """SERVE-6: the engine's state between two steps, read in the engine process."""
+        """SERVE-7: the engine's state between two steps, read in the engine process."""
         future: Future[EngineState] = Future()
         with self._lock:
             if self._stopping or self.failure is not None or self._gone:
@@ -234,7 +234,7 @@ class EngineProcess:
             return len(self._streams)
 
     def close(self) -> None:
-        """Admit nothing more (SERVE-7); live requests go on."""
+        """Admit nothing more (SERVE-8); live requests go on."""
         with self._lock:
             self._closing = True
 
@@ -261,7 +261,7 @@ class EngineProcess:
             self._kill()
             with self._lock:
                 self._failure = self._failure or f"the engine process did not stop within {timeout:g} s"
-            self.metrics.lost()  # SERVE-21: killed, it runs nothing any more
+            self.metrics.lost()  # SERVE-20: killed, it runs nothing any more
         if self._reader.ident is not None:
             self._reader.join(10)  # the engine process is gone, so the pipe has ended
         self._conn.close()
@@ -312,7 +312,7 @@ class EngineProcess:
             log.error("%s", self.failure)
 
     def _untrusted(self, why: str) -> None:
-        """A defect of ours broke the pipe's protocol: every stream fails with a 500 (SERVE-11), nothing more is
+        """A defect of ours broke the pipe's protocol: every stream fails with a 500 (SERVE-12), nothing more is
         admitted, and the engine is told to abort what it runs (nobody waits for it any more)."""
         self._fail(f"{why}; the engine is no longer trusted")
         log.error("%s", self.failure)
@@ -355,11 +355,11 @@ class EngineProcess:
             future.set_result(state)
 
     def _fail(self, why: str) -> None:
-        """SERVE-11: the engine is no longer trusted: every open stream fails with a 500."""
+        """SERVE-12: the engine is no longer trusted: every open stream fails with a 500."""
         with self._lock:
             if self._failure is None:
                 self._failure = why
-        self.metrics.lost()  # SERVE-21: nothing runs or waits any more
+        self.metrics.lost()  # SERVE-20: nothing runs or waits any more
         self._fail_rest(500, why)
 
     def _fail_rest(self, status: int, why: str) -> None:
@@ -426,14 +426,14 @@ def engine_main(conn: Connection, llm_kwargs: dict[str, Any]) -> None:
     lock = threading.Lock()
     from optimized.parallel.launch import group_fault
 
-    parallel = int(llm_kwargs.get("tensor_parallel_size") or 1) > 1  # SERVE-20: only a group has workers to watch
+    parallel = int(llm_kwargs.get("tensor_parallel_size") or 1) > 1  # SERVE-19: only a group has workers to watch
     loop = EngineLoop(llm, MetricsRecorder(send), PipeOutlet(send, streams, lock),
                       watch=group_fault if parallel else None)
     try:
         send(Ready(EngineInfo.of(llm)))
         loop.start()
         _obey(conn, loop, send, streams, lock)
-    except BaseException as error:  # SERVE-11: the server fails what is in flight (500) before the stop aborts it
+    except BaseException as error:  # SERVE-12: the server fails what is in flight (500) before the stop aborts it
         send(Failed(f"the engine process could not carry out the server's commands ({type(error).__name__}: "
                     f"{error}); the engine is no longer trusted"))
         raise

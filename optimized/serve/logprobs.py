@@ -1,4 +1,4 @@
-"""Logprobs on the wire, in OpenAI's two shapes (SERVE-14).
+"""Logprobs on the wire, in OpenAI's two shapes (SERVE-6).
 
 Invariant: every value is the engine's own ``Logprob.logprob`` (ENG-18) as a JSON number, except below
 ``FLOOR`` (``-inf`` has no JSON form), which is sent as ``FLOOR``, as vLLM does. A token's text is its id

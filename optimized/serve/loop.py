@@ -13,11 +13,11 @@ and end with exactly one ``FinishEvent`` or ``FailEvent``. When the engine can n
 ``ShadowDivergence``, ENG-22; any failure that leaves it untrusted, ENG-11)
 the loop records why in ``failure``, logs it (both schedulers' states, for a
 divergence), fails every stream with a 500 that says so and stops: nothing is
-admitted after (SERVE-11), no probe is taken, and every probe not answered
+admitted after (SERVE-12), no probe is taken, and every probe not answered
 fails when the loop ends; a ``watch`` that says the engine can no longer step (a
-dead tensor-parallel worker, SERVE-20) ends it the same way. The metrics' gauges
+dead tensor-parallel worker, SERVE-19) ends it the same way. The metrics' gauges
 are published after every step and every turn that admitted or aborted
-(SERVE-12), and drop to 0 when the loop fails (SERVE-21). The loop knows the engine
+(SERVE-13), and drop to 0 when the loop fails (SERVE-20). The loop knows the engine
 only through ``LLM``'s request and read API (ARCH-5). A request is validated
 once, by its handler (ARCH-6): the loop admits it with ``LLM.add_validated``,
 which checks only trust and the trace's writability.
@@ -52,8 +52,8 @@ class TokenEvent:
 
     tokens: list[int]
     at: float  # when the loop sent them
-    scheduled: float  # when the first step that computed the request began (SERVE-12's queue time ends there)
-    logprobs: list[dict[int, Logprob]] | None = None  # the tokens' logprobs, when the request asked (SERVE-14)
+    scheduled: float  # when the first step that computed the request began (SERVE-13's queue time ends there)
+    logprobs: list[dict[int, Logprob]] | None = None  # the tokens' logprobs, when the request asked (SERVE-6)
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class Stream:
     key: int = 0  # the stream's name between the two processes
     request_id: int | None = None
     sent: int = 0  # completion tokens sent so far
-    scheduled_at: float | None = None  # when the first step that computed it began (SERVE-12)
+    scheduled_at: float | None = None  # when the first step that computed it began (SERVE-13)
     cancelled: bool = False
     done: bool = False  # its last event (output or failure) is sent
 
@@ -147,7 +147,7 @@ class EngineHandle(Protocol):
 
     @property
     def failure(self) -> str | None:
-        """Why the engine serves nothing now: no longer trusted (SERVE-11), or stalled (SERVE-22)."""
+        """Why the engine serves nothing now: no longer trusted (SERVE-12), or stalled (SERVE-21)."""
 
     def start(self) -> None: ...
 
@@ -173,7 +173,7 @@ class Unavailable(Exception):
 
 
 class EngineLost(Exception):
-    """``EngineLoop.watch`` found that the engine can no longer step (SERVE-20); the text says why."""
+    """``EngineLoop.watch`` found that the engine can no longer step (SERVE-19); the text says why."""
 
 
 def refuse(future: Future[Any], why: str) -> None:
@@ -182,20 +182,20 @@ def refuse(future: Future[Any], why: str) -> None:
         future.set_exception(Unavailable(why))
 
 
-WATCH_SECONDS = 0.5  # SERVE-20: how often an idle loop asks ``watch`` whether the engine can still step
+WATCH_SECONDS = 0.5  # SERVE-19: how often an idle loop asks ``watch`` whether the engine can still step
 
 
 class EngineLoop:
     def __init__(self, llm: LLM, metrics: EngineMetrics, outlet: Outlet | None = None,
                  watch: Callable[[], str | None] | None = None) -> None:
         """``watch``: asked at every turn and every ``WATCH_SECONDS`` while idle, from the loop's thread; a text
-        (why the engine can no longer step: a tensor-parallel worker died, SERVE-20) ends the loop as
+        (why the engine can no longer step: a tensor-parallel worker died, SERVE-19) ends the loop as
         ``_die`` does."""
         self.llm = llm
         self.metrics = metrics
         self.outlet: Outlet = outlet or QueueOutlet()
         self.watch = watch
-        self.failure: str | None = None  # why the engine is no longer trusted (SERVE-11)
+        self.failure: str | None = None  # why the engine is no longer trusted (SERVE-12)
         self._cv = threading.Condition()
         self._arrivals: list[Stream] = []
         self._hangups: list[Stream] = []
@@ -225,7 +225,7 @@ class EngineLoop:
             self._cv.notify()
 
     def cancel(self, stream: Stream) -> None:
-        """The client went away: abort the request before the next step (SERVE-6)."""
+        """The client went away: abort the request before the next step (SERVE-7)."""
         with self._cv:
             if not stream.cancelled and not stream.done:
                 stream.cancelled = True
@@ -244,7 +244,7 @@ class EngineLoop:
         return future
 
     def engine_state(self) -> Future[EngineState]:
-        """SERVE-6: ``LLM.engine_state`` read between two steps."""
+        """SERVE-7: ``LLM.engine_state`` read between two steps."""
         return self.call_between_steps(self.llm.engine_state)
 
     def in_flight(self) -> int:
@@ -252,7 +252,7 @@ class EngineLoop:
             return len(self._live) + len(self._arrivals)
 
     def close(self) -> None:
-        """Admit nothing more (SERVE-7); live requests go on."""
+        """Admit nothing more (SERVE-8); live requests go on."""
         with self._cv:
             self._closing = True
 
@@ -325,7 +325,7 @@ class EngineLoop:
     def _admit(self, stream: Stream) -> None:
         if stream.cancelled:
             return
-        stream.request_id = self.llm.add_validated(stream.prompt_ids, stream.params)  # SERVE-8 checked it
+        stream.request_id = self.llm.add_validated(stream.prompt_ids, stream.params)  # SERVE-9 checked it
         self._live[stream.request_id] = stream
         self._unscheduled.append(stream)
         self.metrics.admitted(len(stream.prompt_ids))
@@ -391,7 +391,7 @@ class EngineLoop:
         self._publish()
 
     def _note_scheduled(self, started: float) -> None:
-        """SERVE-12: the streams this step (begun at ``started``) computed first: those given blocks, or gone."""
+        """SERVE-13: the streams this step (begun at ``started``) computed first: those given blocks, or gone."""
         waiting = []
         for stream in self._unscheduled:
             if stream.request_id is None or self.llm.started(stream.request_id):
@@ -425,7 +425,7 @@ class EngineLoop:
         self.metrics.after_step(self.llm.stats, self.llm.gauges())
 
     def _die(self, error: BaseException) -> None:
-        """SERVE-11: the engine is untrusted: say why, fail every stream with a 500, admit nothing more."""
+        """SERVE-12: the engine is untrusted: say why, fail every stream with a 500, admit nothing more."""
         if isinstance(error, ShadowDivergence):  # found by a step or by an abort's mirror
             self.metrics.diverged()
             why = "check mode found the engine's scheduler diverging from the reference scheduler"
@@ -443,7 +443,7 @@ class EngineLoop:
             probes, self._probes = self._probes, []
         for stream in streams:
             stream.done = True
-        self.metrics.lost()  # SERVE-21: nothing runs or waits any more
+        self.metrics.lost()  # SERVE-20: nothing runs or waits any more
         self.outlet.send([(stream, FailEvent(500, self.failure)) for stream in streams])
         self.outlet.failed(self.failure)
         for _, future in probes:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one server, in a registry of its own (SERVE-12).
+"""Prometheus metrics of one server, in a registry of its own (SERVE-13).
 
 Invariant: names follow vLLM's where the meaning is the same, with the
 ``nanoverify:`` prefix; counters only grow. Engine counters are advanced by the
@@ -32,7 +32,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 class EngineMetrics(Protocol):
     """What the engine loop reports: admitted prompt tokens, generated tokens, finishes, a divergence, the
-    engine's state after a step or a turn that changed it, and its loss (SERVE-21)."""
+    engine's state after a step or a turn that changed it, and its loss (SERVE-20)."""
 
     def admitted(self, prompt_tokens: int) -> None: ...
 
@@ -186,7 +186,7 @@ class Metrics:
         self.advance(self.compared_steps, "compared_steps", stats.compared_steps)
 
     def lost(self) -> None:
-        """SERVE-21: the engine is gone or no longer trusted: nothing runs, waits or holds a block any more (the
+        """SERVE-20: the engine is gone or no longer trusted: nothing runs, waits or holds a block any more (the
         counters keep what was counted)."""
         self.running.set(0)
         self.waiting.set(0)

@@ -1,4 +1,4 @@
-"""The OpenAI request bodies the server accepts, and its error shape (SERVE-8).
+"""The OpenAI request bodies the server accepts, and its error shape (SERVE-9).
 
 Invariant: this module checks the wire shape only, and a body either becomes a
 typed request here or an ``ApiError`` whose message and ``param`` name the field
@@ -71,7 +71,7 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
     max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None  # SERVE-14: the top alternatives with each token's logprob (0..20)
+    logprobs: int | None = None  # SERVE-6: the top alternatives with each token's logprob (0..20)
 
 
 class TextPart(_Strict):
@@ -91,7 +91,7 @@ class ChatRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = None  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: int | None = None
-    logprobs: bool | None = None  # SERVE-14: each token's logprob...
+    logprobs: bool | None = None  # SERVE-6: each token's logprob...
     top_logprobs: int | None = None  # ...with this many alternatives (0..20; needs logprobs true when above 0)
 
 
@@ -149,7 +149,7 @@ def _is_zero(value: object) -> bool:
     return value is None or (type(value) in (int, float) and value == 0)
 
 
-# SERVE-8: OpenAI fields that would change the answer, which this server does not implement: the value that
+# SERVE-9: OpenAI fields that would change the answer, which this server does not implement: the value that
 # changes nothing (accepted), else a 400 naming the field, never a silently different answer.
 _UNSUPPORTED: dict[str, tuple[str, Callable[[object], bool]]] = {
     "echo": ("false", lambda v: v is None or v is False),

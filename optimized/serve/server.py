@@ -1,15 +1,15 @@
-"""Running the app under uvicorn, with nanoverify's shutdown (SERVE-7).
+"""Running the app under uvicorn, with nanoverify's shutdown (SERVE-8).
 
 Invariant: the first SIGTERM or SIGINT stops admission at once (``/health``
 and new ``/v1`` requests answer 503) while requests in flight go on; when the
 last one has finished, or ``shutdown_timeout`` seconds have passed and the
 engine loop has aborted what was left and delivered their ends (their streams
 end with finish_reason "abort"), uvicorn is told to exit. The process exits 0,
-or ``EXIT_ENGINE_LOST`` when the engine was lost on the way (SERVE-21). A
+or ``EXIT_ENGINE_LOST`` when the engine was lost on the way (SERVE-20). A
 second signal aborts at once. uvicorn re-raises a signal it captured after its
 own graceful exit, which would end the process by that signal: ``handle_exit``
 is overridden so it never records one. The listening socket is bound before
-the model loads (``listening_socket``), so a busy port costs no load (SERVE-24).
+the model loads (``listening_socket``), so a busy port costs no load (SERVE-23).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from optimized.serve.loop import EngineHandle, EngineInfo
 from optimized.serve.metrics import Metrics
 
 SETTLE_SECONDS = 2  # after the engine is idle: for handlers to send their last bytes
-ABORT_SECONDS = 10  # SERVE-7: for the engine to deliver the aborted requests' ends after the grace period
-EXIT_ENGINE_LOST = 3  # SERVE-21: serve's exit status after the engine was lost (died, stalled away, untrusted)
+ABORT_SECONDS = 10  # SERVE-8: for the engine to deliver the aborted requests' ends after the grace period
+EXIT_ENGINE_LOST = 3  # SERVE-20: serve's exit status after the engine was lost (died, stalled away, untrusted)
 log = logging.getLogger("nanoverify.serve")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
     """A socket bound to ``host``:``port`` (not yet listening: uvicorn listens on it once the model is loaded), or
-    an OSError naming both (SERVE-24)."""
+    an OSError naming both (SERVE-23)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -77,7 +77,7 @@ class NanoverifyServer(uvicorn.Server):
         self.begin_drain()
 
     def begin_drain(self) -> None:
-        """SERVE-7: stop admitting, let the in-flight requests finish (or abort them at the deadline), then exit."""
+        """SERVE-8: stop admitting, let the in-flight requests finish (or abort them at the deadline), then exit."""
         self.life.draining = True
         self.engine_loop.close()
         self.drainer = threading.Thread(target=self._drain, name="nanoverify-drain", daemon=True)
