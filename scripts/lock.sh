@@ -5,7 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-"${PYTHON:-python3}" -m venv "$scratch/venv"
+# Made with the distribution's python3 where there is one, as CI runs: a newer interpreter would pin releases that
+# refuse it (pymdown-extensions 13 needs Python 3.11.5; Debian 12's is 3.11.2).
+python=${PYTHON:-python3}
+if [[ -z "${PYTHON:-}" && -x /usr/bin/python3 ]]; then python=/usr/bin/python3; fi
+"$python" -m venv "$scratch/venv"
 "$scratch/venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
 "$scratch/venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,docs]"
 {
