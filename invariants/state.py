@@ -50,6 +50,12 @@ class SchedulerState:
     waiting: list[SeqView]
     running: list[SeqView]
     extra: dict[str, Any] = field(default_factory=dict)
+    # The scheduling policy (spec/policies.md) and what its own clauses read: each live request's priority
+    # (``priority``), how often each waiting one was passed over and the bound (``lpm``); empty otherwise.
+    policy: str = "lesson"
+    priorities: dict[int, int] = field(default_factory=dict)  # seq_id -> priority
+    passes: dict[int, int] = field(default_factory=dict)  # seq_id -> times passed over
+    patience: int = 0
 
     @property
     def num_blocks(self) -> int:

@@ -70,7 +70,7 @@ def requests(n: int, prompt: int, max_tokens: int, shared: int = 0) -> list[dict
 class Pair:
     """The reference and the optimized scheduler on one configuration, fed the same requests and tokens."""
 
-    def __init__(self, **config: int) -> None:
+    def __init__(self, **config: Any) -> None:
         config.setdefault("eos", 0)
         self.block_size = config["block_size"]
         self.ref = ReferencePort(SchedulerConfig(**config))

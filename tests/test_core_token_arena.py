@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,7 +38,8 @@ def test_arena_compaction_and_free_queue_trimming_keep_the_decisions() -> None:
     """OPT-6, OPT-11: a tiny arena (compacted again and again) and a long free queue (trimmed) change nothing."""
     reqs = [{"id": i, "prompt": [(i * 7 + k) % 11 for k in range(20 + i % 9)], "max_tokens": 30 + i % 13,
              "ignore_eos": False, "arrive": 0, "output": [1] * 60} for i in range(90)]
-    config = {"block_size": 2, "num_blocks": 1100, "max_num_seqs": 16, "max_num_batched_tokens": 96, "eos": 50}
+    config: dict[str, Any] = {"block_size": 2, "num_blocks": 1100, "max_num_seqs": 16, "max_num_batched_tokens": 96,
+                              "eos": 50}
     w = parse_workload({"config": config, "requests": reqs})
     ref, opt = reference.Scheduler(reference.SchedulerConfig(**config)), Scheduler(SchedulerConfig(**config))
     opt._arena = TokenArena(on_move=opt._group.refresh_positions, capacity=64)

@@ -82,11 +82,19 @@ class Scheduler:
         """A sequence of this scheduler's block size (the engine makes its own from its ``SamplingParams``)."""
         return Sequence(token_ids, SequenceParams(temperature, max_tokens, ignore_eos), self.block_size)
 
-    def add(self, seq: Sequence, stop_token_ids: Collection[int] = ()) -> None:
+    def add(self, seq: Sequence, stop_token_ids: Collection[int] = (), priority: int = 0) -> None:
         """Queue a new sequence; ValueError (and no change) when it cannot be one of ours.
 
-        ``stop_token_ids``: drawing one of these finishes the sequence, beside EOS (OPT-24).
+        ``stop_token_ids``: drawing one of these finishes the sequence, beside EOS (OPT-24). ``priority`` must be
+        an int; the lesson's policy orders by arrival alone, so it reads nothing more of it (the ``priority``
+        policy does).
         """
+        strict_int(priority, "priority")
+        self._check_new(seq)
+        self._queue(seq, stop_token_ids)
+
+    def _check_new(self, seq: Sequence) -> None:
+        """ValueError, nothing changed, unless ``seq`` is a fresh sequence of this scheduler's block size."""
         if not isinstance(seq, Sequence):
             raise ValueError(f"seq must be an optimized Sequence, got {type(seq).__name__}")
         if seq.block_size != self.block_size:
@@ -94,10 +102,15 @@ class Scheduler:
         core = seq.core
         if core.arena is not None or core.own is None or core.status is not WAITING or seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} was already added to a scheduler")
-        max_tokens = strict_int(core.max_tokens, "max_tokens", 1)
-        stops = stop_set(stop_token_ids)
-        core.stops = stops
-        self._arena.place(core, core.own, seq.num_prompt_tokens + max_tokens)
+        strict_int(core.max_tokens, "max_tokens", 1)
+
+    def _queue(self, seq: Sequence, stop_token_ids: Collection[int]) -> None:
+        """Place a checked sequence's tokens in the arena and append it to ``waiting``; ValueError, nothing
+        changed, for a bad stop set."""
+        core, own = seq.core, seq.core.own
+        assert own is not None  # _check_new refused a sequence without its own tokens
+        core.stops = stop_set(stop_token_ids)
+        self._arena.place(core, own, seq.num_prompt_tokens + core.max_tokens)
         core.arena = self._arena
         core.own = None
         self._waiting.append(seq)

@@ -31,7 +31,7 @@ def _no_marks(trace: Trace) -> Marks:
 @dataclass(frozen=True)
 class Figure:
     clause: str  # the clause it illustrates, beside which spec/ shows it
-    config: dict[str, int]
+    config: dict[str, Any]
     requests: list[tuple[list[int], int, int]]  # (prompt, max_tokens, arrive)
     marks: Callable[[Trace], Marks] = _no_marks  # the decisive steps, found in the trace
     tables: bool = False  # also draw its block tables and the life of each block

@@ -67,7 +67,7 @@ Event = Request | Aborted | Step  # an ``add`` record is a Request without ``out
 
 @dataclass
 class Trace:
-    config: dict[str, int]
+    config: dict[str, Any]
     events: list[Event]
     eos_token_ids: list[int] = field(default_factory=list)
     cuts: dict[int, int] = field(default_factory=dict)  # request id -> lowered max_tokens
@@ -235,7 +235,7 @@ def _wall(value: Any) -> tuple[float, float] | None:
 class _Builder:
     """Collects a trace's events, validating each record against what came before it."""
 
-    def __init__(self, config: dict[str, int], eos_ids: list[int], version: int) -> None:
+    def __init__(self, config: dict[str, Any], eos_ids: list[int], version: int) -> None:
         self.trace = Trace(config, [], eos_ids)
         self.tables = Tables(version, config["num_blocks"])
         self.next = 0  # the least number the next step record may have

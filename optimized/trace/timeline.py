@@ -76,7 +76,7 @@ class Timeline:
     axis: str  # "steps" or "wall"
     difference: str | None = None  # why the drawing stops early, if it does
     empty_decode: int | None = None  # the step at which the trace ends in the empty decode (EDGE-2), if it does
-    config: dict[str, int] = field(default_factory=dict)  # the trace's scheduler configuration
+    config: dict[str, Any] = field(default_factory=dict)  # the trace's scheduler configuration
 
 
 class _Observer:
@@ -396,7 +396,7 @@ def _mark_ends(ax: Any, timeline: Timeline, rows: list[int]) -> None:
         ax.scatter(xs, ys, marker=marker, color=colour, s=40, linewidths=1.5, zorder=3)
 
 
-def config_line(config: dict[str, int]) -> str:
+def config_line(config: dict[str, Any]) -> str:
     """The settings a figure's reader needs, in one line."""
     return (f"block_size {config['block_size']}, num_blocks {config['num_blocks']}, "
             f"budget (max_num_batched_tokens) {config['max_num_batched_tokens']}, "

@@ -23,8 +23,8 @@ from typing import Any, BinaryIO
 
 from optimized.core.config import MINIMUMS, SchedulerConfig
 from optimized.core.errors import WorkloadError, is_strict_int
+from optimized.core.policies import make_scheduler
 from optimized.core.port import EmptyDecodeError, PortFactory, ScheduleOutput, SchedulerPort
-from optimized.core.scheduler import Scheduler
 from optimized.verify.reference_port import ReferencePort
 
 CONFIG_FIELDS = ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "eos")
@@ -54,7 +54,7 @@ class Request:
 
 @dataclass(frozen=True)
 class Workload:
-    config: dict[str, int]
+    config: dict[str, Any]
     requests: list[Request]
 
 
@@ -125,11 +125,12 @@ def parse_workload(obj: Any) -> Workload:
     return Workload(config, requests)
 
 
-IMPLEMENTATIONS: dict[str, PortFactory] = {"reference": ReferencePort, "optimized": Scheduler}
+IMPLEMENTATIONS: dict[str, PortFactory] = {"reference": ReferencePort, "optimized": make_scheduler}
 
 
 def implementation(name: str) -> PortFactory:
-    """The factory of the scheduler a replay drives through the port: 'reference' or 'optimized'."""
+    """The factory of the scheduler a replay drives through the port: 'reference' or 'optimized', each of the
+    config's policy."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be 'reference' or 'optimized', got {name!r}")
     return IMPLEMENTATIONS[name]

@@ -23,9 +23,16 @@ from optimized.core.config import SchedulerConfig
 from optimized.core.errors import stop_set, strict_int
 from optimized.core.port import EmptyDecodeError, ScheduleOutput
 from reference import extensions
+from reference.lpm_scheduler import LpmScheduler
+from reference.mixed_scheduler import MixedScheduler
+from reference.priority_scheduler import PriorityScheduler
 
 WAITING = reference.SequenceStatus.WAITING
 FINISHED = reference.SequenceStatus.FINISHED
+
+# policy -> its reference (lpm's takes the config's patience too).
+REFERENCES: dict[str, type[reference.Scheduler]] = {
+    "lesson": reference.Scheduler, "mixed": MixedScheduler, "priority": PriorityScheduler, "lpm": LpmScheduler}
 
 
 def _is_empty_decode(error: AssertionError, lesson: reference.Scheduler) -> bool:
@@ -73,16 +80,22 @@ class ReferenceBlocks:
 class ReferencePort:
     """``reference.Scheduler`` as a ``SchedulerPort[reference.Sequence]``.
 
-    ``lesson`` is the scheduler class to drive: the lesson's, or a test's variant of it (a mutant whose
-    decisions a replay must tell apart). ``lesson_scheduler`` is the instance, for a test to look inside.
+    ``lesson`` is the scheduler class to drive: by default the reference of ``config.policy`` (the lesson's, or a
+    policy's beside it in reference/), or a test's variant of one (a mutant whose decisions a replay must tell
+    apart). ``lesson_scheduler`` is the instance, for a test to look inside.
     """
 
-    def __init__(self, config: SchedulerConfig,
-                 lesson: type[reference.Scheduler] = reference.Scheduler) -> None:
+    def __init__(self, config: SchedulerConfig, lesson: type[reference.Scheduler] | None = None) -> None:
         self.config = config
-        self.lesson_scheduler = lesson(reference.SchedulerConfig(
+        lesson_config = reference.SchedulerConfig(
             num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, eos=config.eos))
+            max_num_batched_tokens=config.max_num_batched_tokens, eos=config.eos)
+        if lesson is not None:
+            self.lesson_scheduler = lesson(lesson_config)
+        elif config.policy == "lpm":
+            self.lesson_scheduler = LpmScheduler(lesson_config, config.patience)
+        else:
+            self.lesson_scheduler = REFERENCES[config.policy](lesson_config)
         self.blocks = ReferenceBlocks(self.lesson_scheduler.block_manager)
         self._stops: dict[int, frozenset[int]] = {}  # seq_id -> its stop set, for the sequences that have one
         self._added: set[int] = set()  # the seq_ids ever added: a second add is refused, as the optimized one does
@@ -104,15 +117,21 @@ class ReferencePort:
     def is_finished(self) -> bool:
         return self.lesson_scheduler.is_finished()
 
-    def add(self, seq: reference.Sequence, stop_token_ids: Collection[int] = ()) -> None:
-        """The lesson's add; a stop set is honoured by ``extensions.postprocess_with_stops`` (OPT-24). The port's
-        refusals first (the lesson takes anything): a sequence added before, ``max_tokens`` below 1, a stop id
-        that is not an int64 integer."""
+    def add(self, seq: reference.Sequence, stop_token_ids: Collection[int] = (), priority: int = 0) -> None:
+        """The lesson's add; a stop set is honoured by ``extensions.postprocess_with_stops`` (OPT-24), a priority
+        handed to the ``priority`` policy's add. The port's refusals first (the lesson takes anything): a
+        sequence added before, ``max_tokens`` below 1, a stop id that is not an int64 integer, a priority that
+        is not an int."""
         if seq.seq_id in self._added:
             raise ValueError(f"sequence {seq.seq_id} was already added to a scheduler")
         strict_int(seq.max_tokens, "max_tokens", 1)
+        strict_int(priority, "priority")
         stops = stop_set(stop_token_ids)
-        self.lesson_scheduler.add(seq)
+        lesson = self.lesson_scheduler
+        if isinstance(lesson, PriorityScheduler):
+            lesson.add(seq, priority)
+        else:
+            lesson.add(seq)
         self._added.add(seq.seq_id)
         if stops:
             self._stops[seq.seq_id] = stops
@@ -121,8 +140,8 @@ class ReferencePort:
         self._step_scheduled = False
         lesson = self.lesson_scheduler
         running_before = list(lesson.running)
-        waiting = lesson.waiting
-        holding = waiting[0] if waiting and waiting[0].block_table else None  # only waiting[0] holds (INV-11)
+        waiting_before = {id(s) for s in lesson.waiting if not s.block_table}  # those a prefill would admit
+
         try:
             batch, is_prefill = lesson.schedule()
         except AssertionError as e:
@@ -131,13 +150,13 @@ class ReferencePort:
             raise EmptyDecodeError("schedule(): nothing fits and nothing is running (the lesson's assert "
                                    "scheduled_seqs)") from None
         self._step_scheduled = True
-        if is_prefill:  # only a decode step preempts; only a prefill step admits
-            admitted = [s for s in batch if s is not holding]
-            hits = sum(s.num_cached_tokens for s in admitted)  # allocate set it to the cached blocks' tokens
-            return ScheduleOutput(batch, True, (), hits, sum(s.num_tokens for s in admitted))
         # The decode loop preempts from the tail of running (itself last), so this is the order it preempted.
-        preempted = tuple(s for s in reversed(running_before) if s.status is WAITING)
-        return ScheduleOutput(batch, False, preempted)
+        # Under every policy only a step without prefill preempts (a mixed step that preempted admits none).
+        preempted = () if is_prefill else tuple(s for s in reversed(running_before) if s.status is WAITING)
+        # Admitted: allocated this step (not the prefill that held its blocks, not a mixed step's decodes).
+        admitted = [s for s in batch if id(s) in waiting_before] if is_prefill else []
+        hits = sum(s.num_cached_tokens for s in admitted)  # allocate set it to the cached blocks' tokens
+        return ScheduleOutput(batch, is_prefill, preempted, hits, sum(s.num_tokens for s in admitted))
 
     def postprocess(self, seqs: list[reference.Sequence], token_ids: list[int],
                     is_prefill: bool) -> list[reference.Sequence]:

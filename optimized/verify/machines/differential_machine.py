@@ -41,6 +41,7 @@ only outside effect is the ``Stats`` it was handed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,7 +140,13 @@ def _state_fields(state: SchedulerState, arrival: dict[int, int]) -> tuple[Any, 
 
 
 class DifferentialMachine(FailureRule):
-    """The same serving loop on both schedulers; every decision and state must be equal (OPT-1)."""
+    """The same serving loop on both schedulers; every decision and state must be equal (OPT-1).
+
+    ``policy`` is the scheduling policy both run (spec/policies.md): a subclass per policy; under ``priority``
+    each request draws a priority, under ``lpm`` each run a patience.
+    """
+
+    policy = "lesson"
 
     def __init__(self, stats: Stats | None = None) -> None:
         super().__init__()
@@ -159,16 +166,20 @@ class DifferentialMachine(FailureRule):
 
     # --- setup and arrivals ----------------------------------------------------------------------
     @initialize(config=configs, admission_rule=st.booleans(), swarm=swarms,
-                prefixes=st.lists(st.lists(TOKENS, max_size=MAX_REQUEST_TOKENS), min_size=1, max_size=3))
+                prefixes=st.lists(st.lists(TOKENS, max_size=MAX_REQUEST_TOKENS), min_size=1, max_size=3),
+                patience=st.integers(0, 4))
     def a_server_starts(self, config: SchedulerConfig, admission_rule: bool, swarm: Swarm,
-                        prefixes: list[list[int]]) -> None:
+                        prefixes: list[list[int]], patience: int) -> None:
         self.stats.rule_applications += 1
+        config = dataclasses.replace(config, policy=self.policy, patience=patience)
         self.config = config
         self.admission_rule = admission_rule
         self.swarm = swarm
         self.prefixes = prefixes
         self.ref = implementation("reference")(config)
-        self.opt = self.opt_core = Scheduler(config)
+        opt = implementation("optimized")(config)
+        assert isinstance(opt, Scheduler)  # every policy's optimized class is the core scheduler's subclass
+        self.opt = self.opt_core = opt
 
     def room(self) -> int:
         """How many requests may still arrive now (MAX_LIVE)."""
@@ -233,8 +244,9 @@ class DifferentialMachine(FailureRule):
         self.opt_arrival[o.seq_id] = index
         self.ref_seqs.append(r)
         self.opt_seqs.append(o)
-        self.ref.add(r, stops)
-        self.opt.add(o, stops)
+        priority = data.draw(st.integers(0, 2), label="priority") if self.policy == "priority" else 0
+        self.ref.add(r, stops, priority)
+        self.opt.add(o, stops, priority)
         self.stats.requests += 1
         self.compare("add")
 
