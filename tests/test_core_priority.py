@@ -17,7 +17,8 @@ import pytest
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from invariants import SchedulerState, Violation, check_batch, seq_view
+from invariants import SchedulerState, Violation, seq_view
+from optimized.cli.conformance import batch_violations
 from optimized.core.config import SchedulerConfig
 from optimized.core.port import SchedulerPort
 from optimized.core.priority_scheduler import PriorityScheduler
@@ -31,8 +32,8 @@ from reference.priority_scheduler import PriorityScheduler as ReferencePriority
 
 
 def reference_policy_state(port: ReferencePort) -> SchedulerState:
-    """The reference's snapshot with its policy's fields, read off the policy's reference: ``priorities`` of the
-    live sequences, ``passes`` of the waiting ones, the patience."""
+    """The adapter's own snapshot with the policy's fields read off the policy's reference itself: ``priorities``
+    of the live sequences, ``passes`` of the waiting ones, the patience."""
     lesson = port.lesson_scheduler
     state = ReferencePort.snapshot(port)
     live = [*lesson.waiting, *lesson.running]
@@ -77,8 +78,7 @@ class PolicyMachine(DifferentialMachine):
 
     def check(self, port: SchedulerPort[Any], batch: list[Any], is_prefill: bool) -> None:
         state = port.snapshot()
-        found = [v for v in check_batch(state, [seq_view(s) for s in batch], is_prefill) if not exempt(state, v)]
-        found += priority_order(state)
+        found = batch_violations(state, [seq_view(s) for s in batch], is_prefill) + priority_order(state)
         self.stats.violations += len(found)
         if found:
             raise Disagreement(f"{'reference' if port is self.ref else 'optimized'}: " + "; ".join(map(str, found)))
@@ -111,12 +111,6 @@ def priority_order(state: SchedulerState) -> list[Violation]:
         if keys != sorted(keys):
             found.append(Violation("POLICY-6", f"{name} {keys} is not in (priority, arrival) order"))
     return found
-
-
-def exempt(state: SchedulerState, violation: Violation) -> bool:
-    """INV-20's "finished prefills end running" is the lesson's placement: under ``priority`` an admitted request
-    goes to its (priority, arrival) place (POLICY-6), which ``priority_order`` checks instead."""
-    return state.policy == "priority" and violation.clause == "INV-20" and "tail of running" in violation.message
 
 
 class PriorityDifferential(PolicyMachine):
