@@ -139,3 +139,42 @@ def test_the_reference_adapter_and_ours_agree_on_the_patience() -> None:
     ref = ReferencePort(config).lesson_scheduler
     assert isinstance(ref, reference.Scheduler) and isinstance(ref, ReferenceLpm) and ref.patience == 5
     assert LpmScheduler(config).patience == 5
+
+
+@pytest.mark.clause("POLICY-8", "POLICY-13")
+def test_the_count_stops_where_a_hash_hit_holds_other_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """POLICY-8: with a chain hash of five values (both sides), a hash hit over other tokens is everywhere; the
+    count still ends where the reference's ends (at the first block whose stored tokens differ), and the
+    decisions stay the reference's."""
+    import random
+
+    import xxhash
+
+    import optimized.core.kv_cache_manager as kvm
+    import reference.block_manager as rbm
+    import reference.lpm_scheduler as rlpm
+
+    real_reference, real_optimized = rbm.compute_hash, xxhash.xxh64_intdigest
+    for module in (rbm, rlpm):
+        monkeypatch.setattr(module, "compute_hash", lambda token_ids, prefix=-1: real_reference(token_ids, prefix) % 5)
+    monkeypatch.setattr(kvm, "xxh64_intdigest", lambda data: real_optimized(data) % 5)
+    compared = collided = 0
+    for seed in range(30):
+        rng = random.Random(seed)
+        t = Twin("lpm", num_blocks=24, max_num_seqs=rng.randint(1, 3), max_num_batched_tokens=rng.choice([4, 8]),
+                 patience=rng.randint(1, 4))
+        for i in range(rng.randint(3, 7)):
+            t.add(f"r{i}", [rng.randint(1, 3) for _ in range(rng.randint(3, 9))], max_tokens=rng.randint(1, 4))
+        while not t.ref.is_finished():
+            ref_counts, opt_counts = counts(t)
+            assert ref_counts == opt_counts
+            assert isinstance(t.opt, LpmScheduler)
+            table = t.opt.block_manager.hash_to_block_id
+            for seq, count in zip(t.opt.waiting, opt_counts, strict=True):
+                leading = 0
+                while leading < seq.num_blocks - 1 and t.opt.block_manager.chain_hash_of(seq, leading) in table:
+                    leading += 1
+                collided += leading > count
+            compared += len(opt_counts)
+            t.step()
+    assert compared > 100 and collided > 10, (compared, collided)

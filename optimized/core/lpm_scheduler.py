@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
+from invariants.block_math import blocks_for
 from invariants.state import SchedulerState
 from optimized.core.config import SchedulerConfig
 from optimized.core.kv_cache_manager import KVCacheManager
@@ -27,10 +28,27 @@ class LpmCacheManager(KVCacheManager):
     """The KV-cache manager, able to count a waiting sequence's cached leading blocks without remembering the walk."""
 
     def cached_prefix_blocks(self, seq: Sequence) -> int:
-        """The hits of ``can_allocate``'s walk now (the last block never), whether or not the rest would fit;
-        the walk remembered for ``can_allocate`` (OPT-15) is left as it is."""
+        """The hits of ``can_allocate``'s walk now (the last block never), whether or not the rest would fit.
+
+        The walk of ``_fresh_walk``, less what only ``allocate`` reads (which hits are held); the walk
+        remembered for ``can_allocate`` (OPT-15) is left as it is.
+        """
         self.flush()
-        return self._fresh_walk(seq).cached
+        last = blocks_for(seq.core.ntok, self.block_size) - 1
+        if last <= 0:
+            return 0
+        self.extend_chain(seq, 1)
+        chain, table = seq.core.hashes, self._table
+        if chain[0] not in table:
+            return 0
+        self.extend_chain(seq, last)
+        found = list(map(table.get, chain[:last]))
+        m = found.index(None) if None in found else last
+        hits: list[int] = found[:m]  # type: ignore[assignment]  # no None before m
+        stored, pieces = list(map(self._contents.get, hits)), seq.core.pieces
+        if stored == pieces[:m]:
+            return m
+        return next(j for j in range(m) if stored[j] != pieces[j])  # equal hashes, other tokens: the walk ends
 
 
 class LpmScheduler(Scheduler):
