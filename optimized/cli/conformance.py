@@ -69,14 +69,28 @@ def batch_violations(state: SchedulerState, batch: list[SeqView], is_prefill: bo
     """The batch clauses (INV-12..20, the lesson's) that the state's policy keeps.
 
     ``lpm`` keeps all of them (it orders ``waiting``, then the lesson's loops decide); ``priority`` all but
-    INV-20's "finished prefills end ``running``": an admitted request goes to its (priority, arrival) place
-    (POLICY-6); ``mixed`` batches are its own (decodes and prefills together, POLICY-2), so none of them.
+    INV-20's "finished prefills end ``running``": an admitted request goes to its (priority, arrival) place,
+    checked instead (POLICY-6); ``mixed`` batches are its own (decodes and prefills together, POLICY-2), so
+    none of them.
     """
     if state.policy == "mixed":
         return []
     found = check_batch(state, batch, is_prefill)
     if state.policy == "priority":
         found = [v for v in found if not (v.clause == "INV-20" and "are not the tail of running" in v.message)]
+        found += priority_order(state)
+    return found
+
+
+def priority_order(state: SchedulerState) -> list[Violation]:
+    """POLICY-6 right after schedule(): ``running``, and ``waiting`` past a front that holds blocks, in (priority,
+    arrival) order."""
+    found = []
+    waiting = state.waiting[1:] if state.waiting and state.waiting[0].block_table else state.waiting
+    for name, queue in (("running", state.running), ("waiting", waiting)):
+        keys = [(state.priorities[s.seq_id], s.seq_id) for s in queue]
+        if keys != sorted(keys):
+            found.append(Violation("POLICY-6", f"{name} {keys} is not in (priority, arrival) order"))
     return found
 
 
