@@ -24,6 +24,8 @@ from optimized.verify.machines import Stats, counting
 from optimized.verify.machines.differential_machine import DifferentialMachine, Disagreement
 from optimized.verify.reference_port import ReferencePort
 
+pytestmark = pytest.mark.clause("POLICY-13", "OPT-1")
+
 
 # --- the batch invariants of a mixed step -------------------------------------------------------------------------
 def mixed_batch_violations(state: SchedulerState, batch: list[SeqView], is_prefill: bool) -> list[Violation]:
@@ -46,6 +48,31 @@ def mixed_batch_violations(state: SchedulerState, batch: list[SeqView], is_prefi
         found.append(Violation("POLICY-3", f"prefills cut short at {cut} of {len(prefills)}, not the last alone "
                                            "with the budget spent"))
     return found
+
+
+@pytest.mark.clause("POLICY-2", "POLICY-3")
+def test_the_mixed_batch_check_passes_a_real_step_and_reports_each_corruption() -> None:
+    """The negative control of ``mixed_batch_violations``: a real mixed step of the reference (two decodes, a whole
+    prefill, one cut short) passes; the flag denied, a chunk cut short before the last, a step over its budget and
+    a decode of two tokens are each reported."""
+    port = ReferencePort(mixed_config(num_blocks=30, block_size=2, max_num_seqs=5, max_num_batched_tokens=8))
+    for prompt in ([1, 2, 3], [4, 5, 6]):
+        port.add(port.new_sequence(prompt, 5))
+    out = port.schedule()
+    port.postprocess(out.batch, [1] * len(out.batch), out.is_prefill)
+    for prompt in ([7, 8], [9] * 9):
+        port.add(port.new_sequence(prompt, 5))
+    out = port.schedule()
+    state, views = port.snapshot(), [seq_view(s) for s in out.batch]
+    assert [(v.is_prefill, v.num_scheduled_tokens) for v in views] == [(False, 1), (False, 1), (True, 2), (True, 4)]
+    assert mixed_batch_violations(state, views, True) == []
+    assert [v.clause for v in mixed_batch_violations(state, views, False)] == ["POLICY-2"]
+    swapped = [views[0], views[1], views[3], views[2]]
+    assert "POLICY-3" in [v.clause for v in mixed_batch_violations(state, swapped, True)]
+    over = dataclasses.replace(state, max_num_batched_tokens=7)
+    assert {"INV-12", "POLICY-3"} <= {v.clause for v in mixed_batch_violations(over, views, True)}
+    two = [dataclasses.replace(views[0], num_scheduled_tokens=2, num_cached_tokens=views[0].num_tokens - 2), *views[1:]]
+    assert "INV-14" in [v.clause for v in mixed_batch_violations(state, two, True)]
 
 
 # --- the differential machine under mixed -------------------------------------------------------------------------
@@ -89,13 +116,12 @@ class MixedDifferential(DifferentialMachine):
         return out
 
 
-TestMixedDifferential = pytest.mark.clause("POLICY-13", "OPT-1")(MixedDifferential.TestCase)
+TestMixedDifferential = MixedDifferential.TestCase  # under the suite's profile (tests/conftest.py)
 
 SEARCH = settings(max_examples=60, stateful_step_count=30, derandomize=True, database=None, deadline=None,
                   phases=[Phase.generate])  # finding is the point; shrinking would only cost time
 
 
-@pytest.mark.clause("POLICY-13")
 def test_the_machine_reaches_mixed_steps_chunks_and_preemptions() -> None:
     """POLICY-13: the machine under ``mixed`` reaches what the policy changes: steps holding decodes and prefills,
     prefills cut short, preemptions, the empty decode. (A cut-short prefill losing its blocks to a decode is rare
@@ -204,7 +230,7 @@ class Twin:
 
 
 # --- the cases where mixed departs from the lesson ----------------------------------------------------------------
-@pytest.mark.clause("POLICY-13", "POLICY-2")
+@pytest.mark.clause("POLICY-2")
 def test_a_prefill_step_decodes_first_with_the_fields_the_model_runner_reads() -> None:
     """POLICY-2: decodes first; inside a prefill batch a decode computes its last token (cached = tokens - 1, one
     scheduled, is_prefill False), a prefill its chunk; the reference's to the block id."""
@@ -247,7 +273,7 @@ def cut_short_case(make: PortFactory) -> None:
     twin.drain()
 
 
-@pytest.mark.clause("POLICY-13", "POLICY-3")
+@pytest.mark.clause("POLICY-3")
 def test_the_prefill_cut_short_loses_its_blocks_first_and_the_step_admits_nothing() -> None:
     """POLICY-3: when a decode finds no free block, the prefill cut short at the front of waiting loses its blocks
     before any running request is preempted, keeps its place, and that step admits no prefill."""
@@ -278,7 +304,7 @@ def preempting_step_case(make: PortFactory) -> None:
     assert short_steps > 0
 
 
-@pytest.mark.clause("POLICY-13", "POLICY-3")
+@pytest.mark.clause("POLICY-3")
 def test_a_step_that_preempted_admits_no_prefill() -> None:
     """POLICY-3: a partly prefilled request sharing prefix blocks with a running one loses its own blocks to a
     decode; it would fit again at once, yet the preempting step admits nothing (tests/test_policy_references.py's
@@ -286,7 +312,7 @@ def test_a_step_that_preempted_admits_no_prefill() -> None:
     preempting_step_case(make_scheduler)
 
 
-@pytest.mark.clause("POLICY-13", "OPT-9")
+@pytest.mark.clause("OPT-9")
 def test_the_empty_decode_raises_where_the_reference_asserts_and_leaves_its_state() -> None:
     """OPT-9 under mixed: a request that outgrows the cache alone preempts itself; the step has nothing to run and
     both raise EmptyDecodeError, leaving it at the front of waiting; the next steps agree too (it is taken in and
@@ -308,7 +334,6 @@ def test_the_empty_decode_raises_where_the_reference_asserts_and_leaves_its_stat
         twin.opt.schedule()
 
 
-@pytest.mark.clause("POLICY-13", "OPT-1")
 def test_a_mixed_step_postprocessed_from_a_copy_of_its_batch_or_with_stop_tokens() -> None:
     """OPT-1: a mixed batch handed back as a copy, and stop tokens drawn by decodes and by a completing prefill in
     the same step, finish and release exactly as the reference."""
@@ -328,7 +353,6 @@ def test_a_mixed_step_postprocessed_from_a_copy_of_its_batch_or_with_stop_tokens
     twin.drain()
 
 
-@pytest.mark.clause("POLICY-13", "OPT-1")
 def test_aborts_between_mixed_steps_and_a_failed_mixed_step() -> None:
     """spec/abort.md under mixed: a running request and the prefill cut short are aborted between steps, then a
     step holding decodes and a chunk fails and is withdrawn (abort_step); every later step still agrees."""
@@ -354,7 +378,6 @@ def test_aborts_between_mixed_steps_and_a_failed_mixed_step() -> None:
     twin.drain()
 
 
-@pytest.mark.clause("POLICY-13")
 def test_the_snapshot_names_the_policy() -> None:
     scheduler = make_scheduler(mixed_config(num_blocks=4, block_size=2))
     assert isinstance(scheduler, MixedScheduler) and scheduler.snapshot().policy == "mixed"
@@ -376,7 +399,6 @@ class PreemptsBeforeDroppingChunks(MixedScheduler):
         return False
 
 
-@pytest.mark.clause("POLICY-13")
 @pytest.mark.parametrize(("mutant", "case"), [(AdmitsAfterPreempting, preempting_step_case),
                                               (PreemptsBeforeDroppingChunks, cut_short_case)])
 def test_the_targeted_cases_tell_each_mutant_apart(mutant: PortFactory, case: Any) -> None:
@@ -386,7 +408,6 @@ def test_the_targeted_cases_tell_each_mutant_apart(mutant: PortFactory, case: An
         case(mutant)
 
 
-@pytest.mark.clause("POLICY-13")
 def test_the_machine_tells_apart_a_step_whose_decodes_do_not_count_against_the_budget(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The negative control of the machine: with the decodes left out of the step's budget (POLICY-2) in the
