@@ -5,11 +5,13 @@ mutants of the policy that these tests tell apart."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from hypothesis import Phase, settings
+from hypothesis import Phase, find, given, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
 from invariants import SchedulerState, SeqView, Violation, seq_view
@@ -84,6 +86,7 @@ class Reach:
     cut_short: int = 0  # prefills cut short by the budget
     chunks_dropped: int = 0  # a prefill cut short that lost its blocks to a decode
     empty_decodes: int = 0
+    preemptions: int = 0  # the lockstep driver's (the machine counts its own in Stats)
 
 
 class MixedDifferential(DifferentialMachine):
@@ -383,6 +386,71 @@ def test_the_snapshot_names_the_policy() -> None:
     assert isinstance(scheduler, MixedScheduler) and scheduler.snapshot().policy == "mixed"
 
 
+# --- many small workloads under cache pressure, in lockstep ---------------------------------------------------------
+Arrivals = list[list[tuple[list[int], int, bool]]]  # per step: (prompt, max_tokens, ignore_eos)
+
+
+@st.composite
+def pressured_workloads(draw: st.DrawFn) -> tuple[SchedulerConfig, Arrivals, list[int]]:
+    """A small cache shared by requests with common prefixes, each fitting it alone (ENG-10), arriving over a few
+    steps: decodes preempt, prefills are cut short and lose their chunks, and prefix hits let a request preempted
+    or dropped fit again at once."""
+    config = mixed_config(num_blocks=draw(st.integers(4, 24)), block_size=draw(st.sampled_from((2, 4))),
+                          max_num_seqs=draw(st.integers(1, 6)), max_num_batched_tokens=draw(st.integers(2, 24)), eos=7)
+    capacity = config.num_blocks * config.block_size
+    prefixes = draw(st.lists(st.lists(st.integers(1, 3), max_size=12), min_size=1, max_size=3))
+    steps: Arrivals = []
+    for _ in range(draw(st.integers(1, 10))):
+        arrivals = []
+        for _ in range(draw(st.integers(0, 3))):
+            prompt = (draw(st.sampled_from(prefixes)) + draw(st.lists(st.integers(1, 4), min_size=1, max_size=10)))
+            prompt = prompt[: capacity - 1]
+            arrivals.append((prompt, draw(st.integers(1, min(16, capacity - len(prompt)))), draw(st.booleans())))
+        steps.append(arrivals)
+    return config, steps, draw(st.lists(st.integers(1, 7), min_size=1, max_size=12))
+
+
+def lockstep(make: PortFactory, workload: tuple[SchedulerConfig, Arrivals, list[int]], reach: Reach) -> None:
+    """The workload through the mixed reference and ``make``'s scheduler, compared after every call."""
+    config, steps, tokens = workload
+    twin = Twin(config, make)
+    draws = itertools.cycle(tokens)
+    for step in itertools.chain(steps, itertools.repeat([], 2000)):
+        for prompt, max_tokens, ignore_eos in step:
+            twin.add(prompt, max_tokens, ignore_eos)
+        if twin.ref.is_finished():
+            if step or any(steps):
+                steps = steps[1:]
+                continue
+            break
+        front = twin.opt.waiting[0] if twin.opt.waiting and twin.opt.waiting[0].block_table else None
+        outs = twin.schedule()
+        assert outs is not None  # every request fits the cache alone: never an empty decode
+        reach.chunks_dropped += front is not None and not front.block_table
+        reach.mixed_steps += outs[1].is_prefill and not outs[1].batch[0].is_prefill
+        reach.preemptions += len(outs[1].preempted)
+        twin.postprocess(outs, [next(draws) for _ in outs[0].batch])
+        steps = steps[1:]
+    assert twin.ref.is_finished() and twin.opt.is_finished()
+
+
+PRESSURE = settings(max_examples=150, deadline=None, derandomize=True, database=None)
+
+
+def test_workloads_under_cache_pressure_decide_as_the_reference() -> None:
+    """OPT-1 under mixed, where the machine's draws rarely go: every decision of every step is the reference's,
+    over workloads that reach mixed steps, preemptions and cut-short prefills losing their chunks (counted)."""
+    reach = Reach()
+
+    @PRESSURE
+    @given(pressured_workloads())
+    def agree(workload: tuple[SchedulerConfig, Arrivals, list[int]]) -> None:
+        lockstep(make_scheduler, workload, reach)
+
+    agree()
+    assert reach.mixed_steps > 100 and reach.preemptions > 0 and reach.chunks_dropped > 0, reach
+
+
 # --- negative controls: mutants of the policy ---------------------------------------------------------------------
 class AdmitsAfterPreempting(MixedScheduler):
     """The mutant: a step whose decodes found no free block still admits prefills."""
@@ -406,6 +474,20 @@ def test_the_targeted_cases_tell_each_mutant_apart(mutant: PortFactory, case: An
     admitting after the drop changes nothing: the blocks the drop frees are the ones the prefill needs again.)"""
     with pytest.raises(AssertionError):
         case(mutant)
+
+
+@pytest.mark.parametrize("mutant", [AdmitsAfterPreempting, PreemptsBeforeDroppingChunks])
+def test_the_workloads_under_pressure_find_each_mutant(mutant: PortFactory) -> None:
+    """The negative control of the lockstep search: a workload it draws tells each mutant from the reference."""
+
+    def disagrees(workload: tuple[SchedulerConfig, Arrivals, list[int]]) -> bool:
+        try:
+            lockstep(mutant, workload, Reach())
+        except AssertionError:
+            return True
+        return False
+
+    find(pressured_workloads(), disagrees, settings=settings(PRESSURE, max_examples=1000, phases=[Phase.generate]))
 
 
 def test_the_machine_tells_apart_a_step_whose_decodes_do_not_count_against_the_budget(

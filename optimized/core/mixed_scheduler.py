@@ -39,10 +39,10 @@ class MixedScheduler(Scheduler):
             group.dissolve()
         preempted, short_of_blocks = self._decode_members()
         decodes = group.members[:]
-        if short_of_blocks or not self._waiting:
+        if short_of_blocks or not self._waiting:  # POLICY-3: a step that preempted admits no prefill
             prefills: list[Sequence] = []
             hit_blocks = query_tokens = 0
-        else:  # POLICY-3: a step that preempted admits no prefill
+        else:
             prefills, hit_blocks, query_tokens = self._prefill_chunks(
                 self.max_num_batched_tokens - len(decodes), self.max_num_seqs - len(decodes))
         if not decodes and not prefills:
