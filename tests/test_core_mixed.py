@@ -22,9 +22,11 @@ from optimized.core.mixed_scheduler import MixedScheduler
 from optimized.core.policies import make_scheduler
 from optimized.core.port import PortFactory, ScheduleOutput, SchedulerPort
 from optimized.core.sequence import Sequence
+from optimized.verify.conformance import Workload, implementation, parse_workload, replay
 from optimized.verify.machines import Stats, counting
 from optimized.verify.machines.differential_machine import DifferentialMachine, Disagreement
 from optimized.verify.reference_port import ReferencePort
+from tests.optimized_pair import SAMPLES
 
 pytestmark = pytest.mark.clause("POLICY-13", "OPT-1")
 
@@ -384,6 +386,27 @@ def test_aborts_between_mixed_steps_and_a_failed_mixed_step() -> None:
 def test_the_snapshot_names_the_policy() -> None:
     scheduler = make_scheduler(mixed_config(num_blocks=4, block_size=2))
     assert isinstance(scheduler, MixedScheduler) and scheduler.snapshot().policy == "mixed"
+
+
+def test_every_conformance_workload_replays_identically_under_mixed() -> None:
+    """The shipped conformance workloads (the lesson's samples) with the policy set to mixed: the optimized replay's
+    trace is the reference's, record for record (an empty decode included), and every step of both keeps the
+    mixed batch clauses; some of their steps are mixed."""
+    mixed_steps = 0
+
+    def checked(port: SchedulerPort[Any], batch: list[Any], is_prefill: bool) -> None:
+        nonlocal mixed_steps
+        assert mixed_batch_violations(port.snapshot(), [seq_view(s) for s in batch], is_prefill) == []
+        mixed_steps += is_prefill and not batch[0].is_prefill
+
+    empty = 0
+    for sample in SAMPLES:
+        workload = parse_workload(sample["workload"])
+        workload = Workload({**workload.config, "policy": "mixed"}, workload.requests)
+        trace = replay(workload, implementation("reference"), on_schedule=checked)
+        assert replay(workload, implementation("optimized"), on_schedule=checked) == trace
+        empty += trace[-1].get("error") == "empty decode"
+    assert mixed_steps > 0 and empty > 0, (mixed_steps, empty)
 
 
 # --- many small workloads under cache pressure, in lockstep ---------------------------------------------------------
