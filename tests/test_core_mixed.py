@@ -95,7 +95,7 @@ class MixedDifferential(DifferentialMachine):
     """OPT-1 under ``mixed``: every decision of the optimized policy is its reference's (POLICY-13)."""
 
     policy = "mixed"
-    reach = Reach()  # a test that counts gives its subclass its own
+    reach: Reach | None = None  # a test that counts gives its subclass one; the machine itself touches nothing
 
     def check(self, port: SchedulerPort[Any], batch: list[Any], is_prefill: bool) -> None:
         found = mixed_batch_violations(port.snapshot(), [seq_view(s) for s in batch], is_prefill)
@@ -109,6 +109,8 @@ class MixedDifferential(DifferentialMachine):
         front = self.ref.waiting[0] if self.ref.waiting and self.ref.waiting[0].block_table else None
         out = super().schedule_both()
         reach = self.reach
+        if reach is None:
+            return out
         if front is not None and not front.block_table and any(s is front for s in self.ref.waiting):
             reach.chunks_dropped += 1
         if out is None:
