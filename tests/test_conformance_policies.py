@@ -71,8 +71,6 @@ def replay_checked(sample: dict[str, Any], factory: PortFactory) -> tuple[list[d
 def test_each_sample_replays_to_its_trace(index: int, impl: str) -> None:
     """POLICY-14: the recorded trace, to the last block id, on both implementations; no violation on the way."""
     sample = SAMPLES[index]
-    if impl == "optimized" and policy_of(sample) == "mixed":
-        pytest.importorskip("optimized.core.mixed_scheduler", reason="the mixed policy's optimized class is not here")
     trace, violations = replay_checked(sample, implementation(impl))
     assert trace == sample["trace"]
     assert violations == []

@@ -124,7 +124,6 @@ POLICY_LINE = r"{name}: 15/15 traces identical to the {policy} reference's, \d+ 
 def test_conformance_command_summarises_both_implementations(capsys: pytest.CaptureFixture[str]) -> None:
     """CONF-7, POLICY-14: both implementations reproduce all 80 lesson samples and every policy's 15 with no
     violation, and the command says so, a line per implementation and policy."""
-    pytest.importorskip("optimized.core.mixed_scheduler", reason="the mixed policy's optimized class is not here yet")
     assert main(["conformance"]) == 0
     out = capsys.readouterr().out
     for name in ("reference", "optimized"):
