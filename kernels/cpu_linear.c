@@ -22,6 +22,7 @@ of rows and panels, each computed by one thread, never along K.
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -72,6 +73,9 @@ static int64_t nvl_team(int64_t threads, int64_t units, int64_t M, int64_t N, in
     return team;
 }
 
+/* 1.5 * 2^23: x + NVL_MAGIC rounds x to an integer n (to nearest, ties to even), held in the low bits. */
+#define NVL_MAGIC 12582912.0f
+
 /* One panel row is 64 bytes: 16 floats or 8 doubles, one vector of each type below. Tiles: R rows by NVL_WIDE(R)
    panels, as many accumulators as the path's registers hold (AVX-512: 32 registers; AVX2: 16, a vector taking 2). */
 #define NVL_PW32 16
@@ -93,6 +97,20 @@ NVL_INLINE nvl_v32 nvl_broadcast32(const float *p) { return _mm512_set1_ps(*p); 
 NVL_INLINE nvl_v32 nvl_fma32(nvl_v32 a, nvl_v32 b, nvl_v32 c) { return _mm512_fmadd_ps(a, b, c); }
 NVL_INLINE nvl_v32 nvl_add32(nvl_v32 a, nvl_v32 b) { return _mm512_add_ps(a, b); }
 NVL_INLINE void nvl_store32(float *p, nvl_v32 v) { _mm512_storeu_ps(p, v); }
+NVL_INLINE nvl_v32 nvl_set32(float c) { return _mm512_set1_ps(c); }
+NVL_INLINE nvl_v32 nvl_mul32(nvl_v32 a, nvl_v32 b) { return _mm512_mul_ps(a, b); }
+NVL_INLINE nvl_v32 nvl_div32(nvl_v32 a, nvl_v32 b) { return _mm512_div_ps(a, b); }
+NVL_INLINE nvl_v32 nvl_clamp32(nvl_v32 a, float lo, float hi) { /* NaN to lo (a NaN gate stays NaN: see silu) */
+    return _mm512_min_ps(_mm512_max_ps(a, _mm512_set1_ps(lo)), _mm512_set1_ps(hi));
+}
+NVL_INLINE nvl_v32 nvl_above_inf32(nvl_v32 a, float bound, nvl_v32 v) { /* inf where a > bound, else v */
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(bound), _CMP_GT_OQ), v,
+                                _mm512_set1_ps(INFINITY));
+}
+NVL_INLINE nvl_v32 nvl_pow2_32(nvl_v32 n) { /* 2^n for integral n in [-126, 127], n held as magic + n */
+    const __m512i bits = _mm512_sub_epi32(_mm512_castps_si512(n), _mm512_castps_si512(_mm512_set1_ps(NVL_MAGIC)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(127)), 23));
+}
 typedef __m512d nvl_v64;
 NVL_INLINE nvl_v64 nvl_zero64(void) { return _mm512_setzero_pd(); }
 NVL_INLINE nvl_v64 nvl_load64(const double *p) { return _mm512_loadu_pd(p); }
@@ -127,6 +145,30 @@ NVL_INLINE void nvl_store32(float *p, nvl_v32 v) {
     _mm256_storeu_ps(p, v.lo);
     _mm256_storeu_ps(p + 8, v.hi);
 }
+NVL_INLINE nvl_v32 nvl_set32(float c) { return (nvl_v32){_mm256_set1_ps(c), _mm256_set1_ps(c)}; }
+NVL_INLINE nvl_v32 nvl_mul32(nvl_v32 a, nvl_v32 b) {
+    return (nvl_v32){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+}
+NVL_INLINE nvl_v32 nvl_div32(nvl_v32 a, nvl_v32 b) {
+    return (nvl_v32){_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)};
+}
+NVL_INLINE __m256 nvl_clamp8(__m256 a, float lo, float hi) {
+    return _mm256_min_ps(_mm256_max_ps(a, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+}
+NVL_INLINE nvl_v32 nvl_clamp32(nvl_v32 a, float lo, float hi) {
+    return (nvl_v32){nvl_clamp8(a.lo, lo, hi), nvl_clamp8(a.hi, lo, hi)};
+}
+NVL_INLINE __m256 nvl_above_inf8(__m256 a, float bound, __m256 v) {
+    return _mm256_blendv_ps(v, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(a, _mm256_set1_ps(bound), _CMP_GT_OQ));
+}
+NVL_INLINE nvl_v32 nvl_above_inf32(nvl_v32 a, float bound, nvl_v32 v) {
+    return (nvl_v32){nvl_above_inf8(a.lo, bound, v.lo), nvl_above_inf8(a.hi, bound, v.hi)};
+}
+NVL_INLINE __m256 nvl_pow2_8(__m256 n) {
+    const __m256i bits = _mm256_sub_epi32(_mm256_castps_si256(n), _mm256_castps_si256(_mm256_set1_ps(NVL_MAGIC)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(127)), 23));
+}
+NVL_INLINE nvl_v32 nvl_pow2_32(nvl_v32 n) { return (nvl_v32){nvl_pow2_8(n.lo), nvl_pow2_8(n.hi)}; }
 typedef struct {
     __m256d lo, hi; /* columns 0..3, 4..7 of a panel */
 } nvl_v64;
@@ -178,6 +220,39 @@ NVL_INLINE nvl_v32 nvl_add32(nvl_v32 a, nvl_v32 b) {
 }
 NVL_INLINE void nvl_store32(float *p, nvl_v32 v) {
     for (int j = 0; j < NVL_PW32; j++) p[j] = v.l[j];
+}
+NVL_INLINE nvl_v32 nvl_set32(float c) { return nvl_broadcast32(&c); }
+NVL_INLINE nvl_v32 nvl_mul32(nvl_v32 a, nvl_v32 b) {
+    for (int j = 0; j < NVL_PW32; j++) a.l[j] = a.l[j] * b.l[j];
+    return a;
+}
+NVL_INLINE nvl_v32 nvl_div32(nvl_v32 a, nvl_v32 b) {
+    for (int j = 0; j < NVL_PW32; j++) a.l[j] = a.l[j] / b.l[j];
+    return a;
+}
+NVL_INLINE nvl_v32 nvl_clamp32(nvl_v32 a, float lo, float hi) { /* as maxps / minps: NaN to lo */
+    for (int j = 0; j < NVL_PW32; j++) {
+        const float m = a.l[j] > lo ? a.l[j] : lo;
+        a.l[j] = m < hi ? m : hi;
+    }
+    return a;
+}
+NVL_INLINE nvl_v32 nvl_above_inf32(nvl_v32 a, float bound, nvl_v32 v) {
+    for (int j = 0; j < NVL_PW32; j++)
+        if (a.l[j] > bound) v.l[j] = INFINITY;
+    return v;
+}
+NVL_INLINE nvl_v32 nvl_pow2_32(nvl_v32 n) {
+    const float magic = NVL_MAGIC;
+    uint32_t m;
+    memcpy(&m, &magic, 4);
+    for (int j = 0; j < NVL_PW32; j++) {
+        uint32_t b;
+        memcpy(&b, &n.l[j], 4);
+        b = ((b - m) + 127u) << 23;
+        memcpy(&n.l[j], &b, 4);
+    }
+    return n;
 }
 typedef struct {
     double l[NVL_PW64];
@@ -244,3 +319,55 @@ NVL_INLINE void nvl_store64(double *p, nvl_v64 v) {
 #define nvt_store nvl_store64
 #define nvl64_linear nv_linear_f64
 #include "cpu_linear_tile.h"
+
+/* The MLP's activation in the batch-invariant mode (spec/batch-invariance.md BI-8): out[m][i] = g / (1 + e^-g) * u for
+g = gu[m][i], u = gu[m][I + i]. Every element, wherever it sits, goes through the same vector code (the last
+elements of a row through a zero-padded copy), whose every step is one IEEE operation rounded to nearest, so the
+three paths give the same bits and a row's bits do not depend on its batch or on the thread count (torch's F.silu
+computes the elements past a thread's last whole vector with another exp). e^t is Cephes' expf (within 2 units in
+the last place of the correctly rounded SiLU, as torch's exp): t clamped to [-87, 88.37], n = round(t / ln 2),
+r = t - n ln 2 in two fused steps, a degree-7 polynomial, times 2^n; below -87, 1 + e^t is 1 all the same; above
+88.37, e^t is taken as inf (it is finite up to 88.72, so g in [-88.72, -88.37) gives -0, not about -3e-37). */
+NVL_INLINE nvl_v32 nvl_silu_mul(nvl_v32 g, nvl_v32 u) {
+    const nvl_v32 t = nvl_clamp32(nvl_mul32(g, nvl_set32(-1.0f)), -87.0f, 88.37f);
+    const nvl_v32 n = nvl_add32(nvl_mul32(t, nvl_set32(1.44269504088896341f)), nvl_set32(NVL_MAGIC));
+    const nvl_v32 nf = nvl_add32(n, nvl_set32(-NVL_MAGIC));
+    nvl_v32 r = nvl_fma32(nf, nvl_set32(-0.693359375f), t);
+    r = nvl_fma32(nf, nvl_set32(2.12194440e-4f), r);
+    nvl_v32 p = nvl_set32(1.9875691500e-4f);
+    p = nvl_fma32(p, r, nvl_set32(1.3981999507e-3f));
+    p = nvl_fma32(p, r, nvl_set32(8.3334519073e-3f));
+    p = nvl_fma32(p, r, nvl_set32(4.1665795894e-2f));
+    p = nvl_fma32(p, r, nvl_set32(1.6666665459e-1f));
+    p = nvl_fma32(p, r, nvl_set32(5.0000001201e-1f));
+    p = nvl_fma32(p, nvl_mul32(r, r), r);
+    p = nvl_add32(p, nvl_set32(1.0f));
+    const nvl_v32 e = nvl_above_inf32(nvl_mul32(g, nvl_set32(-1.0f)), 88.37f, nvl_mul32(p, nvl_pow2_32(n)));
+    return nvl_mul32(nvl_div32(g, nvl_add32(nvl_set32(1.0f), e)), u);
+}
+
+#define NVL_ACT_WORK (1 << 18) /* elements a thread gets at least */
+
+void nv_silu_mul_f32(const float *gu, int64_t ldgu, float *out, int64_t ldo, int64_t M, int64_t I, int64_t threads) {
+    if (M <= 0 || I <= 0) return;
+    int64_t team = threads < 1 ? 1 : threads < M ? threads : M;
+    if (team > M * I / NVL_ACT_WORK) team = M * I / NVL_ACT_WORK < 1 ? 1 : M * I / NVL_ACT_WORK;
+    const nvl_fpenv env = nvl_fpenv_get();
+#pragma omp parallel for num_threads((int)team) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const nvl_fpenv own = nvl_fpenv_get();
+        nvl_fpenv_set(env);
+        const float *g = gu + m * ldgu, *u = g + I;
+        float *o = out + m * ldo;
+        int64_t i = 0;
+        for (; i + NVL_PW32 <= I; i += NVL_PW32) nvl_store32(o + i, nvl_silu_mul(nvl_load32(g + i), nvl_load32(u + i)));
+        if (i < I) {
+            float gt[NVL_PW32] = {0}, ut[NVL_PW32] = {0}, ot[NVL_PW32];
+            memcpy(gt, g + i, (size_t)(I - i) * sizeof(float));
+            memcpy(ut, u + i, (size_t)(I - i) * sizeof(float));
+            nvl_store32(ot, nvl_silu_mul(nvl_load32(gt), nvl_load32(ut)));
+            memcpy(o + i, ot, (size_t)(I - i) * sizeof(float));
+        }
+        nvl_fpenv_set(own);
+    }
+}

@@ -35,6 +35,7 @@ __all__ = [
     "fixed_order_linear",
     "float64_linear",
     "invariant_linear",
+    "invariant_silu_mul",
     "linear_refusal",
     "pack",
     "pairwise_sum",
@@ -213,6 +214,30 @@ class BoundLinear:
         self._call(rows.data_ptr(), rows.stride(0), self._w, self._b, y.data_ptr(), n, m, n, k, self.chunks,
                    torch.get_num_threads())  # fmt: skip
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+
+
+@functools.cache
+def _silu_mul_kernel() -> Callable[..., None]:
+    fn = load_library().nv_silu_mul_f32
+    fn.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64]
+    fn.restype = None
+    call: Callable[..., None] = fn
+    return call
+
+
+def invariant_silu_mul(gate_up: torch.Tensor, width: int) -> torch.Tensor:
+    """``g / (1 + exp(-g)) * u`` for ``g, u = gate_up[..., :width], gate_up[..., width:]`` (the MLP's activation in
+    the batch-invariant mode, BI-8), float32 on the CPU, compiled only: every element goes through the same vector
+    code (``cpu_linear.c``'s ``nv_silu_mul_f32``, with Cephes' ``expf``), so a row's bits are its own at any batch
+    and thread count. Bad tensors are a ValueError naming ``gate_up``."""
+    if gate_up.dtype != torch.float32 or not gate_up.is_cpu or gate_up.dim() < 1 or gate_up.shape[-1] != 2 * width:
+        raise ValueError(f"gate_up {gate_up.dtype} {tuple(gate_up.shape)} on {gate_up.device} is not [*, 2 * {width}] "
+                         "float32 on the CPU")  # fmt: skip
+    rows = _unit_stride_rows(gate_up)
+    out = torch.empty(rows.shape[0], width, dtype=torch.float32)
+    _silu_mul_kernel()(rows.data_ptr(), rows.stride(0), out.data_ptr(), width, rows.shape[0], width,
+                       torch.get_num_threads())  # fmt: skip
+    return out.reshape(*gate_up.shape[:-1], width)
 
 
 def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

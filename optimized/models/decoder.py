@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.backend import AttentionBackend, DecodePlan
-from kernels.linear import BoundLinear
+from kernels.linear import BoundLinear, invariant_silu_mul
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.rotary import rotary_rows, rotate
 from optimized.models.config import ModelConfig
@@ -230,9 +230,17 @@ class MLP(nn.Module):
         self.batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        """``down(silu(gate) * up)``; in the batch-invariant mode SiLU is ``g / (1 + exp(-g))`` (BI-8), in float32
+        the C kernel's, fused with ``* up``."""
+        gate_up = self.gate_up_proj(x)
+        if self.batch_invariant and gate_up.dtype == torch.float32:
+            return self._down(invariant_silu_mul(gate_up, self.intermediate_size))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         act = gate / (1 + torch.exp(-gate)) if self.batch_invariant else F.silu(gate)
-        out: torch.Tensor = self.down_proj(act * up)
+        return self._down(act * up)
+
+    def _down(self, h: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(h)
         return out
 
 

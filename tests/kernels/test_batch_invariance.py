@@ -185,6 +185,75 @@ def test_every_instruction_set_path_gives_the_same_bits(
             assert torch.equal(linear.compiled_linear(*case, kernel=kernel), want), (path, case[0].shape)
 
 
+def silu_mul_of(library: ctypes.CDLL) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """``nv_silu_mul_f32`` of a build, called as ``linear.invariant_silu_mul`` calls it."""
+    fn = library.nv_silu_mul_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_int64]  # fmt: skip
+
+    def call(gu: torch.Tensor, width: int) -> torch.Tensor:
+        out = torch.empty(gu.shape[0], width)
+        fn(gu.data_ptr(), gu.stride(0), out.data_ptr(), width, gu.shape[0], width, 1)
+        return out
+
+    return call
+
+
+def silu_inputs() -> torch.Tensor:
+    """Gates over SiLU's whole range (every regime of the kernel's exp, its clamps, signed zeros, inf and NaN)."""
+    g = torch.cat([torch.linspace(-120, 120, 40001), torch.randn(4000) * 4,
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.37, -88.37, -88.4, 87.0, -87.0, torch.inf, -torch.inf,
+                                 torch.nan])])  # fmt: skip
+    return g
+
+
+@pytest.mark.clause("BI-8")
+def test_every_instruction_set_path_gives_the_same_silu_bits(linear_paths: dict[str, ctypes.CDLL]) -> None:
+    """BI-8: the mode's SiLU times up, built for AVX2 and for no vector extension at all, gives the very bits of this
+    machine's build (NaN's too), on rows whose width is and is not a multiple of the vector (the tail's padded
+    copy)."""
+    g = silu_inputs()
+    for width in (g.numel(), 129, 16, 3):
+        gu = torch.cat([g[:width], torch.randn(width)]).view(1, -1).repeat(2, 1)
+        want = linear.invariant_silu_mul(gu, width)
+        for path, library in linear_paths.items():
+            assert torch.equal(silu_mul_of(library)(gu, width).view(torch.int32), want.view(torch.int32)), (path, width)
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many float32 values lie between a and b (their ordered bit patterns' distance)."""
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        i = t.view(torch.int32).long()
+        return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+@pytest.mark.clause("BI-8")
+def test_the_invariant_silu_is_as_accurate_as_torchs() -> None:
+    """BI-8: the C SiLU (Cephes' expf) is within 2 units in the last place of the correctly rounded g / (1 + e^-g)
+    wherever that is above 1e-30 in size, as torch's own forms are; 0, +-inf and NaN give what torch's form gives,
+    and the product with up is one more rounding. A gate_up that does not fit is a ValueError naming it."""
+    g = silu_inputs()
+    up = torch.randn(g.numel())
+    mine = linear.invariant_silu_mul(torch.cat([g, torch.ones_like(g)]).view(1, -1), g.numel())[0]
+    exact = (g.double() / (1 + torch.exp(-g.double()))).float()
+    torch_form = g / (1 + torch.exp(-g))
+    sized = exact.abs() > 1e-30
+    assert int(ulps_apart(mine[sized], exact[sized]).max()) <= 2
+    assert int(ulps_apart(torch_form[sized], exact[sized]).max()) <= 2
+    special = ~torch.isfinite(g) | (g == 0)
+    assert torch.equal(mine[special].nan_to_num(7.0), torch_form[special].nan_to_num(7.0))
+    assert torch.equal(torch.copysign(torch.ones(int(special.sum())), mine[special]),
+                       torch.copysign(torch.ones(int(special.sum())), torch_form[special]))  # fmt: skip
+    times_up = linear.invariant_silu_mul(torch.cat([g, up]).view(1, -1), g.numel())[0]
+    assert torch.equal(times_up.view(torch.int32), (mine * up).view(torch.int32))
+    with pytest.raises(ValueError, match=r"gate_up torch\.float64"):
+        linear.invariant_silu_mul(torch.zeros(2, 8, dtype=torch.float64), 4)
+    with pytest.raises(ValueError, match=r"gate_up .* \(2, 7\) .* is not \[\*, 2 \* 4\]"):
+        linear.invariant_silu_mul(torch.zeros(2, 7), 4)
+
+
 @pytest.mark.clause("BI-3")
 @pytest.mark.parametrize("model", sorted(linear.MODEL_SHAPES))
 def test_error_against_float64_is_within_twice_mkls(model: str) -> None:
