@@ -41,7 +41,7 @@ of rows and panels, each computed by one thread, never along K.
 /* A pairwise tree kept as a binary counter of this many levels: at most 2^NVL_LEVELS - 1 parts (chunks, or blocks
    of a chunk: K up to 2^20 at NVL_BLOCK 16). */
 #define NVL_LEVELS 16
-/* A unit of work: this many rows by this many panels, computed by one thread. */
+/* A unit of work: up to this many rows by this many panels (a multiple of every tile width), computed by one thread. */
 #define NVL_ROW_BLOCK 64
 #define NVL_UNIT_PANELS 24
 /* Each thread of a team gets at least this many multiply-adds (the call runs on one thread below twice this): waking
@@ -76,8 +76,9 @@ static int64_t nvl_team(int64_t threads, int64_t units, int64_t M, int64_t N, in
 /* 1.5 * 2^23: x + NVL_MAGIC rounds x to an integer n (to nearest, ties to even), held in the low bits. */
 #define NVL_MAGIC 12582912.0f
 
-/* One panel row is 64 bytes: 16 floats or 8 doubles, one vector of each type below. Tiles: R rows by NVL_WIDE(R)
-   panels, as many accumulators as the path's registers hold (AVX-512: 32 registers; AVX2: 16, a vector taking 2). */
+/* One panel row is 64 bytes: 16 floats or 8 doubles, one vector of each type below. Tiles: R rows by up to
+   NVL_WIDE(R) panels, as many accumulators as the path's registers hold (AVX-512: 32 registers; AVX2: 16, a vector
+   taking 2); NVL_TILES lists every shape, each compiled on its own. */
 #define NVL_PW32 16
 #define NVL_PW64 8
 
@@ -88,8 +89,10 @@ const char *nv_linear_path(void) { return "avx512"; }
 #define NVL_MAX_ACC 24
 #define NVL_WIDE(R) ((R) <= 2 ? 8 : (R) == 3 ? 6 : (R) <= 6 ? 4 : 3)
 #define NVL_TILES(X)                                                                                                  \
-    X(1, 8) X(2, 8) X(3, 6) X(4, 4) X(5, 4) X(6, 4) X(7, 3) X(8, 3)                                                   \
-    X(1, 1) X(2, 1) X(3, 1) X(4, 1) X(5, 1) X(6, 1) X(7, 1) X(8, 1)
+    X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(1, 5) X(1, 6) X(1, 7) X(1, 8) X(2, 1) X(2, 2) X(2, 3) X(2, 4)                   \
+    X(2, 5) X(2, 6) X(2, 7) X(2, 8) X(3, 1) X(3, 2) X(3, 3) X(3, 4) X(3, 5) X(3, 6) X(4, 1) X(4, 2)                   \
+    X(4, 3) X(4, 4) X(5, 1) X(5, 2) X(5, 3) X(5, 4) X(6, 1) X(6, 2) X(6, 3) X(6, 4) X(7, 1) X(7, 2)                   \
+    X(7, 3) X(8, 1) X(8, 2) X(8, 3)
 typedef __m512 nvl_v32;
 NVL_INLINE nvl_v32 nvl_zero32(void) { return _mm512_setzero_ps(); }
 NVL_INLINE nvl_v32 nvl_load32(const float *p) { return _mm512_loadu_ps(p); }
@@ -125,7 +128,7 @@ const char *nv_linear_path(void) { return "avx2"; }
 #define NVL_MAX_ROWS 6
 #define NVL_MAX_ACC 6
 #define NVL_WIDE(R) ((R) <= 1 ? 3 : (R) <= 3 ? 2 : 1)
-#define NVL_TILES(X) X(1, 3) X(2, 2) X(3, 2) X(4, 1) X(5, 1) X(6, 1) X(1, 1) X(2, 1) X(3, 1)
+#define NVL_TILES(X) X(1, 1) X(1, 2) X(1, 3) X(2, 1) X(2, 2) X(3, 1) X(3, 2) X(4, 1) X(5, 1) X(6, 1)
 typedef struct {
     __m256 lo, hi; /* columns 0..7, 8..15 of a panel */
 } nvl_v32;
@@ -195,7 +198,7 @@ const char *nv_linear_path(void) { return "portable"; }
 #define NVL_MAX_ROWS 4
 #define NVL_MAX_ACC 4
 #define NVL_WIDE(R) ((R) <= 2 ? 2 : 1)
-#define NVL_TILES(X) X(1, 2) X(2, 2) X(3, 1) X(4, 1) X(1, 1) X(2, 1)
+#define NVL_TILES(X) X(1, 1) X(1, 2) X(2, 1) X(2, 2) X(3, 1) X(4, 1)
 typedef struct {
     float l[NVL_PW32];
 } nvl_v32;

@@ -94,12 +94,15 @@ NVL_INLINE void NVT_NAME(tile_out)(const NVT_T *x, int64_t ldx, const NVT_T *wp,
 NVL_TILES(NVT_TILE_FN)
 #undef NVT_TILE_FN
 
-/* Rows [m, m + r) over panels [p0, p1): tiles of NVL_WIDE(r) panels, the rest one panel at a time. */
+/* Rows [m, m + r) over panels [p0, p1): tiles of NVL_WIDE(r) panels; the last 1 to 2 * NVL_WIDE(r) - 1 in one or
+   two tiles of about half that, never a single-panel tile after wide ones (its one vector a k would keep each
+   broadcast of x for one multiply-add). */
 static void NVT_NAME(rows)(const NVT_T *x, int64_t ldx, const NVT_T *wp, const NVT_T *bias, NVT_T *y, int64_t ldy,
                            int64_t N, int64_t K, int64_t chunks, int64_t m, int64_t p0, int64_t p1, int r) {
-    const int wide = NVL_WIDE(r);
+    const int64_t wide = NVL_WIDE(r);
     for (int64_t p = p0; p < p1;) {
-        const int v = p + wide <= p1 ? wide : 1;
+        const int64_t left = p1 - p;
+        const int v = (int)(left >= 2 * wide || left == wide ? wide : left > wide ? (left + 1) / 2 : left);
         switch (r * 16 + v) {
 #define NVT_TILE_CASE(R, V)                                                                                           \
     case (R) * 16 + (V):                                                                                              \
@@ -116,32 +119,43 @@ static void NVT_NAME(rows)(const NVT_T *x, int64_t ldx, const NVT_T *wp, const N
 
 /* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N] when bias is not NULL) on up to `threads` threads, with w packed in
    panels (wp[p][k][j] = w[p * NVT_PW + j][k], columns past N zero) and K cut into `chunks` equal chunks (1 to
-   2^NVL_LEVELS - 1, dividing K >= 1). Units of NVL_ROW_BLOCK rows by NVL_UNIT_PANELS panels, one thread each. */
+   2^NVL_LEVELS - 1, dividing K >= 1). Units of up to NVL_ROW_BLOCK rows (fewer when that gives each thread of the
+   team rows of its own) by NVL_UNIT_PANELS panels, row block after row block, one thread each, so a layer of few
+   panels splits as evenly as a wide one; a unit's tiles of rows re-read its panels from L2. */
 void NVT_NAME(linear)(const NVT_T *x, int64_t ldx, const NVT_T *wp, const NVT_T *bias, NVT_T *y, int64_t ldy,
                       int64_t M, int64_t N, int64_t K, int64_t chunks, int64_t threads) {
     if (M <= 0 || N <= 0 || K <= 0 || chunks < 1 || K % chunks || chunks >= (1 << NVL_LEVELS) ||
         K / chunks > (int64_t)NVL_BLOCK * ((1 << NVL_LEVELS) - 1))
         return; /* refused by the caller (kernels/linear.py) first */
     const int64_t panels = (N + NVT_PW - 1) / NVT_PW;
-    const int64_t row_blocks = (M + NVL_ROW_BLOCK - 1) / NVL_ROW_BLOCK;
-    const int64_t units = row_blocks * ((panels + NVL_UNIT_PANELS - 1) / NVL_UNIT_PANELS);
-    const int64_t team = nvl_team(threads, units, M, N, K);
+    const int64_t panel_blocks = (panels + NVL_UNIT_PANELS - 1) / NVL_UNIT_PANELS;
+    const int64_t wanted = nvl_team(threads, threads, M, N, K);
+    int64_t rows = ((M + wanted - 1) / wanted + NVL_MAX_ROWS - 1) / NVL_MAX_ROWS * NVL_MAX_ROWS;
+    if (rows > NVL_ROW_BLOCK) rows = NVL_ROW_BLOCK;
+    const int64_t units = (M + rows - 1) / rows * panel_blocks;
+    const int64_t team = wanted < units ? wanted : units;
+#define NVT_UNIT(u)                                                                                                   \
+    do {                                                                                                              \
+        const int64_t m0 = (u) / panel_blocks * rows, p0 = (u) % panel_blocks * NVL_UNIT_PANELS;                      \
+        const int64_t p1 = p0 + NVL_UNIT_PANELS < panels ? p0 + NVL_UNIT_PANELS : panels;                             \
+        const int64_t m1 = m0 + rows < M ? m0 + rows : M;                                                             \
+        for (int64_t m = m0; m < m1; m += NVL_MAX_ROWS) {                                                             \
+            const int r = m1 - m < NVL_MAX_ROWS ? (int)(m1 - m) : NVL_MAX_ROWS;                                       \
+            NVT_NAME(rows)(x, ldx, wp, bias, y, ldy, N, K, chunks, m, p0, p1, r);                                     \
+        }                                                                                                             \
+    } while (0)
+    if (team == 1) { /* the calling thread, in its own environment */
+        for (int64_t u = 0; u < units; u++) NVT_UNIT(u);
+        return;
+    }
     const nvl_fpenv env = nvl_fpenv_get();
 #pragma omp parallel num_threads((int)team)
     {
         const nvl_fpenv own = nvl_fpenv_get();
         nvl_fpenv_set(env);
 #pragma omp for schedule(static)
-        for (int64_t u = 0; u < units; u++) {
-            const int64_t p0 = u / row_blocks * NVL_UNIT_PANELS, m0 = u % row_blocks * NVL_ROW_BLOCK;
-            const int64_t p1 = p0 + NVL_UNIT_PANELS < panels ? p0 + NVL_UNIT_PANELS : panels;
-            const int64_t m1 = m0 + NVL_ROW_BLOCK < M ? m0 + NVL_ROW_BLOCK : M;
-            int64_t m = m0;
-            for (; m < m1; m += NVL_MAX_ROWS) {
-                const int r = m1 - m < NVL_MAX_ROWS ? (int)(m1 - m) : NVL_MAX_ROWS;
-                NVT_NAME(rows)(x, ldx, wp, bias, y, ldy, N, K, chunks, m, p0, p1, r);
-            }
-        }
+        for (int64_t u = 0; u < units; u++) NVT_UNIT(u);
         nvl_fpenv_set(own);
     }
+#undef NVT_UNIT
 }
