@@ -349,7 +349,7 @@ NVL_INLINE nvl_v32 nvl_silu_mul(nvl_v32 g, nvl_v32 u) {
     return nvl_mul32(nvl_div32(g, nvl_add32(nvl_set32(1.0f), e)), u);
 }
 
-#define NVL_ACT_WORK (1 << 18) /* elements a thread gets at least */
+#define NVL_ACT_WORK (1 << 15) /* elements a thread gets at least */
 
 void nv_silu_mul_f32(const float *gu, int64_t ldgu, float *out, int64_t ldo, int64_t M, int64_t I, int64_t threads) {
     if (M <= 0 || I <= 0) return;
