@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.mutation import targets
-from tests.mutation.__main__ import main
+from tests.mutation.__main__ import _arguments, _groups, main
 from tests.mutation.explained import EXPLAINED, explanation
 from tests.mutation.mutants import Mutant, find_mutants, sample
 from tests.mutation.runner import BaselineFailed, Outcome, Score, pytest_command, run, summary, verdict
@@ -167,7 +167,7 @@ def _outcomes(n: int, status: str) -> list[Outcome]:
 @pytest.mark.clause("MUT-1", "MUT-5")
 def test_the_targets_exist_and_the_command_lists_its_sample(capsys: pytest.CaptureFixture[str]) -> None:
     """MUT-1, MUT-5: every target and test named in targets.py exists; --list prints N mutants per file."""
-    for path in (*targets.TARGETS, *targets.TESTS):
+    for path in (*targets.TARGETS, *targets.TESTS, *targets.POLICY_TARGETS, *targets.POLICY_TESTS):
         assert Path(path).is_file(), f"{path} moved: update tests/mutation/targets.py"
     assert main(["--list", "--sample", "2", "--seed", "3", "--only", "reference/scheduler.py"]) == 0
     listed = capsys.readouterr().out.splitlines()
@@ -214,3 +214,26 @@ def test_every_explanation_names_a_mutant_of_the_current_code() -> None:
         matches = [m for m in mutants[entry.path] if explanation(m, lines[entry.path], (entry,))]
         assert matches, f"no mutant of {entry.path} matches {entry}"
         assert entry.why.startswith(("equivalent: ", "dead code: "))
+
+
+@pytest.mark.clause("MUT-10")
+def test_the_policies_are_their_own_group_judged_by_the_policy_tests(capsys: pytest.CaptureFixture[str]) -> None:
+    """MUT-10: --policies mutates the policy files only; --only judges each file by its own group's tests; the
+    default run is the core group as before."""
+    assert not set(targets.POLICY_TARGETS) & set(targets.TARGETS)
+    assert main(["--list", "--policies", "--sample", "1", "--seed", "0"]) == 0
+    listed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(targets.POLICY_TARGETS)
+    assert main(["--list", "--sample", "1", "--seed", "0"]) == 0
+    assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines()] == list(targets.TARGETS)
+    assert _groups(_arguments([])) == [(list(targets.TARGETS), targets.TESTS)]
+    assert _groups(_arguments(["--policies"])) == [(list(targets.POLICY_TARGETS), targets.POLICY_TESTS)]
+    both = _groups(_arguments(["--only", "reference/lpm_scheduler.py", "--only", "reference/scheduler.py"]))
+    picked = [([f for f in files if f in ("reference/lpm_scheduler.py", "reference/scheduler.py")], tests)
+              for files, tests in both]
+    assert picked == [(["reference/scheduler.py"], targets.TESTS),
+                      (["reference/lpm_scheduler.py"], targets.POLICY_TESTS)]
+    assert main(["--list", "--only", "reference/lpm_scheduler.py", "--sample", "2"]) == 0
+    assert all(line.startswith("reference/lpm_scheduler.py:") for line in capsys.readouterr().out.splitlines())
+    with pytest.raises(SystemExit):
+        _arguments(["--policies", "--killer", "check"])

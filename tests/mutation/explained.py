@@ -38,6 +38,14 @@ EXPLAINED: tuple[Explained, ...] = (
               "sequence mid-chunk is still WAITING, so the RUNNING check skips it whatever kept says. This needs each "
               "postprocess to follow exactly one schedule() (a second one has scheduled == 0): the port refuses any "
               "other postprocess (OPT-23), and only the port calls this"),
+    Explained("reference/mixed_scheduler.py",
+              "while self.running and len(scheduled) < self.max_num_seqs:  # never more running than the budget: "
+              "below",
+              "len(scheduled) < self.max_num_seqs", "(len(scheduled) <= self.max_num_seqs)",
+              "equivalent: running never holds more than max_num_seqs (it starts empty; a step that preempted admits "
+              "nothing, else the decodes are all of running and the prefill adds at most max_num_seqs minus them), "
+              "and each turn of the loop moves one sequence out of running, so len(scheduled) < max_num_seqs holds "
+              "whenever running is not empty: the bound never stops the loop"),
     Explained("optimized/core/block_pool.py", "self._shared += sum(1 for b in hits if extra[b] == 1)", "1", "2",
               EQUIVALENT_SHARED + " (the same edit of ``extra[b] == 1`` undercounts and is killed)"),
     Explained("optimized/core/block_pool.py", "self._shared += 1", "1", "2", EQUIVALENT_SHARED),

@@ -2,7 +2,11 @@
 
 The scheduler tests run fastest-first, so that ``pytest -x`` stops a killed
 mutant early; test_contracts.py (a minute, engine contracts) and the engine
-tests are left out: they add nothing to the scheduler's decisions.
+tests are left out: they add nothing to the scheduler's decisions. Two groups,
+each its files and its judging tests: the lesson's scheduler and the core
+(``TARGETS``, ``TESTS``: the default run), and the policies beside them
+(``POLICY_TARGETS``, ``POLICY_TESTS``: ``--policies``, MUT-10). ``--only FILE``
+judges a file with its own group's tests.
 """
 
 from __future__ import annotations
@@ -54,6 +58,28 @@ TESTS = (
     "tests/test_differential_machine.py",
     "tests/test_empty_decode.py",
 )
+
+# The scheduling policies (spec/policies.md): their references, their optimized classes and the factory.
+POLICY_TARGETS = (
+    "reference/mixed_scheduler.py",
+    "reference/priority_scheduler.py",
+    "reference/lpm_scheduler.py",
+    "optimized/core/mixed_scheduler.py",
+    "optimized/core/priority_scheduler.py",
+    "optimized/core/lpm_scheduler.py",
+    "optimized/core/policies.py",
+)
+# The tests that judge a policy mutant, fastest first.
+POLICY_TESTS = (
+    "tests/test_mutation_policy_gaps.py",
+    "tests/test_policy_references.py",
+    "tests/test_conformance_policies.py",
+    "tests/test_core_priority.py",
+    "tests/test_core_lpm.py",
+    "tests/test_core_mixed.py",
+)
+# Each group: its name, its files, the tests that judge them.
+GROUPS = (("core", TARGETS, TESTS), ("policies", POLICY_TARGETS, POLICY_TESTS))
 
 # Folders and files copied into the mutation workspace (what the tests import and read).
 COPIED = ("reference", "optimized", "invariants", "kernels", "tests", "spec", "pyproject.toml")
