@@ -46,6 +46,10 @@ EXPLAINED: tuple[Explained, ...] = (
               "nothing, else the decodes are all of running and the prefill adds at most max_num_seqs minus them), "
               "and each turn of the loop moves one sequence out of running, so len(scheduled) < max_num_seqs holds "
               "whenever running is not empty: the bound never stops the loop"),
+    Explained("optimized/core/priority_scheduler.py", "if place < len(members):", "place < len(members)",
+              "(place <= len(members))",
+              "equivalent: at place == len(members) the loop settles members[place:], which is empty, and "
+              "truncate(place) keeps every member and every position (positions has one entry per member)"),
     Explained("optimized/core/block_pool.py", "self._shared += sum(1 for b in hits if extra[b] == 1)", "1", "2",
               EQUIVALENT_SHARED + " (the same edit of ``extra[b] == 1`` undercounts and is killed)"),
     Explained("optimized/core/block_pool.py", "self._shared += 1", "1", "2", EQUIVALENT_SHARED),
