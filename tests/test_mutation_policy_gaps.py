@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from optimized.core.config import SchedulerConfig
+from optimized.core.config import DEFAULT_PATIENCE, SchedulerConfig
 from optimized.core.policies import make_scheduler
 from optimized.verify.reference_port import ReferencePort
+from reference.config import SchedulerConfig as ReferenceConfig
+from reference.lpm_scheduler import LpmScheduler as ReferenceLpm
+from reference.priority_scheduler import PriorityScheduler as ReferencePriority
+from reference.sequence import SamplingParams, Sequence
 
 
 @pytest.mark.clause("MUT-10", "OPT-23", "POLICY-13")
@@ -52,3 +56,18 @@ def test_a_request_added_without_a_priority_has_priority_zero() -> None:
         if port.__class__ is not ReferencePort:
             assert state.priorities == {plain.seq_id: 0, same.seq_id: 0, urgent.seq_id: -1}
         assert [s.seq_id for s in state.waiting] == [urgent.seq_id, plain.seq_id, same.seq_id]
+
+
+@pytest.mark.clause("MUT-10", "POLICY-11", "POLICY-12")
+def test_the_references_defaults_are_the_knobs() -> None:
+    """MUT-10 (reference/priority_scheduler.py, ``add``'s ``priority: int = 0`` -> ``1``; reference/lpm_scheduler.py,
+    ``DEFAULT_PATIENCE = 8`` -> ``9``): the references used alone default as the knobs do, priority 0 (a later
+    arrival of priority 0 queues behind a request added without one) and patience 8 (the config's default)."""
+    priority = ReferencePriority(ReferenceConfig(num_blocks=8, block_size=4))
+    plain, same = Sequence([1, 2], SamplingParams(max_tokens=4), 4), Sequence([3, 4], SamplingParams(max_tokens=4), 4)
+    priority.add(plain)
+    priority.add(same, 0)
+    assert priority.priority[plain.seq_id] == 0
+    assert [s.seq_id for s in priority.waiting] == [plain.seq_id, same.seq_id]
+    lpm = ReferenceLpm(ReferenceConfig(num_blocks=8, block_size=4))
+    assert lpm.patience == DEFAULT_PATIENCE == SchedulerConfig(num_blocks=8, block_size=4).patience == 8

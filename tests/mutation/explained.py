@@ -46,6 +46,10 @@ EXPLAINED: tuple[Explained, ...] = (
               "nothing, else the decodes are all of running and the prefill adds at most max_num_seqs minus them), "
               "and each turn of the loop moves one sequence out of running, so len(scheduled) < max_num_seqs holds "
               "whenever running is not empty: the bound never stops the loop"),
+    Explained("reference/mixed_scheduler.py",
+              "break  # the budget is spent: this one stays at the front of waiting, partly prefilled", "break",
+              "continue", "equivalent: a chunk is cut short only when it took the whole budget (min(num_tokens, "
+              "budget) == budget), so budget is 0 and the loop's own condition ends it"),
     Explained("optimized/core/priority_scheduler.py", "if place < len(members):", "place < len(members)",
               "(place <= len(members))",
               "equivalent: at place == len(members) the loop settles members[place:], which is empty, and "
