@@ -1,4 +1,4 @@
-"""MUT-10: the test gaps the mutation run of the policies found (spec/mutation.md), each closed by a test here.
+"""MUT-11: the test gaps the mutation run of the policies found (spec/mutation.md), each closed by a test here.
 
 Each test names the mutant it kills; each was shown failing with its mutant applied and passing without.
 """
@@ -16,10 +16,10 @@ from reference.priority_scheduler import PriorityScheduler as ReferencePriority
 from reference.sequence import SamplingParams, Sequence
 
 
-@pytest.mark.clause("MUT-10", "OPT-23", "POLICY-13")
+@pytest.mark.clause("MUT-11", "OPT-23", "POLICY-13")
 @pytest.mark.parametrize("prefill_too", [False, True], ids=["decode-step", "mixed-step"])
 def test_a_mixed_step_is_postprocessed_once(prefill_too: bool) -> None:
-    """MUT-10 (optimized/core/mixed_scheduler.py, postprocess's ``not (...)`` dropped): under mixed as under the
+    """MUT-11 (optimized/core/mixed_scheduler.py, postprocess's ``not (...)`` dropped): under mixed as under the
     lesson, a batch postprocessed a second time is refused (RuntimeError, nothing changed), a decode-only step's
     and a mixed step's alike; the mutant sent the second call down the mixed fast path, which appended the
     tokens again."""
@@ -40,9 +40,9 @@ def test_a_mixed_step_is_postprocessed_once(prefill_too: bool) -> None:
         assert port.snapshot() == before
 
 
-@pytest.mark.clause("MUT-10", "POLICY-12")
+@pytest.mark.clause("MUT-11", "POLICY-12")
 def test_a_request_added_without_a_priority_has_priority_zero() -> None:
-    """MUT-10 (optimized/core/priority_scheduler.py, ``add``'s default ``priority: int = 0`` -> ``1``): POLICY-12's
+    """MUT-11 (optimized/core/priority_scheduler.py, ``add``'s default ``priority: int = 0`` -> ``1``): POLICY-12's
     default is 0, in the snapshot and in the order: a later arrival of priority 0 queues behind it, one of -1
     ahead of it; as the reference's."""
     config = SchedulerConfig(num_blocks=40, block_size=4, policy="priority")
@@ -58,9 +58,9 @@ def test_a_request_added_without_a_priority_has_priority_zero() -> None:
         assert [s.seq_id for s in state.waiting] == [urgent.seq_id, plain.seq_id, same.seq_id]
 
 
-@pytest.mark.clause("MUT-10", "POLICY-11", "POLICY-12")
+@pytest.mark.clause("MUT-11", "POLICY-11", "POLICY-12")
 def test_the_references_defaults_are_the_knobs() -> None:
-    """MUT-10 (reference/priority_scheduler.py, ``add``'s ``priority: int = 0`` -> ``1``; reference/lpm_scheduler.py,
+    """MUT-11 (reference/priority_scheduler.py, ``add``'s ``priority: int = 0`` -> ``1``; reference/lpm_scheduler.py,
     ``DEFAULT_PATIENCE = 8`` -> ``9``): the references used alone default as the knobs do, priority 0 (a later
     arrival of priority 0 queues behind a request added without one) and patience 8 (the config's default)."""
     priority = ReferencePriority(ReferenceConfig(num_blocks=8, block_size=4))
