@@ -88,7 +88,7 @@ def test_every_engine_command_takes_the_policy_flags(words: list[str], capsys: p
         assert err.startswith(f"nanoverify {command}: argument {flag}: {words_of_error}"), err
 
 
-@pytest.mark.clause("POLICY-11")
+@pytest.mark.clause("POLICY-11", "ENG-17")
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_engine_runs_the_policys_scheduler(policy: str) -> None:
     """POLICY-11: ``LLM(scheduling_policy=...)`` makes the engine's scheduler the optimized class of that policy
@@ -101,6 +101,20 @@ def test_the_engine_runs_the_policys_scheduler(policy: str) -> None:
     assert (config.policy, config.patience) == (policy, 5)
     assert llm.limits.scheduling_policy == policy
     assert LLM(str(checkpoint("qwen3")), num_kvcache_blocks=8).settings.scheduling_policy == "lesson"
+
+
+@pytest.mark.clause("POLICY-11", "ENG-24")
+@pytest.mark.parametrize(("policy", "shown"), [("lesson", "lesson"), ("mixed", "mixed"), ("lpm", "lpm (patience 2)")])
+def test_run_says_its_policy_and_its_mixed_steps(policy: str, shown: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """POLICY-11, ENG-24: ``nanoverify run --scheduling-policy P`` runs P and says so (lpm with its patience); its
+    steps line counts the prefill steps that also decoded, under mixed only (the lesson's control: none)."""
+    assert main(["run", "--model", str(checkpoint("qwen3")), "--no-check", "--scheduling-policy", policy,
+                 "--lpm-patience", "2", "--num-requests", "12", "--max-input-len", "40", "--max-output-len", "8",
+                 "--max-num-batched-tokens", "16", "--num-kvcache-blocks", "64", "--block-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"scheduling policy: {shown}\n" in out
+    steps = next(line for line in out.splitlines() if line.startswith("steps: "))
+    assert ("of them mixed with decodes" in steps) is (policy == "mixed"), steps
 
 
 # --- POLICY-12: a request's priority ---------------------------------------------------------------------------
@@ -116,7 +130,7 @@ def _nothing_added(llm: LLM) -> bool:
     return not llm.has_unfinished_requests() and llm.engine._arrivals == 0
 
 
-@pytest.mark.clause("POLICY-12")
+@pytest.mark.clause("POLICY-12", "ENG-10")
 def test_a_priority_other_than_0_is_refused_unless_the_policy_is_priority() -> None:
     """POLICY-12: under lesson (and mixed, lpm: the same rule) a priority other than 0, through generate's list or
     add_request's argument, is a RequestRefused naming ``priority`` and ``scheduling_policy``, nothing added; 0 (an
@@ -135,7 +149,7 @@ def test_a_priority_other_than_0_is_refused_unless_the_policy_is_priority() -> N
     assert llm.add_request([1, 2], SamplingParams(max_tokens=1), priority=0) == 2
 
 
-@pytest.mark.clause("POLICY-12")
+@pytest.mark.clause("POLICY-12", "ENG-10")
 @pytest.mark.parametrize("policy", ["lesson", "priority"])
 def test_a_priority_that_is_no_int64_is_refused_under_any_policy(policy: str) -> None:
     """POLICY-12: a priority that is not an int (a bool, a float, a string, None) or is outside int64, or a

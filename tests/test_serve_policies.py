@@ -70,7 +70,7 @@ BAD = [(True, NOT_INT), (1.5, NOT_INT), ("1", NOT_INT),
        (-(1 << 63) - 1, "priority: must be an int64")]
 
 
-@pytest.mark.clause("POLICY-11", "POLICY-12")
+@pytest.mark.clause("POLICY-11", "POLICY-12", "SERVE-1")
 def test_priority_reaches_the_engine_on_both_endpoints(server: Served, offline: LLM) -> None:
     """POLICY-11, POLICY-12: a server started with --scheduling-policy priority takes ``priority`` (the extremes of
     int64 too) from the real client's extra body on completions and chat, and answers what the offline engine of
@@ -85,7 +85,7 @@ def test_priority_reaches_the_engine_on_both_endpoints(server: Served, offline: 
     assert chat(client, 5, -3).choices[0].message.content == want.text
 
 
-@pytest.mark.clause("POLICY-12")
+@pytest.mark.clause("POLICY-12", "SERVE-9")
 def test_a_bad_priority_is_a_400_naming_it(server: Served) -> None:
     """POLICY-12: a priority that is no int (a bool, a float, a string) or outside int64 is a 400 whose param is
     ``priority``, on both endpoints; the server keeps serving."""
@@ -133,7 +133,7 @@ def test_a_more_urgent_request_overtakes_over_http(server: Served) -> None:
     assert _finish_order(server.client, (0, 0, 0)) == ["A", "B", "C"]
 
 
-@pytest.mark.clause("POLICY-12")
+@pytest.mark.clause("POLICY-12", "SERVE-9")
 def test_under_the_lesson_a_priority_is_refused_by_the_server(serve_cache: Path) -> None:
     """POLICY-12: a server whose policy is not ``priority`` answers a priority other than 0 with a 400 naming
     ``priority`` and saying the scheduling policy, on both endpoints (as vLLM refuses it); 0 is taken; a priority
