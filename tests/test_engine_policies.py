@@ -267,10 +267,9 @@ TIGHT, ROOMY = 14, 96
 
 
 def run_policy(policy: str, blocks: int, **extra: Any) -> tuple[LLM, Watch, list[list[int]]]:
-    """The workload, greedy in float64 under ``policy`` (priorities only under ``priority``), check mode on;
-    what it decided."""
-    llm = LLM(str(checkpoint("qwen3")), dtype="float64", device="cpu", check=True, num_kvcache_blocks=blocks,
-              scheduling_policy=policy, **COMMON, **extra)
+    """The workload, greedy in float64 under ``policy`` (priorities only under ``priority``); what it decided."""
+    llm = LLM(str(checkpoint("qwen3")), dtype="float64", device="cpu", num_kvcache_blocks=blocks,
+              scheduling_policy=policy, **{**COMMON, **extra})
     watch = Watch()
     llm.engine.observers.append(watch)
     params = [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS]
@@ -286,12 +285,10 @@ def test_greedy_is_transformers_under_every_policy(policy: str, blocks: int) -> 
     output of every request is transformers' token for token, on a workload where the policy's own decisions
     happen: mixed steps holding decodes and prefill chunks (mixed), requests run out of arrival order by priority
     (priority) or by cached prefix (lpm), and prefix-cache hits, chunked prefills and (tight) preemptions under
-    all, check mode comparing every step with the policy's reference. The lesson is the control: it never mixes a
-    step and runs requests in arrival order, as mixed does."""
+    all. The lesson is the control: it never mixes a step and runs requests in arrival order, as mixed does."""
     llm, watch, got = run_policy(policy, blocks)
     assert got == hf_greedy(checkpoint("qwen3"), PROMPTS, MAX_TOKENS)
     stats = llm.stats
-    assert stats.compared_steps == stats.steps > 0  # every decision the policy's reference's too (check mode)
     assert stats.prefix_cache_hit_tokens > 0 and stats.chunked_prefills > 0
     assert (stats.preemptions > 0) is (blocks == TIGHT), stats
     assert stats.mixed_steps == watch.mixed_steps
@@ -299,6 +296,16 @@ def test_greedy_is_transformers_under_every_policy(policy: str, blocks: int) -> 
     assert stats.mixed_decode_tokens >= stats.mixed_steps
     if blocks == ROOMY:  # a preemption puts a request back in line, which lets even the lesson run one out of order
         assert watch.reordered is (policy in ("priority", "lpm")), watch.first_ran
+
+
+@pytest.mark.clause("POLICY-16", "POLICY-17")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_check_mode_shadows_every_policy_on_the_engine(policy: str) -> None:
+    """POLICY-16, POLICY-17: with check mode on, the same preempting workload under each policy has every step
+    compared with that policy's reference (priorities mirrored too), and its output is still transformers'."""
+    llm, _, got = run_policy(policy, TIGHT, check=True)
+    assert got == hf_greedy(checkpoint("qwen3"), PROMPTS, MAX_TOKENS)
+    assert llm.stats.compared_steps == llm.stats.steps > 0 and llm.stats.preemptions > 0
 
 
 @pytest.mark.clause("POLICY-17")
@@ -316,7 +323,7 @@ def test_logprobs_and_prompt_logprobs_under_every_policy(policy: str) -> None:
     """POLICY-17: the logprobs of each generated token and of each prompt token are those of the same request
     run alone (float64, to 1e-9: the model in another batch shape), and each prompt's come whole, under every
     policy with the tight cache (chunks, mixed steps, preemption and prefix-cache hits in one run)."""
-    llm = LLM(str(checkpoint("qwen3")), dtype="float64", device="cpu", check=True, num_kvcache_blocks=TIGHT,
+    llm = LLM(str(checkpoint("qwen3")), dtype="float64", device="cpu", num_kvcache_blocks=TIGHT,
               scheduling_policy=policy, **COMMON)
     params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=2, prompt_logprobs=1) for m in MAX_TOKENS]
     outs = llm.generate(PROMPTS, params, False, priority=PRIORITIES if policy == "priority" else None)
