@@ -191,7 +191,8 @@ class EngineArgs:
     batch_invariant: bool | None = field(default=None, metadata=_knob(
         "batch-invariant kernels: a request's tokens and logits the same bits whatever the batch, chunking, "
         "preemption, prefix cache or thread count (spec/batch-invariance.md; CPU, float32 or float64, the 'cpu' "
-        "attention backend, any tensor-parallel size)", "bool", unset="off"))
+        "attention backend, any tensor-parallel size)", "bool",
+        unset="on in float32 on the CPU with the 'cpu' attention backend, else off"))
     seed: int = field(default=0, metadata=_knob(
         "seed of the seeds unseeded requests draw (run and bench throughput: of their workload too)", "int",
         least=None))
