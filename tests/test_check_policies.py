@@ -44,7 +44,7 @@ def checked_run(port: SchedulerPort[Any], shadow: Shadow, seed: int = 3) -> int:
     return drive(port, shadow, workload(seed, 30), port.config.eos, abort_every=7, priority_of=priority_of)
 
 
-@pytest.mark.clause("POLICY-16", "CHECK-1")
+@pytest.mark.clause("POLICY-16", "CHECK-1", "CHECK-7")
 @pytest.mark.parametrize("impl", ["reference", "optimized"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_checked_run_under_each_policy_finds_no_divergence(policy: str, impl: str) -> None:
@@ -59,7 +59,7 @@ def test_a_checked_run_under_each_policy_finds_no_divergence(policy: str, impl: 
     assert port.is_finished() and shadow.full_comparisons >= 5
 
 
-@pytest.mark.clause("POLICY-16")
+@pytest.mark.clause("POLICY-16", "CHECK-7")
 @pytest.mark.parametrize(("policy", "wrong"), [("priority", "lesson"), ("lpm", "lesson"), ("mixed", "lesson"),
                                                ("lesson", "mixed")])
 def test_a_shadow_of_another_policy_reports_the_divergence(policy: str, wrong: str) -> None:
@@ -70,7 +70,7 @@ def test_a_shadow_of_another_policy_reports_the_divergence(policy: str, wrong: s
         checked_run(ReferencePort(cfg), shadow)
 
 
-@pytest.mark.clause("POLICY-16")
+@pytest.mark.clause("POLICY-16", "CHECK-7")
 def test_a_shadow_with_another_patience_reports_the_divergence() -> None:
     """POLICY-16: lpm's patience reaches the shadow; a shadow at patience 0 (the lesson's decisions) diverges."""
     with pytest.raises(ShadowDivergence):
@@ -85,7 +85,7 @@ class Unordered(PriorityScheduler):
         queue.append(seq)
 
 
-@pytest.mark.clause("POLICY-16")
+@pytest.mark.clause("POLICY-16", "CHECK-7")
 def test_an_engine_scheduler_that_ignores_priorities_is_reported() -> None:
     """POLICY-16: an engine scheduler that drops the priorities the shadow was handed diverges from it."""
     cfg = policy_config("priority")
@@ -93,7 +93,7 @@ def test_an_engine_scheduler_that_ignores_priorities_is_reported() -> None:
         checked_run(ReferencePort(cfg, lesson=Unordered), Shadow(cfg, full_every=3))
 
 
-@pytest.mark.clause("POLICY-16")
+@pytest.mark.clause("POLICY-16", "CHECK-7")
 def test_lpm_counts_that_differ_are_reported_at_the_full_comparison() -> None:
     """POLICY-16: under lpm the engine's own counts of passes are compared with the reference's at each full
     comparison; an engine count corrupted after a step is reported there, naming them."""

@@ -90,7 +90,7 @@ def impls(policy: str) -> list[str]:
     return ["reference", "optimized"]
 
 
-@pytest.mark.clause("POLICY-16", "TRACE-1", "TRACE-6")
+@pytest.mark.clause("POLICY-16", "TRACE-14", "TRACE-1", "TRACE-6")
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_run_under_each_policy_replays_identically_naming_its_policy(policy: str, capsys: Any) -> None:
     """POLICY-16: the header names a non-lesson run's policy and patience, each add record a priority that is not
@@ -112,7 +112,7 @@ def test_a_run_under_each_policy_replays_identically_naming_its_policy(policy: s
                                               .get(policy, f"policy {policy}"))
 
 
-@pytest.mark.clause("POLICY-16", "TRACE-6")
+@pytest.mark.clause("POLICY-16", "TRACE-14", "TRACE-6")
 @pytest.mark.parametrize(("policy", "header", "strip"), [
     ("mixed", {"policy": None, "patience": None}, False),  # read as the lesson's
     ("lpm", {"policy": "lesson"}, False),
@@ -133,7 +133,7 @@ def test_a_trace_judged_under_another_policy_diverges(policy: str, header: dict[
         assert "first difference: step " in capsys.readouterr().out
 
 
-@pytest.mark.clause("POLICY-16", "TRACE-4")
+@pytest.mark.clause("POLICY-16", "TRACE-14", "TRACE-4")
 @pytest.mark.parametrize(("where", "value", "field"), [
     ("config", {"policy": "fifo"}, "config.policy"),
     ("config", {"policy": 3}, "config.policy"),
@@ -158,7 +158,7 @@ def test_hostile_policy_fields_are_refused_naming_the_field(where: str, value: d
         read_trace(lines("".join(json.dumps(r) + "\n" for r in records)))
 
 
-@pytest.mark.clause("POLICY-16", "TRACE-1")
+@pytest.mark.clause("POLICY-16", "TRACE-14", "TRACE-1")
 def test_an_old_trace_is_the_lessons_and_a_priority_is_an_int64() -> None:
     """A header without policy or patience reads as the lesson's, patience 8 (every trace before them replays); a
     priority at either end of int64 reads under the priority policy."""
@@ -172,7 +172,7 @@ def test_an_old_trace_is_the_lessons_and_a_priority_is_an_int64() -> None:
     assert (trace.priority(adds[0]["id"]), trace.priority(adds[1]["id"])) == (-(1 << 63), (1 << 63) - 1)
 
 
-@pytest.mark.clause("POLICY-16", "TRACE-2")
+@pytest.mark.clause("POLICY-16", "TRACE-14", "TRACE-2")
 def test_the_engines_observer_records_each_requests_priority() -> None:
     """The engine's trace observer writes the request's ``priority`` into its add record (none when it is 0)."""
     out = io.StringIO()
