@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,6 +20,8 @@ from optimized.trace.recorder import Recorder, TraceObserver
 from optimized.trace.replay import replay_trace
 from optimized.trace.schema import TraceError, read_trace
 from optimized.trace.timeline import config_line
+from optimized.trace.workload import workload_trace
+from optimized.verify.conformance import parse_workload
 from optimized.verify.reference_port import ReferencePort
 
 SHARED = list(range(1, 9))
@@ -186,3 +189,25 @@ def test_the_engines_observer_records_each_requests_priority() -> None:
     records = [json.loads(line) for line in out.getvalue().splitlines()]
     assert records[0]["config"]["policy"] == "priority"
     assert [r["add"].get("priority") for r in records[1:]] == [-2, None]
+
+
+POLICY_SAMPLES = Path(__file__).resolve().parent.parent / "optimized" / "verify" / "data" / "policies.jsonl"
+
+
+@pytest.mark.clause("POLICY-16", "TRACE-14", "TRACE-8")
+def test_the_policy_samples_recorded_as_traces_replay_identically() -> None:
+    """TRACE-8 under every policy: each shipped policy workload recorded through its reference names its policy
+    (and its priorities) and replays identically through both implementations."""
+    samples = [json.loads(line) for line in POLICY_SAMPLES.read_text(encoding="utf-8").splitlines() if line.strip()]
+    seen: set[str] = set()
+    for sample in samples:
+        workload = parse_workload(sample["workload"])
+        trace = workload_trace(workload)
+        assert trace.policy == workload.config["policy"]
+        assert trace.priorities == {r.id: r.priority for r in workload.requests if r.priority}
+        for impl in impls(trace.policy):
+            outcome = replay_trace(trace, impl)
+            assert outcome.ok and outcome.identical == outcome.steps, (trace.policy, impl, outcome)
+        seen.add(trace.policy)
+    assert seen == {"mixed", "priority", "lpm"}
+    assert any(trace.priorities for trace in [workload_trace(parse_workload(s["workload"])) for s in samples[15:30]])

@@ -121,7 +121,7 @@ class _Driver:
         seq = self.scheduler.new_sequence(added.prompt, self.trace.max_tokens(added), added.ignore_eos)
         self.seq_of[added.id] = seq
         self.id_of[seq.seq_id] = added.id
-        self.scheduler.add(seq, priority=self.trace.priority(added.id))
+        self.scheduler.add(seq, priority=added.priority)
 
     def abort(self, aborted: Aborted) -> str | None:
         try:

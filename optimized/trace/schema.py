@@ -20,6 +20,7 @@ request's priority (absent: 0; only the ``priority`` policy has others).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -279,7 +280,7 @@ class _Builder:
         if "add" in obj:
             added = _added(obj["add"], self.next)
             priority = _priority(obj["add"], self.trace.policy)
-            self._add(added)
+            self._add(dataclasses.replace(added, priority=priority))
             if priority:
                 self.trace.priorities[added.id] = priority
         elif "abort" in obj:
