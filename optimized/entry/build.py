@@ -101,6 +101,6 @@ def build_engine(args: EngineArgs) -> EngineParts:
         runner = load_runner(spec, dev)
     settings = replace(settings, num_kvcache_blocks=runner.num_blocks)
     limits = EngineLimits(c.vocab_size, max_model_len, runner.num_blocks, settings.kvcache_block_size,
-                          c.eos_token_ids)
+                          c.eos_token_ids, settings.scheduling_policy)
     return EngineParts(runner, settings.scheduler_config(runner.num_blocks, c.eos), limits, settings, model_dir, c,
                        tokenizer, group)
