@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from optimized import SamplingParams
 from optimized.cli.replay import replay_recorded
 from optimized.core.config import POLICIES, SchedulerConfig
 from optimized.core.policies import scheduler_class
@@ -23,6 +24,7 @@ from optimized.trace.timeline import config_line
 from optimized.trace.workload import workload_trace
 from optimized.verify.conformance import parse_workload
 from optimized.verify.reference_port import ReferencePort
+from tests.engine_fixtures import make_llm
 
 SHARED = list(range(1, 9))
 # per step: (prompt, max_tokens, priority): shared prefixes for lpm, a long prompt to chunk, urgent late arrivals
@@ -211,3 +213,26 @@ def test_the_policy_samples_recorded_as_traces_replay_identically() -> None:
         seen.add(trace.policy)
     assert seen == {"mixed", "priority", "lpm"}
     assert any(trace.priorities for trace in [workload_trace(parse_workload(s["workload"])) for s in samples[15:30]])
+
+
+@pytest.mark.clause("POLICY-16", "TRACE-14", "CHECK-7")
+@pytest.mark.usefixtures("engine_env")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_an_engine_run_checked_and_recorded_under_each_policy(policy: str, tmp_path: Path, capsys: Any) -> None:
+    """POLICY-16 on the engine: ``LLM(scheduling_policy=..., check=True, trace=...)`` runs its shadow of the same
+    policy without a divergence (whole states compared), records the policy and each priority, and the trace
+    replays identically through both implementations."""
+    path = tmp_path / f"{policy}.jsonl"
+    llm = make_llm(kvcache_block_size=2, num_kvcache_blocks=40, max_num_batched_tokens=12, max_num_seqs=3,
+                   scheduling_policy=policy, lpm_patience=1, check=True, check_full_every=2, trace=str(path))
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, i] for i in range(3)] + [[40 + i, 41, 42] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    priority = [3, 1, 2, 0, 2, 1] if policy == "priority" else None
+    llm.generate(prompts, params, False, priority=priority)
+    assert llm.shadow is not None and llm.shadow.full_comparisons > 0
+    llm.close()
+    trace = read_trace(path.read_bytes().splitlines(keepends=True))
+    assert trace.policy == policy and len(trace.priorities) == (5 if policy == "priority" else 0)
+    for impl in ("reference", "optimized"):
+        assert replay_recorded(trace, impl) == 0
+        assert capsys.readouterr().out.startswith(f"identical: {len(trace.steps)}/{len(trace.steps)} steps")

@@ -288,7 +288,7 @@ class TraceObserver:
     def added(self, request: Any) -> None:
         seq, params = request.seq, request.params
         self.recorder.add(request.arrival, seq.token_ids[: seq.num_prompt_tokens], params.max_tokens,
-                          params.ignore_eos, getattr(request, "priority", 0))
+                          params.ignore_eos, request.priority)
 
     def scheduled(self, scheduler: Any, out: Any, requests: Sequence[Tracked], live: Mapping[int, Tracked]) -> None:
         self._decided = record_schedule(self.recorder, out, requests, live)

@@ -198,7 +198,7 @@ class Shadow:
     def added(self, request: Any) -> None:
         self._engine_ids[request.arrival] = request.seq.seq_id
         self.add(request.arrival, request.seq.token_ids, request.params, request.stop_ids,
-                 getattr(request, "priority", 0))
+                 request.priority)
 
     def scheduled(self, scheduler: SchedulerPort[Any], out: ScheduleOutput[Any], requests: Sequence[Arrived],
                   live: Mapping[int, Arrived]) -> None:
