@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from optimized.core.config import POLICIES, SchedulerConfig
-from optimized.core.policies import scheduler_class
+from optimized.core.policies import make_scheduler
 from optimized.core.port import SchedulerPort
 from optimized.verify.reference_port import ReferencePort
 from optimized.verify.shadow import Shadow, ShadowDivergence
@@ -29,14 +29,7 @@ def policy_config(policy: str) -> SchedulerConfig:
 
 def engine_port(impl: str, cfg: SchedulerConfig) -> SchedulerPort[Any]:
     """The engine side: the optimized class of the policy, or the policy's reference in its place."""
-    if impl == "reference":
-        return ReferencePort(cfg)
-    try:
-        cls = scheduler_class(cfg.policy)
-    except ModuleNotFoundError:
-        pytest.skip(f"the optimized {cfg.policy} class is not on this branch yet")
-    port: SchedulerPort[Any] = cls(cfg)
-    return port
+    return ReferencePort(cfg) if impl == "reference" else make_scheduler(cfg)
 
 
 def checked_run(port: SchedulerPort[Any], shadow: Shadow, seed: int = 3) -> int:

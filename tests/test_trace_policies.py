@@ -16,7 +16,6 @@ import pytest
 from optimized import SamplingParams
 from optimized.cli.replay import replay_recorded
 from optimized.core.config import POLICIES, SchedulerConfig
-from optimized.core.policies import scheduler_class
 from optimized.trace.recorder import Recorder, TraceObserver
 from optimized.trace.replay import replay_trace
 from optimized.trace.schema import TraceError, read_trace
@@ -87,12 +86,7 @@ def edited(text: str, header: dict[str, Any] | None = None, strip_priorities: bo
     return "".join(json.dumps(r) + "\n" for r in records)
 
 
-def impls(policy: str) -> list[str]:
-    try:
-        scheduler_class(policy)
-    except ModuleNotFoundError:  # the optimized class of this policy is not on this branch yet
-        return ["reference"]
-    return ["reference", "optimized"]
+IMPLS = ("reference", "optimized")
 
 
 @pytest.mark.clause("POLICY-16", "TRACE-14", "TRACE-1", "TRACE-6")
@@ -106,7 +100,7 @@ def test_a_run_under_each_policy_replays_identically_naming_its_policy(policy: s
     assert (trace.policy, trace.config["patience"]) == (policy, 2 if policy != "lesson" else 8)
     assert ("policy" in header) == (policy != "lesson")
     assert bool(trace.priorities) == (policy == "priority")
-    for impl in impls(policy):
+    for impl in IMPLS:
         outcome = replay_trace(trace, impl)
         assert outcome.ok and outcome.identical == outcome.steps > 10, outcome
         assert replay_recorded(trace, impl) == 0
@@ -131,7 +125,7 @@ def test_a_trace_judged_under_another_policy_diverges(policy: str, header: dict[
     """POLICY-16's negative control: the same records with the header naming another policy (or patience), or
     without their priorities, replay to a difference, which replay reports with exit 1."""
     trace = read_trace(lines(edited(record(policy), header, strip)))
-    for impl in impls(trace.policy):
+    for impl in IMPLS:
         outcome = replay_trace(trace, impl)
         assert not outcome.ok and outcome.difference is not None and outcome.difference.startswith("step ")
         assert replay_recorded(trace, impl) == 1
@@ -207,7 +201,7 @@ def test_the_policy_samples_recorded_as_traces_replay_identically() -> None:
         trace = workload_trace(workload)
         assert trace.policy == workload.config["policy"]
         assert trace.priorities == {r.id: r.priority for r in workload.requests if r.priority}
-        for impl in impls(trace.policy):
+        for impl in IMPLS:
             outcome = replay_trace(trace, impl)
             assert outcome.ok and outcome.identical == outcome.steps, (trace.policy, impl, outcome)
         seen.add(trace.policy)
