@@ -11,13 +11,17 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from optimized.benchmarks import policies as bench
-from optimized.benchmarks.serve import percentiles, trace_rows
+from optimized.benchmarks.serve import Job, percentiles, trace_rows
 from optimized.cli import command
+from optimized.engine.engine import EngineStats
+from optimized.engine.sampling_params import SamplingParams
+from optimized.entry.llm import RequestOutput
 from tests.engine_fixtures import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,6 +149,52 @@ def test_the_table_prints_the_ratios_to_the_lesson_of_the_same_run() -> None:
     assert len(bench.table([bench.summarize(bench.Replay("mixed", [fast], bench.Counters(0, 0, 0)), 1.0, 1.0)])) == 2
 
 
+class FakeLLM:
+    """The step API's shape without a model: each step gives every live request one token; it records when each
+    request was added."""
+
+    def __init__(self) -> None:
+        self.stats = EngineStats(preemptions=5, prefix_cache_hit_tokens=7, prefix_cache_query_tokens=9)
+        self.added: list[float] = []
+        self.live: dict[int, tuple[int, int]] = {}  # request id -> (tokens so far, tokens asked)
+
+    def add_request(self, prompt: list[int], params: SamplingParams) -> int:
+        self.added.append(time.perf_counter())
+        self.live[len(self.added) - 1] = (0, params.max_tokens)
+        return len(self.added) - 1
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(0.002)
+        self.stats.preemptions += 1
+        self.stats.prefix_cache_query_tokens += 10
+        done = []
+        for rid, (got, asked) in list(self.live.items()):
+            self.live[rid] = (got + 1, asked)
+            if got + 1 == asked:
+                del self.live[rid]
+                done.append(RequestOutput(rid, None, [], [0] * asked, "", "length"))
+        return done
+
+    def completion_tokens(self, rid: int, start: int = 0) -> list[int] | None:
+        return None if rid not in self.live else [0] * (self.live[rid][0] - start)
+
+
+@pytest.mark.clause("POLICY-18")
+def test_a_request_is_added_once_its_arrival_has_passed() -> None:
+    """POLICY-18: the replay adds no request before its arrival time, idles while nothing is queued, times every
+    token from the arrival (each at the end of its step), and counts only its own engine counters."""
+    jobs = [Job(0.0, [1], 3), Job(0.05, [1], 2), Job(0.05, [1], 1), Job(0.2, [1], 4)]
+    llm = FakeLLM()
+    start = time.perf_counter()
+    r = bench.replay(llm, "lesson", jobs)  # type: ignore[arg-type]
+    assert all(at - start >= j.arrival - 1e-3 for at, j in zip(llm.added, jobs, strict=True))
+    assert llm.added[3] - llm.added[0] >= 0.2 - 1e-3  # it waited for the last arrival, with nothing queued
+    assert [len(t.token_times) for t in r.timings] == [3, 2, 1, 4] and r.output_tokens == 10
+    assert all(t.ttft >= 0.002 and all(g >= 0.002 for g in t.gaps) for t in r.timings)
+    steps = llm.stats.preemptions - 5  # one a step, from the 5 the engine had before the replay
+    assert r.counters == bench.Counters(steps, 0, 10 * steps) and steps >= 4
+
+
 # --- the workload --------------------------------------------------------------------------------------------------
 @pytest.mark.clause("POLICY-18")
 def test_lengths_are_divided_and_clamped_to_the_model() -> None:
@@ -191,7 +241,7 @@ def test_the_workload_is_drawn_from_its_seed() -> None:
 def test_the_shared_prefix_workload_interleaves_its_system_prompts() -> None:
     """POLICY-18, POLICY-19: every request opens with one of the system prompts, all of them used and
     interleaved (no run of one prompt's requests takes them all), then 16..64 tokens of its own; its KV cache holds
-    two system prompts and sixteen requests' own tokens; a system prompt that cannot fit is refused, naming
+    two system prompts and six requests' own tokens; a system prompt that cannot fit is refused, naming
     --prefix-len."""
     jobs = bench.shared_prefix_workload(40, 4, 32, 257, 256, 10.0, seed=0)
     heads = [tuple(j.prompt[:32]) for j in jobs]
@@ -200,7 +250,7 @@ def test_the_shared_prefix_workload_interleaves_its_system_prompts() -> None:
     assert switches > 10
     assert all(16 <= len(j.prompt) - 32 <= 64 and 8 <= j.output_len <= 32 for j in jobs)
     assert all(a.arrival <= b.arrival for a, b in itertools.pairwise(jobs))
-    assert bench.shared_prefix_blocks(512, 16, 256) == 2 * 32 + 16 * 6
+    assert bench.shared_prefix_blocks(512, 16) == 2 * 32 + 6 * 6
     with pytest.raises(ValueError, match=r"^--prefix-len: "):
         bench.shared_prefix_workload(4, 2, 200, 257, 256, 10.0, seed=0)
 

@@ -20,9 +20,9 @@ CSV with ``arrived_at,num_prefill_tokens,num_decode_tokens``; optimized/benchmar
 arrival times as recorded, or, with ``--rate R``, rescaled by one factor so that the mean rate over the window is R
 requests/s, every gap keeping its share of the whole (the burst shape; ``rescale_arrivals``). ``--shared-prefix``:
 ``--prefixes`` distinct system prompts of ``--prefix-len`` tokens, each request one of them (drawn from the seed,
-so they interleave) and a suffix of its own, Poisson arrivals at ``--rate``, and by default a KV cache that holds
-about two of the system prompts beside the running requests, so that the order of admission decides what stays
-cached (POLICY-9). Prompt tokens are drawn from ``--workload-seed``; every request is greedy with ``ignore_eos``,
+so they interleave) and a suffix of its own, Poisson arrivals at ``--rate`` (16/s by default), and by default a KV
+cache that holds two of the system prompts beside six requests' own tokens, so that the order of admission decides
+what stays cached (POLICY-9). Prompt tokens are drawn from ``--workload-seed``; every request is greedy with ``ignore_eos``,
 so it yields exactly its length under every policy. ``--plot`` draws each policy's TTFT and TBT CDFs and each
 policy's timeline side by side (one row per request: waiting until its first token, then each gap between tokens,
 red when it exceeds ``slo_tbt``), from the same measurements.
@@ -114,10 +114,13 @@ def shared_prefix_workload(n: int, prefixes: int, prefix_len: int, vocab: int, m
     return jobs
 
 
-def shared_prefix_blocks(prefix_len: int, block_size: int, max_num_seqs: int) -> int:
-    """The shared-prefix workload's default KV cache: two system prompts' blocks and, for each of at most 16
-    running requests, a suffix and output's (96 tokens)."""
-    return 2 * math.ceil(prefix_len / block_size) + min(max_num_seqs, 16) * math.ceil(96 / block_size)
+SHARED_PREFIX_SEATS = 6  # the default cache's room for requests' own tokens, beside two system prompts
+
+
+def shared_prefix_blocks(prefix_len: int, block_size: int) -> int:
+    """The shared-prefix workload's default KV cache: two system prompts' blocks and six requests' own suffix and
+    output (96 tokens each): too small to keep every system prompt cached, so the order of admission decides."""
+    return 2 * math.ceil(prefix_len / block_size) + SHARED_PREFIX_SEATS * math.ceil(96 / block_size)
 
 
 # --- one policy's replay -------------------------------------------------------------------------------------------
@@ -414,8 +417,7 @@ def main(args: argparse.Namespace) -> int:
         if args.trace_file is not None:
             raise ValueError("--trace-file: not with --shared-prefix, whose workload is drawn")
         if kwargs.get("num_kvcache_blocks") is None:
-            kwargs["num_kvcache_blocks"] = shared_prefix_blocks(args.prefix_len, engine.kvcache_block_size,
-                                                                engine.max_num_seqs)
+            kwargs["num_kvcache_blocks"] = shared_prefix_blocks(args.prefix_len, engine.kvcache_block_size)
     else:
         name = "azure-conv" if args.trace_file is None else args.trace_file
         path = TRACES.get(name, Path(name))
