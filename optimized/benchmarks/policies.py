@@ -17,15 +17,16 @@ replay's only (the warm-up's subtracted). The ratio of each column to the lesson
 Workloads. A trace (``--trace-file``: the shipped excerpts ``azure-conv``, the default, and ``azure-code``, or any
 CSV with ``arrived_at,num_prefill_tokens,num_decode_tokens``; optimized/benchmarks/data/README.md): its first
 ``--requests`` rows; lengths divided by ``--prompt-scale`` and ``--output-scale`` and clamped (``scale_lengths``);
-arrival times as recorded, or, with ``--rate R``, rescaled by one factor so that the mean rate over the window is R
-requests/s, every gap keeping its share of the whole (the burst shape; ``rescale_arrivals``). ``--shared-prefix``:
-``--prefixes`` distinct system prompts of ``--prefix-len`` tokens, each request one of them (drawn from the seed,
-so they interleave) and a suffix of its own, Poisson arrivals at ``--rate`` (16/s by default), and by default a KV
-cache that holds two of the system prompts beside six requests' own tokens, so that the order of admission decides
-what stays cached (POLICY-9). Prompt tokens are drawn from ``--workload-seed``; every request is greedy with ``ignore_eos``,
-so it yields exactly its length under every policy. ``--plot`` draws each policy's TTFT and TBT CDFs and each
-policy's timeline side by side (one row per request: waiting until its first token, then each gap between tokens,
-red when it exceeds ``slo_tbt``), from the same measurements.
+arrival times rescaled by one factor so that the mean rate over the window is ``--rate`` R requests/s (3 by
+default), every gap keeping its share of the whole (the burst shape; ``rescale_arrivals``), or with ``--rate
+recorded`` as recorded. ``--shared-prefix``: ``--prefixes`` distinct system prompts of ``--prefix-len`` tokens,
+each request one of them (drawn from the seed, so they interleave) and a suffix of its own, Poisson arrivals at
+``--rate`` (16/s by default), and by default a KV cache that holds two of the system prompts beside six requests'
+own tokens, so that the order of admission decides what stays cached (POLICY-9). Prompt tokens are drawn from
+``--workload-seed``; every request is greedy with ``ignore_eos``, so it yields exactly its length under every
+policy. ``--plot`` draws each policy's TTFT and TBT CDFs and each policy's timeline side by side (one row per
+request: waiting until its first token, then each gap between tokens, red when it exceeds ``slo_tbt``), from the
+same measurements.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ ENGINE_DEFAULTS = {"max_num_batched_tokens": 256}
 # Not passed on: a policy per engine is this command's own choice, and one trace file cannot record several runs.
 NOT_PASSED = ("trace", "trace_wall_times")
 WARMUP_REQUESTS = 4
+# The trace's defaults: its first 100 rows at a mean of 3 requests/s, which this CPU serves under every policy with
+# the lesson's p99 TBT several times its p50 (the trace's own 5.4/s overloads it); the shared-prefix workload's rate.
+DEFAULT_REQUESTS = 100
+DEFAULT_RATE = 3.0
+RECORDED = "recorded"
+SHARED_PREFIX_RATE = 16.0
 CDF_QUANTILES = ("p50", "p90", "p99")
 
 
@@ -373,6 +380,10 @@ def _positive(text: str) -> float:
     return positive_seconds(text)
 
 
+def _rate(text: str) -> float | str:
+    return RECORDED if text.strip() == RECORDED else _positive(text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from optimized.engine.arg_types import bounded_int
     from optimized.engine.args import EngineArgs
@@ -381,10 +392,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-file", default=None, metavar="CSV",
                    help=f"the trace replayed: {', '.join(TRACES)} (the shipped excerpts, optimized/benchmarks/data/) "
                    "or a CSV of arrived_at,num_prefill_tokens,num_decode_tokens (default: azure-conv)")
-    p.add_argument("--requests", type=bounded_int(1), default=160, help="the trace's first N rows (160)")
-    p.add_argument("--rate", type=_positive, default=None, metavar="R",
-                   help="arrivals rescaled to a mean of R requests/s, the bursts kept (default: the trace's own "
-                   "times; --shared-prefix: Poisson at 16/s)")
+    p.add_argument("--requests", type=bounded_int(1), default=DEFAULT_REQUESTS,
+                   help=f"the trace's first N rows, or --shared-prefix's requests ({DEFAULT_REQUESTS})")
+    p.add_argument("--rate", type=_rate, default=None, metavar="R",
+                   help=f"arrivals rescaled to a mean of R requests/s, the bursts kept, or 'recorded': the trace's "
+                   f"own times (default {DEFAULT_RATE:g}; --shared-prefix: Poisson at {SHARED_PREFIX_RATE:g}/s)")
     p.add_argument("--prompt-scale", type=_positive, default=4.0, help="trace prompts divided by this (4)")
     p.add_argument("--output-scale", type=_positive, default=2.0, help="trace outputs divided by this (2)")
     p.add_argument("--slo-ttft", type=_positive, default=1.0, metavar="S", help="goodput's TTFT SLO, seconds (1.0)")
@@ -401,9 +413,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload-seed", type=bounded_int(0, 1 << 62), default=0)
 
 
-SHARED_PREFIX_RATE = 16.0
-
-
 def main(args: argparse.Namespace) -> int:
     from optimized.engine.args import EngineArgs
     from optimized.entry.llm import LLM
@@ -416,6 +425,8 @@ def main(args: argparse.Namespace) -> int:
     if args.shared_prefix:
         if args.trace_file is not None:
             raise ValueError("--trace-file: not with --shared-prefix, whose workload is drawn")
+        if args.rate == RECORDED:
+            raise ValueError("--rate: 'recorded' needs a trace; --shared-prefix draws Poisson arrivals")
         if kwargs.get("num_kvcache_blocks") is None:
             kwargs["num_kvcache_blocks"] = shared_prefix_blocks(args.prefix_len, engine.kvcache_block_size)
     else:
@@ -434,8 +445,8 @@ def main(args: argparse.Namespace) -> int:
         try:
             vocab, max_len = llm.limits.vocab_size, llm.limits.max_model_len
             if not jobs:
-                jobs = (trace_workload(rows, vocab, max_len, args.prompt_scale, args.output_scale, args.rate,
-                                       args.workload_seed) if rows is not None else
+                jobs = (trace_workload(rows, vocab, max_len, args.prompt_scale, args.output_scale,
+                                       trace_rate(args.rate), args.workload_seed) if rows is not None else
                         shared_prefix_workload(args.requests, args.prefixes, args.prefix_len, vocab, max_len,
                                                SHARED_PREFIX_RATE if args.rate is None else args.rate,
                                                args.workload_seed))
@@ -455,6 +466,13 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def trace_rate(rate: float | str | None) -> float | None:
+    """--rate for a trace: None (the default) is DEFAULT_RATE, 'recorded' the trace's own times (None)."""
+    if rate is None:
+        return DEFAULT_RATE
+    return None if rate == RECORDED else float(rate)
+
+
 def describe(args: argparse.Namespace, jobs: list[Job], kwargs: dict[str, Any]) -> str:
     """The workload and the settings, one line each."""
     span = jobs[-1].arrival - jobs[0].arrival
@@ -466,7 +484,7 @@ def describe(args: argparse.Namespace, jobs: list[Job], kwargs: dict[str, Any]) 
     else:
         what = (f"trace {args.trace_file or 'azure-conv'}: first {len(jobs)} rows, prompts / {args.prompt_scale:g}, "
                 f"outputs / {args.output_scale:g}, arrivals "
-                f"{'as recorded' if args.rate is None else f'rescaled to {args.rate:g}/s'}, "
+                f"{'as recorded' if trace_rate(args.rate) is None else f'rescaled to {trace_rate(args.rate):g}/s'}, "
                 f"workload seed {args.workload_seed}")
     settings = ", ".join(f"{k}={kwargs[k]}" for k in ("max_num_batched_tokens", "max_num_seqs", "num_kvcache_blocks")
                          if k in kwargs)
