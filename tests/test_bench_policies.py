@@ -262,7 +262,8 @@ def test_the_shared_prefix_workload_interleaves_its_system_prompts() -> None:
     (["--rate", "0"], "--rate"), (["--rate", "-2"], "--rate"), (["--rate", "fast"], "--rate"),
     (["--rate", "inf"], "--rate"), (["--policies", "lesson,fifo"], "--policies"),
     (["--policies", "lesson,lesson"], "--policies"), (["--slo-tbt", "0"], "--slo-tbt"),
-    (["--shared-prefix", "--trace-file", "x.csv"], "--trace-file"), (["--shared-prefix", "--rate", "recorded"], "--rate"),
+    (["--shared-prefix", "--trace-file", "x.csv"], "--trace-file"),
+    (["--shared-prefix", "--rate", "recorded"], "--rate"),
     (["--trace-file", "MISSING.csv"], "--trace-file"), (["--trace-file", "BAD_COLUMN"], "--trace-file"),
     (["--trace-file", "BAD_NUMBER"], "--trace-file"), (["--trace-file", "BAD_ORDER"], "--trace-file"),
 ])
