@@ -211,7 +211,7 @@ def test_lengths_are_divided_and_clamped_to_the_model() -> None:
 def test_a_rate_rescales_the_arrivals_and_keeps_the_bursts() -> None:
     """POLICY-18: with a rate R the arrivals, from the first, are multiplied by one factor so that (n - 1) / span
     = R; each gap keeps its share of the span. With 'recorded' they are the trace's, from its first; the default is
-    3/s. One instant has no rate: refused, naming --rate."""
+    5/s. One instant has no rate: refused, naming --rate."""
     times = [10.0, 11.0, 13.0, 16.0]
     assert bench.rescale_arrivals(times, None) == [0.0, 1.0, 3.0, 6.0]
     scaled = bench.rescale_arrivals(times, 2.0)
@@ -219,7 +219,7 @@ def test_a_rate_rescales_the_arrivals_and_keeps_the_bursts() -> None:
     assert (len(scaled) - 1) / scaled[-1] == pytest.approx(2.0)
     shares = [(b - a) / 6.0 for a, b in itertools.pairwise(times)]
     assert [(b - a) / scaled[-1] for a, b in itertools.pairwise(scaled)] == pytest.approx(shares)
-    assert (bench.trace_rate(None), bench.trace_rate("recorded"), bench.trace_rate(7.0)) == (3.0, None, 7.0)
+    assert (bench.trace_rate(None), bench.trace_rate("recorded"), bench.trace_rate(7.0)) == (5.0, None, 7.0)
     for flat in ([5.0], [5.0, 5.0]):
         with pytest.raises(ValueError, match=r"^--rate: "):
             bench.rescale_arrivals(flat, 1.0)
