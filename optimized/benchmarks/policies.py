@@ -337,7 +337,7 @@ def plot(replays: list[Replay], slo_ttft: float, slo_tbt: float, path: Path, tit
         ax.set_ylim(0, 1.01)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
-    top.suptitle(title, fontsize=10)
+    top.suptitle(title, fontsize=9)
     axes = bottom.subplots(1, len(replays), sharex=True, sharey=True, squeeze=False)[0]
     for ax, r in zip(axes, replays, strict=True):
         waits: list[list[tuple[float, int]]] = []
