@@ -19,6 +19,7 @@ import pytest
 from optimized.benchmarks import policies as bench
 from optimized.benchmarks.serve import Job, percentiles, trace_rows
 from optimized.cli import command
+from optimized.core.config import POLICIES
 from optimized.engine.engine import EngineStats
 from optimized.engine.sampling_params import SamplingParams
 from optimized.entry.llm import RequestOutput
@@ -147,6 +148,16 @@ def test_the_table_prints_the_ratios_to_the_lesson_of_the_same_run() -> None:
     assert cells[column["output_tps"]] == "2.00x" and cells[column["preemptions"]] == "0.00x"
     assert cells[column["hit_rate"]] == "n/a"  # the lesson's is 0: no ratio
     assert len(bench.table([bench.summarize(bench.Replay("mixed", [fast], bench.Counters(0, 0, 0)), 1.0, 1.0)])) == 2
+
+
+@pytest.mark.clause("POLICY-18")
+def test_a_policy_that_decided_as_the_lesson_is_called_noise() -> None:
+    """POLICY-18: priority (every request at priority 0) and lpm without a single prefix hit decide as the lesson:
+    the report says so; lpm with hits and mixed get no note."""
+    t = [bench.Timing(0.0, [0.1])]
+    notes = bench.same_as_lesson([bench.Replay(p, t, bench.Counters(0, 0, 10)) for p in POLICIES])
+    assert [n.split()[2] for n in notes] == ["priority", "lpm"]
+    assert bench.same_as_lesson([bench.Replay("lpm", t, bench.Counters(0, 3, 10))]) == []
 
 
 class FakeLLM:

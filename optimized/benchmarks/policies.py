@@ -461,10 +461,25 @@ def main(args: argparse.Namespace) -> int:
               flush=True)
     for line in table([summarize(r, args.slo_ttft, args.slo_tbt) for r in replays]):
         print(line)
+    for line in same_as_lesson(replays):
+        print(line)
     if args.plot is not None:
         plot(replays, args.slo_ttft, args.slo_tbt, args.plot, describe(args, jobs, kwargs))
         print(f"figure: {args.plot}")
     return 0
+
+
+def same_as_lesson(replays: list[Replay]) -> list[str]:
+    """A note for each policy that decided as the lesson on this workload, whose differences are then noise."""
+    notes = []
+    for r in replays:
+        if r.policy == "priority":  # the bench gives every request the default priority
+            notes.append("note: under priority every request here has priority 0, so it decides every step as the "
+                         "lesson (POLICY-5): its ratios measure this run's noise")
+        if r.policy == "lpm" and r.counters.hit_tokens == 0:
+            notes.append("note: under lpm no prompt here found a cached prefix, so it kept the lesson's order "
+                         "(POLICY-8): its ratios measure this run's noise")
+    return notes
 
 
 def trace_rate(rate: float | str | None) -> float | None:
