@@ -294,6 +294,15 @@ def test_bad_input_is_one_line_naming_the_flag(flags: list[str], named: str, tmp
     assert len(err.splitlines()) == 1 and named in err, err
 
 
+@pytest.mark.clause("POLICY-18")
+def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """POLICY-18: --plot without matplotlib is a ValueError naming --plot and the plot extra (the command asks
+    before any model loads)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(ValueError, match=r"^--plot needs matplotlib: install the plot extra"):
+        bench.pyplot()
+
+
 # --- the shipped excerpt -------------------------------------------------------------------------------------------
 @pytest.mark.clause("POLICY-18")
 def test_every_shipped_trace_is_attributed_and_parses() -> None:
