@@ -277,21 +277,25 @@ def test_the_shared_prefix_workload_interleaves_its_system_prompts() -> None:
     (["--shared-prefix", "--rate", "recorded"], "--rate"),
     (["--trace-file", "MISSING.csv"], "--trace-file"), (["--trace-file", "BAD_COLUMN"], "--trace-file"),
     (["--trace-file", "BAD_NUMBER"], "--trace-file"), (["--trace-file", "BAD_ORDER"], "--trace-file"),
+    (["--trace-file", "A_FOLDER"], "--trace-file"), (["--trace-file", "NOT_UTF8"], "--trace-file"),
 ])
 def test_bad_input_is_one_line_naming_the_flag(flags: list[str], named: str, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     """POLICY-18: a bad rate, an unknown or repeated policy, a bad SLO, a trace file that is missing, lacks a
-    column, holds a word for a number or goes back in time: exit status 2 and one line naming the flag, before
-    any model is loaded."""
+    column, holds a word for a number, goes back in time, is a folder or not UTF-8: exit status 2 and one line naming
+    the command and the flag, nothing on standard output, before any model is loaded."""
     files = {"MISSING.csv": tmp_path / "missing.csv",
              "BAD_COLUMN": write_trace(tmp_path / "c.csv", [(0.0, 1, 1)]),
              "BAD_NUMBER": tmp_path / "n.csv", "BAD_ORDER": write_trace(tmp_path / "o.csv", [(1.0, 1, 1), (0.5, 2, 2)])}
+    files["A_FOLDER"] = tmp_path
+    files["NOT_UTF8"] = tmp_path / "latin1.csv"
+    files["NOT_UTF8"].write_bytes(b"arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,4,4\n\xe9\xff,1,1\n")
     files["BAD_COLUMN"].write_text("arrived_at,num_prefill_tokens\n0.0,4\n")
     files["BAD_NUMBER"].write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,many,4\n")
     argv = ["bench", "policies", *(str(files.get(f, f)) for f in flags)]
     assert command.main(argv) == command.BAD_INPUT
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and named in err, err
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("nanoverify bench policies: ") and named in err, err
 
 
 @pytest.mark.clause("POLICY-18")
