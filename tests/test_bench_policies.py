@@ -150,6 +150,27 @@ def test_the_table_prints_the_ratios_to_the_lesson_of_the_same_run() -> None:
     assert len(bench.table([bench.summarize(bench.Replay("mixed", [fast], bench.Counters(0, 0, 0)), 1.0, 1.0)])) == 2
 
 
+@pytest.mark.clause("POLICY-18", "POLICY-19")
+def test_the_targets_are_printed_with_both_sides() -> None:
+    """POLICY-18, POLICY-19: on a trace, mixed's p99 TBT and output tok/s beside the lesson's with the ratios, and
+    the lesson's p99 / p50 TBT; on the shared-prefix workload lpm's hit rate and mean TTFT beside the lesson's;
+    nothing without the lesson."""
+    lesson = bench.summarize(bench.Replay("lesson", [bench.Timing(0.0, [0.2, 0.21, 0.22, 0.42])],
+                                          bench.Counters(0, 25, 100)), 1.0, 1.0)
+    other = bench.summarize(bench.Replay("mixed", [bench.Timing(0.0, [0.1, 0.15, 0.2, 0.25])],
+                                         bench.Counters(0, 50, 100)), 1.0, 1.0)
+    (line,) = bench.targets([lesson, other], shared_prefix=False)
+    p99 = percentiles([0.01, 0.01, 0.2])["p99"] * 1000
+    assert line.startswith(f"target (POLICY-19): p99 TBT mixed 50.0 ms vs lesson {p99:.1f} ms (")
+    assert "output tok/s mixed 16.0 vs lesson 9.5 (1.68x)" in line
+    assert line.endswith(f"the lesson's p99 / p50 TBT {p99 / 10:.2f}x")
+    lpm = bench.Summary(**{**vars(other), "policy": "lpm"})
+    (line,) = bench.targets([lesson, lpm], shared_prefix=True)
+    assert line == ("target (POLICY-19): prefix-cache hit rate lpm 50.0% vs lesson 25.0% (2.00x); mean TTFT lpm "
+                    "100.0 ms vs lesson 200.0 ms (0.50x)")
+    assert bench.targets([other, lpm], shared_prefix=True) == []
+
+
 @pytest.mark.clause("POLICY-18")
 def test_a_policy_that_decided_as_the_lesson_is_called_noise() -> None:
     """POLICY-18: priority (every request at priority 0) and lpm without a single prefix hit decide as the lesson:

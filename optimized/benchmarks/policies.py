@@ -459,9 +459,8 @@ def main(args: argparse.Namespace) -> int:
         r = replays[-1]
         print(f"  {policy}: {len(r.timings)} requests, {r.output_tokens} output tokens in {r.duration:.2f} s",
               flush=True)
-    for line in table([summarize(r, args.slo_ttft, args.slo_tbt) for r in replays]):
-        print(line)
-    for line in same_as_lesson(replays):
+    summaries = [summarize(r, args.slo_ttft, args.slo_tbt) for r in replays]
+    for line in table(summaries) + same_as_lesson(replays) + targets(summaries, args.shared_prefix):
         print(line)
     if args.plot is not None:
         plot(replays, args.slo_ttft, args.slo_tbt, args.plot, describe(args, jobs, kwargs))
@@ -480,6 +479,31 @@ def same_as_lesson(replays: list[Replay]) -> list[str]:
             notes.append("note: under lpm no prompt here found a cached prefix, so it kept the lesson's order "
                          "(POLICY-8): its ratios measure this run's noise")
     return notes
+
+
+def targets(summaries: list[Summary], shared_prefix: bool) -> list[str]:
+    """POLICY-19's comparisons, both sides and the ratio, when the run holds them: on a trace, mixed against the
+    lesson (p99 TBT, output tok/s; and the lesson's p99 / p50 TBT, the regime); on the shared-prefix workload, lpm
+    against the lesson (hit rate, mean TTFT)."""
+    by = {s.policy: s for s in summaries}
+    base = by.get(BASELINE)
+    if base is None:
+        return []
+    lines = []
+    if not shared_prefix and "mixed" in by:
+        m = by["mixed"]
+        lines.append(f"target (POLICY-19): p99 TBT mixed {m.tbt['p99'] * 1000:.1f} ms vs lesson "
+                     f"{base.tbt['p99'] * 1000:.1f} ms ({_ratio_cell(ratio(m.tbt['p99'], base.tbt['p99']))}); output "
+                     f"tok/s mixed {m.output_tps:.1f} vs lesson {base.output_tps:.1f} "
+                     f"({_ratio_cell(ratio(m.output_tps, base.output_tps))}); the lesson's p99 / p50 TBT "
+                     f"{_ratio_cell(ratio(base.tbt['p99'], base.tbt['p50']))}")
+    if shared_prefix and "lpm" in by:
+        lpm = by["lpm"]
+        lines.append(f"target (POLICY-19): prefix-cache hit rate lpm {lpm.hit_rate:.1%} vs lesson {base.hit_rate:.1%} "
+                     f"({_ratio_cell(ratio(lpm.hit_rate, base.hit_rate))}); mean TTFT lpm "
+                     f"{lpm.ttft['mean'] * 1000:.1f} ms vs lesson {base.ttft['mean'] * 1000:.1f} ms "
+                     f"({_ratio_cell(ratio(lpm.ttft['mean'], base.ttft['mean']))})")
+    return lines
 
 
 def trace_rate(rate: float | str | None) -> float | None:
