@@ -42,9 +42,10 @@ def write_trace(path: Path, rows: list[tuple[float, int, int]]) -> Path:
 @pytest.mark.clause("POLICY-18")
 @pytest.mark.usefixtures("engine_env")
 def test_the_command_runs_two_policies_and_prints_every_column(tmp_path: Path) -> None:
-    """POLICY-18: on a tiny model and an 8-row trace, two policies each print one line with a number in every
-    column (TTFT, TBT, E2E percentiles, goodput, preemptions, hit rate, output tok/s), then the second policy's
-    ratios to the lesson's; --plot writes a PNG; exit status 0."""
+    """POLICY-18: on a tiny model and an 8-row trace, two policies in two rounds (the second backwards) each print
+    one line with a number in every column (TTFT, TBT, E2E percentiles, goodput, preemptions, hit rate, output
+    tok/s), the medians of the rounds, then the second policy's ratios to the lesson's; --plot writes a PNG; exit
+    status 0."""
     rows = [(0.0, 120, 16), (0.01, 40, 10), (0.05, 300, 8), (0.1, 64, 12), (0.12, 64, 12), (0.3, 200, 6),
             (0.31, 8, 20), (0.4, 100, 4)]
     trace = write_trace(tmp_path / "tiny.csv", rows)
@@ -52,7 +53,7 @@ def test_the_command_runs_two_policies_and_prints_every_column(tmp_path: Path) -
     proc = subprocess.run(
         [sys.executable, "-m", "optimized.cli", "bench", "policies", "--model", str(checkpoint("qwen3")),
          "--block-size", "4", "--num-kvcache-blocks", "128", "--max-num-batched-tokens", "32",
-         "--trace-file", str(trace), "--policies", "lesson,mixed", "--plot", str(figure)],
+         "--trace-file", str(trace), "--policies", "lesson,mixed", "--plot", str(figure), "--rounds", "2"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
@@ -64,7 +65,11 @@ def test_the_command_runs_two_policies_and_prints_every_column(tmp_path: Path) -
         row = next(line for line in lines if line.startswith(f"{policy} "))
         cells = row.split()[1:]
         assert len(cells) == len(bench.COLUMNS) and all(re.fullmatch(r"\d+(\.\d+)?%?|n/a", c) for c in cells), row
-        assert f"  {policy}: 8 requests, {tokens} output tokens in " in proc.stdout
+        for k in (1, 2):
+            assert f"  {policy} (round {k}/2): 8 requests, {tokens} output tokens in " in proc.stdout
+    assert lines.index("each column the median of the 2 rounds:") == lines.index(header) - 1
+    rounds = [line.split(" (round")[0].strip() for line in lines if " (round " in line]
+    assert rounds == ["lesson", "mixed", "mixed", "lesson"]  # the second round backwards
     ratios = lines[lines.index("ratio to lesson (this run):") + 1]
     assert re.fullmatch(rf"mixed(\s+(\d+\.\d\dx|n/a)){{{len(bench.COLUMNS)}}}", ratios.rstrip()), ratios
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -148,6 +153,23 @@ def test_the_table_prints_the_ratios_to_the_lesson_of_the_same_run() -> None:
     assert cells[column["output_tps"]] == "2.00x" and cells[column["preemptions"]] == "0.00x"
     assert cells[column["hit_rate"]] == "n/a"  # the lesson's is 0: no ratio
     assert len(bench.table([bench.summarize(bench.Replay("mixed", [fast], bench.Counters(0, 0, 0)), 1.0, 1.0)])) == 2
+
+
+@pytest.mark.clause("POLICY-18")
+def test_rounds_report_each_columns_median() -> None:
+    """POLICY-18: over rounds each column is the median of its rounds' values (the middle one of three, not the
+    mean: the control); one round is its own summary; a hit rate not measured in some round is not measured."""
+    def one(ttft: float, gap: float, hits: int, queried: int) -> bench.Summary:
+        return bench.summarize(bench.Replay("mixed", [bench.Timing(0.0, [ttft, ttft + gap])],
+                                            bench.Counters(hits, hits, queried)), 1.0, 1.0)
+
+    rounds = [one(0.1, 0.01, 1, 10), one(0.5, 0.05, 2, 10), one(0.2, 0.9, 9, 10)]
+    m = bench.median_summary(rounds)
+    assert (m.ttft["p50"], m.tbt["p99"], m.preemptions, m.hit_rate) == pytest.approx((0.2, 0.05, 2, 0.2))
+    assert m.ttft["p50"] != pytest.approx(sum(r.ttft["p50"] for r in rounds) / 3)
+    assert m.goodput == 1.0 and m.policy == "mixed"
+    assert bench.median_summary(rounds[:1]) is rounds[0]
+    assert math.isnan(bench.median_summary([rounds[0], one(0.1, 0.01, 0, 0)]).hit_rate)
 
 
 @pytest.mark.clause("POLICY-18", "POLICY-19")

@@ -13,6 +13,10 @@ percentiles pool every gap of every request. Goodput is the share of requests th
 the share of the tokens looked up in the prefix cache that it held (``EngineStats``), preemptions are the engine's
 count, output tok/s is every output token over the time from the start to the last token; each is the timed
 replay's only (the warm-up's subtracted). The ratio of each column to the lesson's, from the same run, follows.
+``--rounds N`` replays every policy N times, the order reversed every other round (so that a neighbour's load on a
+shared machine falls on every policy alike), and reports each column's median over the rounds; a policy that
+decides as the lesson on the workload (priority with every priority 0, lpm without a single prefix hit) is named,
+its ratios being the run's noise.
 
 Workloads. A trace (``--trace-file``: the shipped excerpts ``azure-conv``, the default, and ``azure-code``, or any
 CSV with ``arrived_at,num_prefill_tokens,num_decode_tokens``; optimized/benchmarks/data/README.md): its first
@@ -24,9 +28,9 @@ each request one of them (drawn from the seed, so they interleave) and a suffix 
 ``--rate`` (16/s by default), and by default a KV cache that holds two of the system prompts beside six requests'
 own tokens, so that the order of admission decides what stays cached (POLICY-9). Prompt tokens are drawn from
 ``--workload-seed``; every request is greedy with ``ignore_eos``, so it yields exactly its length under every
-policy. ``--plot`` draws each policy's TTFT and TBT CDFs and each policy's timeline side by side (one row per
-request: waiting until its first token, then each gap between tokens, red when it exceeds ``slo_tbt``), from the
-same measurements.
+policy. ``--plot`` draws each policy's TTFT and TBT CDFs (its rounds pooled) and each policy's timeline side by
+side (its first round; one row per request: waiting until its first token, then each gap between tokens, red when
+it exceeds ``slo_tbt``), from the same measurements.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import argparse
 import itertools
 import math
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,7 +236,7 @@ class Summary:
     tbt: dict[str, float]
     e2e: dict[str, float]
     goodput: float  # share of requests meeting both SLOs
-    preemptions: int
+    preemptions: float  # a median over rounds may fall between two counts
     hit_rate: float  # nan when nothing was looked up
     output_tps: float
 
@@ -273,7 +278,7 @@ def value(s: Summary, key: str) -> float:
 def _shown(v: float, kind: str) -> str:
     if math.isnan(v):
         return "n/a"
-    return {"ms": f"{v * 1000:.1f}", "%": f"{v:.1%}", "n": f"{v:.0f}", "f": f"{v:.1f}"}[kind]
+    return {"ms": f"{v * 1000:.1f}", "%": f"{v:.1%}", "n": f"{v:g}", "f": f"{v:.1f}"}[kind]
 
 
 def ratio(a: float, b: float) -> float:
@@ -316,8 +321,10 @@ def pyplot() -> Any:
     return plt
 
 
-def plot(replays: list[Replay], slo_ttft: float, slo_tbt: float, path: Path, title: str) -> None:
-    """Top: the TTFT and the TBT CDF of every policy; below: each policy's timeline, side by side on one axis."""
+def plot(runs: list[list[Replay]], slo_ttft: float, slo_tbt: float, path: Path, title: str) -> None:
+    """Top: the TTFT and the TBT CDF of every policy (each policy's rounds pooled); below: each policy's timeline
+    (its first round), side by side on one axis."""
+    replays = [rounds[0] for rounds in runs]
     plt = pyplot()
     from matplotlib.collections import LineCollection
 
@@ -325,11 +332,12 @@ def plot(replays: list[Replay], slo_ttft: float, slo_tbt: float, path: Path, tit
     top, bottom = fig.subfigures(2, 1, height_ratios=[1.0, 1.5])
     cdfs = top.subplots(1, 2)
     for ax, what, slo in ((cdfs[0], "TTFT", slo_ttft), (cdfs[1], "TBT (every gap between two tokens)", slo_tbt)):
-        for r in replays:
-            values = sorted([t.ttft for t in r.timings] if what == "TTFT" else [g for t in r.timings for g in t.gaps])
+        for rounds in runs:
+            timings = [t for r in rounds for t in r.timings]
+            values = sorted([t.ttft for t in timings] if what == "TTFT" else [g for t in timings for g in t.gaps])
             if values:
                 ax.step([v * 1000 for v in values], [(k + 1) / len(values) for k in range(len(values))],
-                        where="post", label=r.policy)
+                        where="post", label=rounds[0].policy)
         ax.axvline(slo * 1000, color="black", linestyle="--", linewidth=0.8, label="SLO")
         ax.set_xscale("log")
         ax.set_xlabel(f"{what}, ms (log)")
@@ -412,6 +420,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefixes", type=bounded_int(1), default=4, help="--shared-prefix: system prompts (4)")
     p.add_argument("--prefix-len", type=bounded_int(1), default=512, help="--shared-prefix: their length (512)")
     p.add_argument("--workload-seed", type=bounded_int(0, 1 << 62), default=0)
+    p.add_argument("--rounds", type=bounded_int(1, 100), default=1,
+                   help="replays per policy, in alternating order (every policy, then every policy backwards, ...); "
+                   "each column the median of the rounds (1)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -440,32 +451,55 @@ def main(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ValueError(f"--trace-file: {e}") from None
     jobs: list[Job] = []
-    replays: list[Replay] = []
-    for policy in args.policies:
-        llm = LLM(**kwargs, **({} if policy == BASELINE else {"scheduling_policy": policy}))
-        try:
-            vocab, max_len = llm.limits.vocab_size, llm.limits.max_model_len
-            if not jobs:
-                jobs = (trace_workload(rows, vocab, max_len, args.prompt_scale, args.output_scale,
-                                       trace_rate(args.rate), args.workload_seed) if rows is not None else
-                        shared_prefix_workload(args.requests, args.prefixes, args.prefix_len, vocab, max_len,
-                                               SHARED_PREFIX_RATE if args.rate is None else args.rate,
-                                               args.workload_seed))
-                print(describe(args, jobs, kwargs))
-            warm_up(llm, vocab, args.workload_seed)
-            replays.append(replay(llm, policy, jobs))
-        finally:
-            llm.close()
-        r = replays[-1]
-        print(f"  {policy}: {len(r.timings)} requests, {r.output_tokens} output tokens in {r.duration:.2f} s",
-              flush=True)
-    summaries = [summarize(r, args.slo_ttft, args.slo_tbt) for r in replays]
-    for line in table(summaries) + same_as_lesson(replays) + targets(summaries, args.shared_prefix):
+    runs: dict[str, list[Replay]] = {policy: [] for policy in args.policies}
+    for k in range(args.rounds):
+        for policy in args.policies if k % 2 == 0 else args.policies[::-1]:  # neither end always first
+            llm = LLM(**kwargs, **({} if policy == BASELINE else {"scheduling_policy": policy}))
+            try:
+                vocab, max_len = llm.limits.vocab_size, llm.limits.max_model_len
+                if not jobs:
+                    jobs = (trace_workload(rows, vocab, max_len, args.prompt_scale, args.output_scale,
+                                           trace_rate(args.rate), args.workload_seed) if rows is not None else
+                            shared_prefix_workload(args.requests, args.prefixes, args.prefix_len, vocab, max_len,
+                                                   SHARED_PREFIX_RATE if args.rate is None else args.rate,
+                                                   args.workload_seed))
+                    print(describe(args, jobs, kwargs))
+                warm_up(llm, vocab, args.workload_seed)
+                r = replay(llm, policy, jobs)
+            finally:
+                llm.close()
+            runs[policy].append(r)
+            one = summarize(r, args.slo_ttft, args.slo_tbt)
+            print(f"  {policy} (round {k + 1}/{args.rounds}): {len(r.timings)} requests, {r.output_tokens} output "
+                  f"tokens in {r.duration:.2f} s; p99 TBT {one.tbt['p99'] * 1000:.1f} ms, mean TTFT "
+                  f"{one.ttft['mean'] * 1000:.1f} ms, hit rate {_shown(one.hit_rate, '%')}", flush=True)
+    summaries = [median_summary([summarize(r, args.slo_ttft, args.slo_tbt) for r in runs[p]]) for p in args.policies]
+    if args.rounds > 1:
+        print(f"each column the median of the {args.rounds} rounds:")
+    firsts = [runs[p][0] for p in args.policies]
+    for line in table(summaries) + same_as_lesson(firsts) + targets(summaries, args.shared_prefix):
         print(line)
     if args.plot is not None:
-        plot(replays, args.slo_ttft, args.slo_tbt, args.plot, describe(args, jobs, kwargs))
+        plot([runs[p] for p in args.policies], args.slo_ttft, args.slo_tbt, args.plot, describe(args, jobs, kwargs))
         print(f"figure: {args.plot}")
     return 0
+
+
+def median_summary(rounds: list[Summary]) -> Summary:
+    """Each column's median over the rounds of one policy (the summary itself for one round)."""
+    if len(rounds) == 1:
+        return rounds[0]
+
+    def median(values: list[float]) -> float:
+        return statistics.median(values) if not any(math.isnan(v) for v in values) else math.nan
+
+    def each(metric: str) -> dict[str, float]:
+        stats: list[dict[str, float]] = [getattr(r, metric) for r in rounds]
+        return {q: median([d[q] for d in stats]) for q in stats[0]}
+
+    return Summary(rounds[0].policy, each("ttft"), each("tbt"), each("e2e"), median([r.goodput for r in rounds]),
+                   median([r.preemptions for r in rounds]), median([r.hit_rate for r in rounds]),
+                   median([r.output_tps for r in rounds]))
 
 
 def same_as_lesson(replays: list[Replay]) -> list[str]:
