@@ -130,6 +130,7 @@ def test_the_summary_pools_every_gap_and_counts_the_cache() -> None:
     b = bench.Timing(0.0, [0.5, 1.5])  # one gap of 1.0
     s = bench.summarize(bench.Replay("lesson", [a, b], bench.Counters(2, 30, 120)), 1.0, 0.5)
     assert s.tbt["p50"] == pytest.approx(0.1) and s.tbt["mean"] == pytest.approx(1.3 / 4)
+    assert s.tbt["max"] == pytest.approx(1.0)
     averaged = (percentiles(a.gaps)["p50"] + percentiles(b.gaps)["p50"]) / 2
     assert averaged != pytest.approx(s.tbt["p50"])
     assert (s.preemptions, s.hit_rate, s.goodput) == (2, 0.25, 0.5)

@@ -8,10 +8,11 @@ during a step waits for it, as it would behind a server's loop. Every latency co
 time, not from when it was added: TTFT is arrival to first token, each TBT gap is the time between two consecutive
 tokens of one request (a token's time is the end of the step that made it), E2E is arrival to last token.
 Percentiles interpolate linearly between order statistics (numpy's default; ``serve.percentiles``); the TBT
-percentiles pool every gap of every request. Goodput is the share of requests that met both SLOs: TTFT <=
-``slo_ttft`` and their largest gap <= ``slo_tbt`` (every gap, not a percentile of them). Prefix-cache hit rate is
-the share of the tokens looked up in the prefix cache that it held (``EngineStats``), preemptions are the engine's
-count, output tok/s is every output token over the time from the start to the last token; each is the timed
+percentiles and the TBT max (the longest gap) pool every gap of every request. Goodput is the share of requests
+that met both SLOs: TTFT <= ``slo_ttft`` and their largest gap <= ``slo_tbt`` (every gap, not a percentile of
+them). Prefix-cache hit rate is the share of the tokens looked up in the prefix cache that it held
+(``EngineStats``), preemptions are the engine's count, output tok/s is every output token over the time from the
+start to the last token; each is the timed
 replay's only (the warm-up's subtracted). The ratio of each column to the lesson's, from the same run, follows.
 ``--rounds N`` replays every policy N times, the order reversed every other round (so that a neighbour's load on a
 shared machine falls on every policy alike), and reports each column's median over the rounds; a policy that
@@ -233,7 +234,7 @@ def warm_up(llm: LLM, vocab: int, seed: int) -> None:
 class Summary:
     policy: str
     ttft: dict[str, float]  # seconds: mean, p50, p90, p99
-    tbt: dict[str, float]
+    tbt: dict[str, float]  # and max: the longest gap of all
     e2e: dict[str, float]
     goodput: float  # share of requests meeting both SLOs
     preemptions: float  # a median over rounds may fall between two counts
@@ -249,8 +250,9 @@ def goodput(timings: list[Timing], slo_ttft: float, slo_tbt: float) -> float:
 
 def summarize(r: Replay, slo_ttft: float, slo_tbt: float) -> Summary:
     c = r.counters
+    gaps = [g for t in r.timings for g in t.gaps]
     return Summary(r.policy, percentiles([t.ttft for t in r.timings]),
-                   percentiles([g for t in r.timings for g in t.gaps]), percentiles([t.e2e for t in r.timings]),
+                   {**percentiles(gaps), "max": max(gaps, default=math.nan)}, percentiles([t.e2e for t in r.timings]),
                    goodput(r.timings, slo_ttft, slo_tbt), c.preemptions,
                    c.hit_tokens / c.query_tokens if c.query_tokens else math.nan, r.output_tokens / r.duration)
 
@@ -258,7 +260,7 @@ def summarize(r: Replay, slo_ttft: float, slo_tbt: float) -> Summary:
 # (header, what it reads, format of a value): the columns, in order; latencies in milliseconds
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     *((f"TTFT {q}", f"ttft.{q}", "ms") for q in CDF_QUANTILES), ("TTFT mean", "ttft.mean", "ms"),
-    *((f"TBT {q}", f"tbt.{q}", "ms") for q in CDF_QUANTILES),
+    *((f"TBT {q}", f"tbt.{q}", "ms") for q in CDF_QUANTILES), ("TBT max", "tbt.max", "ms"),
     *((f"E2E {q}", f"e2e.{q}", "ms") for q in CDF_QUANTILES),
     ("goodput", "goodput", "%"), ("preempt", "preemptions", "n"), ("hit rate", "hit_rate", "%"),
     ("out tok/s", "output_tps", "f"),
