@@ -12,8 +12,8 @@ percentiles and the TBT max (the longest gap) pool every gap of every request. G
 that met both SLOs: TTFT <= ``slo_ttft`` and their largest gap <= ``slo_tbt`` (every gap, not a percentile of
 them). Prefix-cache hit rate is the share of the tokens looked up in the prefix cache that it held
 (``EngineStats``), preemptions are the engine's count, output tok/s is every output token over the time from the
-start to the last token; each is the timed
-replay's only (the warm-up's subtracted). The ratio of each column to the lesson's, from the same run, follows.
+start to the last token; each is the timed replay's only (the warm-up's subtracted). The ratio of each column to
+the lesson's, from the same run, follows.
 ``--rounds N`` replays every policy N times, the order reversed every other round (so that a neighbour's load on a
 shared machine falls on every policy alike), and reports each column's median over the rounds; a policy that
 decides as the lesson on the workload (priority with every priority 0, lpm without a single prefix hit) is named,
