@@ -157,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
     if not 1 <= repeat <= MAX_REPEAT:
         raise ValueError(f"--repeat must be in [1, {MAX_REPEAT}], got {repeat}")
-    policy = getattr(args, "policy", "lesson")
+    policy = args.policy
     policies = list(POLICIES) if policy == "all" else [policy]
     if not set(policies) <= set(POLICIES):
         raise ValueError(f"--policy must be one of {', '.join(POLICIES)} or all, got {policy!r}")
