@@ -277,6 +277,8 @@ class Scheduler:
             if j >= t:
                 break
             while free.count == 0:
+                if self._release_before_preempting():
+                    continue
                 if t - 1 > j:
                     t -= 1
                     preempted.append(running[t])
@@ -293,6 +295,13 @@ class Scheduler:
         del running[t:]
         group.truncate(min(t, len(members)))
         return tuple(preempted)
+
+    def _release_before_preempting(self) -> bool:
+        """A decode needs a block and none is free: let a table go without preempting a running sequence, if the
+        policy has one to give; True when it did (the loop then reads the free count again). The lesson has none to
+        give: it never decodes beside a prefill that holds blocks. The ``mixed`` policy's hook (a prefill cut short
+        loses its chunks first, POLICY-3)."""
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
         core = seq.core
