@@ -117,13 +117,29 @@ def test_not_json_and_a_missing_file_exit_2(tmp_path: Path, capsys: pytest.Captu
     assert code == 2 and out == [] and len(err) == 1 and "missing.jsonl" in err[0]
 
 
-@pytest.mark.clause("CONF-7")
+POLICY_LINE = r"{name}: 15/15 traces identical to the {policy} reference's, \d+ steps, 0 invariant violations"
+
+
+@pytest.mark.clause("CONF-7", "POLICY-14")
 def test_conformance_command_summarises_both_implementations(capsys: pytest.CaptureFixture[str]) -> None:
-    """CONF-7: both implementations reproduce all 80 samples with no violation, and the command says so."""
+    """CONF-7, POLICY-14: both implementations reproduce all 80 lesson samples and every policy's 15 with no
+    violation, and the command says so, a line per implementation and policy."""
     assert main(["conformance"]) == 0
     out = capsys.readouterr().out
     for name in ("reference", "optimized"):
         assert re.search(rf"{name}: 80/80 traces identical to the lesson's, \d+ steps, 0 invariant violations", out)
+        for policy in ("mixed", "priority", "lpm"):
+            assert re.search(POLICY_LINE.format(name=name, policy=policy), out), out
+
+
+@pytest.mark.clause("CONF-7", "POLICY-14")
+def test_conformance_command_replays_every_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    """CONF-7, POLICY-14: the reference's run names the lesson and each policy, in that order."""
+    assert main(["conformance", "--impl", "reference"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.match(r"reference: 80/80 traces identical to the lesson's", lines[0])
+    for line, policy in zip(lines[1:], ("mixed", "priority", "lpm"), strict=True):
+        assert re.match(POLICY_LINE.format(name="reference", policy=policy), line), line
 
 
 @pytest.mark.clause("CONF-7")
@@ -138,6 +154,23 @@ def test_conformance_command_fails_on_a_differing_trace(
     monkeypatch.setattr(conformance, "shipped_samples", lambda: samples)
     assert main(["conformance", "--impl", "reference"]) == 1
     assert "reference: 79/80 traces identical" in capsys.readouterr().out
+
+
+@pytest.mark.clause("POLICY-14")
+def test_conformance_command_fails_on_a_differing_policy_trace(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """POLICY-14: one priority sample whose trace differs: 14/15 for priority, the others whole, exit status 1."""
+    from optimized.cli import conformance
+
+    samples = conformance.shipped_policy_samples()
+    first = next(s for s in samples if conformance.policy_of(s) == "priority")
+    first["trace"][0]["batch"][0][1] += 1
+    monkeypatch.setattr(conformance, "shipped_policy_samples", lambda: samples)
+    assert main(["conformance", "--impl", "reference"]) == 1
+    out = capsys.readouterr().out
+    assert "reference: 14/15 traces identical to the priority reference's" in out
+    assert "reference: 15/15 traces identical to the lpm reference's" in out
 
 
 # --- the reader treats its input as hostile bytes (CLI-7) -------------------------------------------------------

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from optimized.core.config import MINIMUMS, SchedulerConfig
+from optimized.core.config import MINIMUMS, POLICIES, SchedulerConfig
 from optimized.core.errors import WorkloadError, is_strict_int
 from optimized.core.policies import make_scheduler
 from optimized.core.port import EmptyDecodeError, PortFactory, ScheduleOutput, SchedulerPort
@@ -42,7 +42,8 @@ MAX_DEPTH = 16
 class Request:
     """A request as a workload (CONF-1) and a trace's ``add`` record (TRACE-2) state it, arriving before step
     ``arrive``. ``output`` is a workload's model answers; a trace's request has none (its step records hold the
-    tokens), and its ``max_tokens`` is as asked (a later ``cut`` may lower it)."""
+    tokens), and its ``max_tokens`` is as asked (a later ``cut`` may lower it). ``priority``: the ``priority``
+    policy's (spec/policies.md); 0 under every other policy."""
 
     id: int
     prompt: list[int]
@@ -50,6 +51,7 @@ class Request:
     ignore_eos: bool
     arrive: int
     output: list[int] = field(default_factory=list)
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,10 +95,11 @@ def parse_workload(obj: Any) -> Workload:
     cfg = _key(obj, "config", "workload")
     if not isinstance(cfg, dict):
         raise WorkloadError("workload.config must be an object")
-    config = {f: _int(_key(cfg, f, "config"), f"config.{f}", MINIMUMS[f]) for f in CONFIG_FIELDS}
+    config: dict[str, Any] = {f: _int(_key(cfg, f, "config"), f"config.{f}", MINIMUMS[f]) for f in CONFIG_FIELDS}
     for f, most in MAXIMUMS.items():
         if config[f] > most:
             raise WorkloadError(f"config.{f} must be <= {most}, got {config[f]}")
+    config.update(_policy_fields(cfg))
     raw = _key(obj, "requests", "workload")
     if not isinstance(raw, list):
         raise WorkloadError("workload.requests must be a list")
@@ -121,8 +124,25 @@ def parse_workload(obj: Any) -> Workload:
         output = _token_list(_key(r, "output", where), f"{where}.output")
         if len(output) < max_tokens:
             raise WorkloadError(f"{where}.output has {len(output)} tokens, shorter than max_tokens {max_tokens}")
-        requests.append(Request(rid, prompt, max_tokens, ignore_eos, arrive, output))
+        priority = _int(r.get("priority", 0), f"{where}.priority")
+        if priority and config.get("policy") != "priority":
+            raise WorkloadError(f"{where}.priority must be 0 unless config.policy is priority, got {priority}")
+        requests.append(Request(rid, prompt, max_tokens, ignore_eos, arrive, output, priority))
     return Workload(config, requests)
+
+
+def _policy_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The optional ``policy`` (one of POLICIES; the lesson's when absent) and ``patience`` (an int >= 0, lpm's
+    bound) of a workload's config, as given: a workload without them is the lesson's, its config unchanged."""
+    fields: dict[str, Any] = {}
+    if "policy" in cfg:
+        policy = cfg["policy"]
+        if not isinstance(policy, str) or policy not in POLICIES:
+            raise WorkloadError(f"config.policy must be one of {', '.join(POLICIES)}, got {_shown(policy)}")
+        fields["policy"] = policy
+    if "patience" in cfg:
+        fields["patience"] = _int(cfg["patience"], "config.patience", 0)
+    return fields
 
 
 IMPLEMENTATIONS: dict[str, PortFactory] = {"reference": ReferencePort, "optimized": make_scheduler}
@@ -191,7 +211,7 @@ def replay(workload: Workload, factory: PortFactory, on_schedule: StepHook | Non
             request_of[seq.seq_id] = r
             for w in watchers:
                 w.added(step, r)
-            port.add(seq)
+            port.add(seq, priority=r.priority)
         if port.is_finished():
             step = pending[0].arrive
             continue
