@@ -2,24 +2,22 @@
 with ctypes, checked first.
 
 Invariants: the library lives in ``$NANOVERIFY_CACHE`` (or ``~/.cache/nanoverify``, the default model's root)
-``/kernels/cpu_kernels-<key>.so``, where the key hashes the C sources, the compiler's path, the flags and the
-machine (its architecture and the CPU model and feature flags of ``/proc/cpuinfo``, because ``-march=native`` makes
-code for this CPU only). Beside it, ``<name>.sha256`` records its size and SHA-256. A library is handed to the
-dynamic loader only when its bytes match that record, and through the descriptor they were read from, so the
-loader maps exactly the checked bytes: a truncated library (which the loader would map and die on with SIGBUS), a
-changed one, or one with no record is never loaded, but rebuilt (spec/caches.md, DISK-1 to DISK-3). A build holds
-an exclusive lock beside the library (two processes finding it damaged compile once: the second rechecks after the
-wait), writes a temporary ``.making-<pid>-*`` file renamed into place, then the record, also renamed into place;
-it removes temporary files of builds whose process is gone. A checked library the loader still refuses is rebuilt
-once. A whole library is loaded without the lock or the compiler. When no C compiler is found, the cache folder
-cannot be written, or the build or the load fails, ``load_library`` raises ``CpuKernelUnavailable`` whose message
-says why (the compiler's own error included); it never returns a half-built library. Torch is imported before the
-library is loaded so that, where torch's build provides its OpenMP runtime as ``libgomp.so.1`` (this wheel ships
-``torch/lib/libgomp.so.1``, the soname of the GCC runtime the library links against), the loader binds the library
-to that already loaded copy: one thread pool, not two. A torch bundling its runtime under another name would leave
-two runtimes mapped; a test (KERN-25) checks that exactly one is. The result, library or reason, is computed once
-per process.
-"""
+``/kernels/cpu_kernels-<key>.so``, where the key hashes the C sources (and the header ``cpu_linear.c`` includes), the
+compiler's path, the flags and the machine (its architecture and the CPU model and feature flags of ``/proc/cpuinfo``,
+because ``-march=native`` makes code for this CPU only). Beside it, ``<name>.sha256`` records its size and SHA-256. A
+library is handed to the dynamic loader only when its bytes match that record, and through the descriptor they were read
+from, so the loader maps exactly the checked bytes: a truncated library (which the loader would map and die on with
+SIGBUS), a changed one, or one with no record is never loaded, but rebuilt (spec/caches.md, DISK-1 to DISK-3). A build
+holds an exclusive lock beside the library (two processes finding it damaged compile once: the second rechecks after the
+wait), writes a temporary ``.making-<pid>-*`` file renamed into place, then the record, also renamed into place; it
+removes temporary files of builds whose process is gone. A checked library the loader still refuses is rebuilt once. A
+whole library is loaded without the lock or the compiler. When no C compiler is found, the cache folder cannot be
+written, or the build or the load fails, ``load_library`` raises ``CpuKernelUnavailable`` whose message says why (the
+compiler's own error included); it never returns a half-built library. Torch is imported before the library is loaded so
+that, where torch's build provides its OpenMP runtime as ``libgomp.so.1`` (this wheel ships ``torch/lib/libgomp.so.1``,
+the soname of the GCC runtime the library links against), the loader binds the library to that already loaded copy: one
+thread pool, not two. A torch bundling its runtime under another name would leave two runtimes mapped; a test (KERN-25)
+checks that exactly one is. The result, library or reason, is computed once per process. """
 
 from __future__ import annotations
 
@@ -41,6 +39,7 @@ from kernels import disk_cache
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 LINEAR_SOURCE = Path(__file__).with_name("cpu_linear.c")
+HEADERS = (Path(__file__).with_name("cpu_linear_tile.h"),)  # included by cpu_linear.c: part of the library's key
 LIBRARY_STEM = "cpu_kernels"
 # IEEE semantics on purpose (no -ffast-math), and no contraction of a * b + c into one fused multiply-add: the
 # kernel rounds where its source says.
@@ -89,7 +88,7 @@ def sources() -> tuple[Path, ...]:
 
 def library_path(compiler: str) -> Path:
     digest = hashlib.sha256()
-    parts = [*(source.read_bytes() for source in sources()), os.path.realpath(compiler).encode()]
+    parts = [*(source.read_bytes() for source in (*sources(), *HEADERS)), os.path.realpath(compiler).encode()]
     for part in (*parts, " ".join((*FLAGS, *LIBS)).encode()):
         digest.update(part)
         digest.update(b"\0")

@@ -1,24 +1,28 @@
-/* A batch-invariant linear layer on the CPU: y = x @ w^T (+ bias), float32 (spec/batch-invariance.md BI-1, BI-2).
+/* A batch-invariant linear layer on the CPU: y = x @ w^T (+ bias), float32 and float64 (spec/batch-invariance.md
+BI-1, BI-2, BI-6).
 
-Invariant: every output y[m][n] is computed by one fixed sequence of roundings that depends on K alone, never on M,
-N, the row's position, the tile that holds it, the thread count or the instruction set: 16 lanes, lane l taking
-k = l, l + 16, l + 32, ... in increasing k, each step one fused multiply-add (one rounding) starting from +0; when
-K is not a multiple of 16, the last chunk's lanes past K take one more step, fma(0, 0, acc) (which turns an
-accumulator of -0, left by a product that underflowed, into +0: zero-padding, as the emulation in linear.py pads);
-then the lanes added in a fixed halving tree (lane l + lane l + 8, then + 4, + 2, + 1); then + bias[n]. The three
-paths below (AVX-512, AVX2 with FMA, portable C with fmaf) compute exactly these roundings: the build picks one with
--march=native; float64 follows the same rule with fma(). Compiled with -ffp-contract=off like cpu_attention.c: every
-fused multiply-add is written out, none is left to the compiler. Every thread computes in the caller's floating-point
+Invariant: every output y[m][n] is computed by one fixed sequence of roundings that depends on K and the layer's
+chunk count alone, never on M, N, the row's position, the tile that holds it, the thread count or the instruction
+set. K is cut into `chunks` equal consecutive chunks (1 for a plain layer; a row-parallel layer's TP-12 chunks);
+each chunk into blocks of NVL_BLOCK consecutive k, the last one shorter; a block's sum is one chain of fused
+multiply-adds (one rounding each) in increasing k starting from +0; a chunk's sum is its blocks' sums added in the
+fixed pairwise order of optimized/models/sharding.py's fixed_order_sum (neighbours in pairs, level after level, an
+odd last one carried up), and the layer's sum its chunks' sums added in that order too; then + bias[n]. Each output is a scalar chain, so the vector lanes hold different outputs (columns), never parts of
+one sum: no horizontal reduction, and any vector width computes the same bits. The weight is packed once, when a
+layer is bound (kernels/linear.py), into panels of NVT_PW columns: wp[p][k][j] = w[p * NVT_PW + j][k], the columns
+past N zero. The three paths below (AVX-512; AVX2 with FMA; portable C with fmaf / fma) compute exactly these
+roundings: the build picks one with -march=native. Compiled with -ffp-contract=off like cpu_attention.c: every fused
+multiply-add is written out, none is left to the compiler. Every thread computes in the caller's floating-point
 environment (flush-to-zero, denormals-are-zero, rounding: x86's MXCSR), which OpenMP's workers do not inherit.
 
-x is [M, K] with row stride ldx, w is [N, K] with row stride ldw (torch's Linear weight), both with unit stride
-along K; y is [M, N] with row stride ldy. Work is split into blocks of rows and columns, each block computed by one
-thread, never along K.
+x is [M, K] with row stride ldx and unit stride along K; y is [M, N] with row stride ldy. Work is split into units
+of rows and panels, each computed by one thread, never along K.
 */
 
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -28,14 +32,21 @@ thread, never along K.
 #error "cpu_linear.c is written in GNU C (always_inline): build it with GCC or Clang"
 #endif
 #define NVL_INLINE static inline __attribute__((always_inline))
+#define NVL_UNROLL _Pragma("GCC unroll 32")
 
-#define NVL_LANES 16
-/* A unit of work: this many rows by this many columns, computed by one thread (multiples of 4 and 16). */
+/* A block's chain of fused multiply-adds is this long; the blocks' sums are added pairwise after. */
+#ifndef NVL_BLOCK
+#define NVL_BLOCK 32
+#endif
+/* A pairwise tree kept as a binary counter of this many levels: at most 2^NVL_LEVELS - 1 parts (chunks, or blocks
+   of a chunk: K up to 2^20 at NVL_BLOCK 16). */
+#define NVL_LEVELS 16
+/* A unit of work: up to this many rows by this many panels (a multiple of every tile width), computed by one thread. */
 #define NVL_ROW_BLOCK 64
-#define NVL_COL_BLOCK 64
+#define NVL_UNIT_PANELS 24
 /* Each thread of a team gets at least this many multiply-adds (the call runs on one thread below twice this): waking
    a worker costs microseconds on an idle machine and up to a scheduler slice on a loaded one, and a single row of the
-   default model's layers (65 to 200 thousand) takes tens of microseconds. How many threads run moves no bit: each
+   default model's layers (65 to 393 thousand) takes tens of microseconds. How many threads run moves no bit: each
    output is computed whole by one thread, by the rule above. */
 #define NVL_THREAD_WORK (1 << 20)
 
@@ -54,7 +65,7 @@ NVL_INLINE nvl_fpenv nvl_fpenv_get(void) { return 0; }
 NVL_INLINE void nvl_fpenv_set(nvl_fpenv env) { (void)env; }
 #endif
 
-/* How many threads a call of M * N * K multiply-adds in `units` blocks runs on. */
+/* How many threads a call of M * N * K multiply-adds in `units` units runs on. */
 static int64_t nvl_team(int64_t threads, int64_t units, int64_t M, int64_t N, int64_t K) {
     const int64_t work = M * N * K / NVL_THREAD_WORK;
     int64_t team = threads < 1 ? 1 : threads < units ? threads : units;
@@ -62,284 +73,303 @@ static int64_t nvl_team(int64_t threads, int64_t units, int64_t M, int64_t N, in
     return team;
 }
 
+/* 1.5 * 2^23: x + NVL_MAGIC rounds x to an integer n (to nearest, ties to even), held in the low bits. */
+#define NVL_MAGIC 12582912.0f
+
+/* One panel row is 64 bytes: 16 floats or 8 doubles, one vector of each type below. Tiles: R rows by up to
+   NVL_WIDE(R) panels, as many accumulators as the path's registers hold (AVX-512: 32 registers; AVX2: 16, a vector
+   taking 2); NVL_TILES lists every shape, each compiled on its own. */
+#define NVL_PW32 16
+#define NVL_PW64 8
+
 #if defined(__AVX512F__)
 
 const char *nv_linear_path(void) { return "avx512"; }
-typedef __m512 nvl_vec;
-NVL_INLINE nvl_vec nvl_zero(void) { return _mm512_setzero_ps(); }
-NVL_INLINE nvl_vec nvl_load(const float *p) { return _mm512_loadu_ps(p); }
-NVL_INLINE nvl_vec nvl_load_first(const float *p, int64_t r) { /* lanes r.. are 0 */
-    return _mm512_maskz_loadu_ps((__mmask16)((1u << r) - 1u), p);
+#define NVL_MAX_ROWS 8
+#define NVL_MAX_ACC 24
+#define NVL_WIDE(R) ((R) <= 2 ? 8 : (R) == 3 ? 6 : (R) <= 6 ? 4 : 3)
+#define NVL_TILES(X)                                                                                                  \
+    X(1, 1) X(1, 2) X(1, 3) X(1, 4) X(1, 5) X(1, 6) X(1, 7) X(1, 8) X(2, 1) X(2, 2) X(2, 3) X(2, 4)                   \
+    X(2, 5) X(2, 6) X(2, 7) X(2, 8) X(3, 1) X(3, 2) X(3, 3) X(3, 4) X(3, 5) X(3, 6) X(4, 1) X(4, 2)                   \
+    X(4, 3) X(4, 4) X(5, 1) X(5, 2) X(5, 3) X(5, 4) X(6, 1) X(6, 2) X(6, 3) X(6, 4) X(7, 1) X(7, 2)                   \
+    X(7, 3) X(8, 1) X(8, 2) X(8, 3)
+typedef __m512 nvl_v32;
+NVL_INLINE nvl_v32 nvl_zero32(void) { return _mm512_setzero_ps(); }
+NVL_INLINE nvl_v32 nvl_load32(const float *p) { return _mm512_loadu_ps(p); }
+NVL_INLINE nvl_v32 nvl_broadcast32(const float *p) { return _mm512_set1_ps(*p); }
+NVL_INLINE nvl_v32 nvl_fma32(nvl_v32 a, nvl_v32 b, nvl_v32 c) { return _mm512_fmadd_ps(a, b, c); }
+NVL_INLINE nvl_v32 nvl_add32(nvl_v32 a, nvl_v32 b) { return _mm512_add_ps(a, b); }
+NVL_INLINE void nvl_store32(float *p, nvl_v32 v) { _mm512_storeu_ps(p, v); }
+NVL_INLINE nvl_v32 nvl_set32(float c) { return _mm512_set1_ps(c); }
+NVL_INLINE nvl_v32 nvl_mul32(nvl_v32 a, nvl_v32 b) { return _mm512_mul_ps(a, b); }
+NVL_INLINE nvl_v32 nvl_div32(nvl_v32 a, nvl_v32 b) { return _mm512_div_ps(a, b); }
+NVL_INLINE nvl_v32 nvl_clamp32(nvl_v32 a, float lo, float hi) { /* NaN to lo (a NaN gate stays NaN: see silu) */
+    return _mm512_min_ps(_mm512_max_ps(a, _mm512_set1_ps(lo)), _mm512_set1_ps(hi));
 }
-NVL_INLINE nvl_vec nvl_fma(nvl_vec a, nvl_vec b, nvl_vec acc) { return _mm512_fmadd_ps(a, b, acc); }
-NVL_INLINE float nvl_sum(nvl_vec v) {
-    const __m256 lo = _mm512_castps512_ps256(v);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    const __m256 s8 = _mm256_add_ps(lo, hi);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+NVL_INLINE nvl_v32 nvl_above_inf32(nvl_v32 a, float bound, nvl_v32 v) { /* inf where a > bound, else v */
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(bound), _CMP_GT_OQ), v,
+                                _mm512_set1_ps(INFINITY));
 }
+NVL_INLINE nvl_v32 nvl_pow2_32(nvl_v32 n) { /* 2^n for integral n in [-126, 127], n held as magic + n */
+    const __m512i bits = _mm512_sub_epi32(_mm512_castps_si512(n), _mm512_castps_si512(_mm512_set1_ps(NVL_MAGIC)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(127)), 23));
+}
+typedef __m512d nvl_v64;
+NVL_INLINE nvl_v64 nvl_zero64(void) { return _mm512_setzero_pd(); }
+NVL_INLINE nvl_v64 nvl_load64(const double *p) { return _mm512_loadu_pd(p); }
+NVL_INLINE nvl_v64 nvl_broadcast64(const double *p) { return _mm512_set1_pd(*p); }
+NVL_INLINE nvl_v64 nvl_fma64(nvl_v64 a, nvl_v64 b, nvl_v64 c) { return _mm512_fmadd_pd(a, b, c); }
+NVL_INLINE nvl_v64 nvl_add64(nvl_v64 a, nvl_v64 b) { return _mm512_add_pd(a, b); }
+NVL_INLINE void nvl_store64(double *p, nvl_v64 v) { _mm512_storeu_pd(p, v); }
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
 const char *nv_linear_path(void) { return "avx2"; }
+#define NVL_MAX_ROWS 6
+#define NVL_MAX_ACC 6
+#define NVL_WIDE(R) ((R) <= 1 ? 3 : (R) <= 3 ? 2 : 1)
+#define NVL_TILES(X) X(1, 1) X(1, 2) X(1, 3) X(2, 1) X(2, 2) X(3, 1) X(3, 2) X(4, 1) X(5, 1) X(6, 1)
 typedef struct {
-    __m256 lo, hi; /* lanes 0..7, 8..15 */
-} nvl_vec;
-NVL_INLINE nvl_vec nvl_zero(void) { return (nvl_vec){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-NVL_INLINE nvl_vec nvl_load(const float *p) { return (nvl_vec){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-NVL_INLINE __m256i nvl_mask8(int64_t r) { /* all ones in lanes < r */
-    const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)r), index);
+    __m256 lo, hi; /* columns 0..7, 8..15 of a panel */
+} nvl_v32;
+NVL_INLINE nvl_v32 nvl_zero32(void) { return (nvl_v32){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+NVL_INLINE nvl_v32 nvl_load32(const float *p) { return (nvl_v32){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+NVL_INLINE nvl_v32 nvl_broadcast32(const float *p) {
+    const __m256 b = _mm256_broadcast_ss(p);
+    return (nvl_v32){b, b};
 }
-NVL_INLINE nvl_vec nvl_load_first(const float *p, int64_t r) { /* lanes r.. are 0, never read */
-    const __m256 lo = _mm256_maskload_ps(p, nvl_mask8(r));
-    const __m256 hi = r > 8 ? _mm256_maskload_ps(p + 8, nvl_mask8(r - 8)) : _mm256_setzero_ps();
-    return (nvl_vec){lo, hi};
+NVL_INLINE nvl_v32 nvl_fma32(nvl_v32 a, nvl_v32 b, nvl_v32 c) {
+    return (nvl_v32){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
-NVL_INLINE nvl_vec nvl_fma(nvl_vec a, nvl_vec b, nvl_vec acc) {
-    return (nvl_vec){_mm256_fmadd_ps(a.lo, b.lo, acc.lo), _mm256_fmadd_ps(a.hi, b.hi, acc.hi)};
+NVL_INLINE nvl_v32 nvl_add32(nvl_v32 a, nvl_v32 b) {
+    return (nvl_v32){_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
 }
-NVL_INLINE float nvl_sum(nvl_vec v) {
-    const __m256 s8 = _mm256_add_ps(v.lo, v.hi);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+NVL_INLINE void nvl_store32(float *p, nvl_v32 v) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+}
+NVL_INLINE nvl_v32 nvl_set32(float c) { return (nvl_v32){_mm256_set1_ps(c), _mm256_set1_ps(c)}; }
+NVL_INLINE nvl_v32 nvl_mul32(nvl_v32 a, nvl_v32 b) {
+    return (nvl_v32){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+}
+NVL_INLINE nvl_v32 nvl_div32(nvl_v32 a, nvl_v32 b) {
+    return (nvl_v32){_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)};
+}
+NVL_INLINE __m256 nvl_clamp8(__m256 a, float lo, float hi) {
+    return _mm256_min_ps(_mm256_max_ps(a, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+}
+NVL_INLINE nvl_v32 nvl_clamp32(nvl_v32 a, float lo, float hi) {
+    return (nvl_v32){nvl_clamp8(a.lo, lo, hi), nvl_clamp8(a.hi, lo, hi)};
+}
+NVL_INLINE __m256 nvl_above_inf8(__m256 a, float bound, __m256 v) {
+    return _mm256_blendv_ps(v, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(a, _mm256_set1_ps(bound), _CMP_GT_OQ));
+}
+NVL_INLINE nvl_v32 nvl_above_inf32(nvl_v32 a, float bound, nvl_v32 v) {
+    return (nvl_v32){nvl_above_inf8(a.lo, bound, v.lo), nvl_above_inf8(a.hi, bound, v.hi)};
+}
+NVL_INLINE __m256 nvl_pow2_8(__m256 n) {
+    const __m256i bits = _mm256_sub_epi32(_mm256_castps_si256(n), _mm256_castps_si256(_mm256_set1_ps(NVL_MAGIC)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(127)), 23));
+}
+NVL_INLINE nvl_v32 nvl_pow2_32(nvl_v32 n) { return (nvl_v32){nvl_pow2_8(n.lo), nvl_pow2_8(n.hi)}; }
+typedef struct {
+    __m256d lo, hi; /* columns 0..3, 4..7 of a panel */
+} nvl_v64;
+NVL_INLINE nvl_v64 nvl_zero64(void) { return (nvl_v64){_mm256_setzero_pd(), _mm256_setzero_pd()}; }
+NVL_INLINE nvl_v64 nvl_load64(const double *p) { return (nvl_v64){_mm256_loadu_pd(p), _mm256_loadu_pd(p + 4)}; }
+NVL_INLINE nvl_v64 nvl_broadcast64(const double *p) {
+    const __m256d b = _mm256_broadcast_sd(p);
+    return (nvl_v64){b, b};
+}
+NVL_INLINE nvl_v64 nvl_fma64(nvl_v64 a, nvl_v64 b, nvl_v64 c) {
+    return (nvl_v64){_mm256_fmadd_pd(a.lo, b.lo, c.lo), _mm256_fmadd_pd(a.hi, b.hi, c.hi)};
+}
+NVL_INLINE nvl_v64 nvl_add64(nvl_v64 a, nvl_v64 b) {
+    return (nvl_v64){_mm256_add_pd(a.lo, b.lo), _mm256_add_pd(a.hi, b.hi)};
+}
+NVL_INLINE void nvl_store64(double *p, nvl_v64 v) {
+    _mm256_storeu_pd(p, v.lo);
+    _mm256_storeu_pd(p + 4, v.hi);
 }
 
 #else
 
 const char *nv_linear_path(void) { return "portable"; }
+#define NVL_MAX_ROWS 4
+#define NVL_MAX_ACC 4
+#define NVL_WIDE(R) ((R) <= 2 ? 2 : 1)
+#define NVL_TILES(X) X(1, 1) X(1, 2) X(2, 1) X(2, 2) X(3, 1) X(4, 1)
 typedef struct {
-    float l[NVL_LANES];
-} nvl_vec;
-NVL_INLINE nvl_vec nvl_zero(void) { return (nvl_vec){{0}}; }
-NVL_INLINE nvl_vec nvl_load(const float *p) {
-    nvl_vec v;
-    for (int l = 0; l < NVL_LANES; l++) v.l[l] = p[l];
+    float l[NVL_PW32];
+} nvl_v32;
+NVL_INLINE nvl_v32 nvl_zero32(void) { return (nvl_v32){{0}}; }
+NVL_INLINE nvl_v32 nvl_load32(const float *p) {
+    nvl_v32 v;
+    for (int j = 0; j < NVL_PW32; j++) v.l[j] = p[j];
     return v;
 }
-NVL_INLINE nvl_vec nvl_load_first(const float *p, int64_t r) {
-    nvl_vec v = {{0}};
-    for (int l = 0; l < r; l++) v.l[l] = p[l];
+NVL_INLINE nvl_v32 nvl_broadcast32(const float *p) {
+    nvl_v32 v;
+    for (int j = 0; j < NVL_PW32; j++) v.l[j] = *p;
     return v;
 }
-NVL_INLINE nvl_vec nvl_fma(nvl_vec a, nvl_vec b, nvl_vec acc) {
-    for (int l = 0; l < NVL_LANES; l++) acc.l[l] = fmaf(a.l[l], b.l[l], acc.l[l]);
-    return acc;
+NVL_INLINE nvl_v32 nvl_fma32(nvl_v32 a, nvl_v32 b, nvl_v32 c) {
+    for (int j = 0; j < NVL_PW32; j++) c.l[j] = fmaf(a.l[j], b.l[j], c.l[j]);
+    return c;
 }
-NVL_INLINE float nvl_sum(nvl_vec v) {
-    for (int w = NVL_LANES / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; l++) v.l[l] = v.l[l] + v.l[l + w];
-    return v.l[0];
+NVL_INLINE nvl_v32 nvl_add32(nvl_v32 a, nvl_v32 b) {
+    for (int j = 0; j < NVL_PW32; j++) a.l[j] = a.l[j] + b.l[j];
+    return a;
 }
-
-#endif
-
-#if defined(__AVX512F__)
-/* Sixteen accumulators reduced together, each by the halving tree of nvl_sum (the same additions of the same
-   lanes, so the same bits), with a quarter of the shuffles: lane L of the result is the sum of v[4 * (L % 4) + L / 4].
-   Pairs first add their 8-lane halves (quarters 0-1 and 2-3 of both), then 4-lane quarters, then the lanes 2
-   apart and 1 apart inside each quarter. */
-NVL_INLINE __m512 nvl_sum16(const nvl_vec v[16]) {
-    __m512 u[8], w[4], x[2];
-    for (int p = 0; p < 8; p++)
-        u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
-    for (int r = 0; r < 4; r++)
-        w[r] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * r], u[2 * r + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * r], u[2 * r + 1], 0xDD));
-    for (int r = 0; r < 2; r++)
-        x[r] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * r], w[2 * r + 1], 0x44),
-                             _mm512_shuffle_ps(w[2 * r], w[2 * r + 1], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
+NVL_INLINE void nvl_store32(float *p, nvl_v32 v) {
+    for (int j = 0; j < NVL_PW32; j++) p[j] = v.l[j];
 }
-#endif
-
-/* The outputs of rows x[0 .. R) by weight rows w[0 .. C), R * C <= 16, both known at compile time where it is
-   inlined, so the accumulators stay in registers: acc[i * C + j] is y[i][j]. */
-NVL_INLINE void nvl_tile(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, float *y,
-                         int64_t ldy, int64_t K, const int R, const int C) {
-    nvl_vec acc[16];
-    for (int a = 0; a < R * C; a++) acc[a] = nvl_zero();
-    int64_t k = 0;
-    for (; k + NVL_LANES <= K; k += NVL_LANES) {
-        nvl_vec xv[16], wv[16];
-        for (int i = 0; i < R; i++) xv[i] = nvl_load(x + i * ldx + k);
-        for (int j = 0; j < C; j++) wv[j] = nvl_load(w + j * ldw + k);
-        for (int i = 0; i < R; i++)
-            for (int j = 0; j < C; j++) acc[i * C + j] = nvl_fma(xv[i], wv[j], acc[i * C + j]);
+NVL_INLINE nvl_v32 nvl_set32(float c) { return nvl_broadcast32(&c); }
+NVL_INLINE nvl_v32 nvl_mul32(nvl_v32 a, nvl_v32 b) {
+    for (int j = 0; j < NVL_PW32; j++) a.l[j] = a.l[j] * b.l[j];
+    return a;
+}
+NVL_INLINE nvl_v32 nvl_div32(nvl_v32 a, nvl_v32 b) {
+    for (int j = 0; j < NVL_PW32; j++) a.l[j] = a.l[j] / b.l[j];
+    return a;
+}
+NVL_INLINE nvl_v32 nvl_clamp32(nvl_v32 a, float lo, float hi) { /* as maxps / minps: NaN to lo */
+    for (int j = 0; j < NVL_PW32; j++) {
+        const float m = a.l[j] > lo ? a.l[j] : lo;
+        a.l[j] = m < hi ? m : hi;
     }
-    if (k < K) {
-        nvl_vec xv[16], wv[16];
-        for (int i = 0; i < R; i++) xv[i] = nvl_load_first(x + i * ldx + k, K - k);
-        for (int j = 0; j < C; j++) wv[j] = nvl_load_first(w + j * ldw + k, K - k);
-        for (int i = 0; i < R; i++)
-            for (int j = 0; j < C; j++) acc[i * C + j] = nvl_fma(xv[i], wv[j], acc[i * C + j]);
-    }
-    float s[16];
-#if defined(__AVX512F__)
-    if (R * C > 4) {
-        nvl_vec v[16];
-        for (int a = 0; a < 16; a++) v[a] = 4 * (a % 4) + a / 4 < R * C ? acc[4 * (a % 4) + a / 4] : nvl_zero();
-        _mm512_storeu_ps(s, nvl_sum16(v));
-    } else
-#endif
-        for (int a = 0; a < R * C; a++) s[a] = nvl_sum(acc[a]);
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < C; j++) y[i * ldy + j] = bias != NULL ? s[i * C + j] + bias[j] : s[i * C + j];
+    return a;
 }
-
-/* A tile of r <= 4 rows by c <= 4 columns, each size its own inlined copy (the edges of a block). */
-static void nvl_tile_any(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, float *y,
-                         int64_t ldy, int64_t K, int r, int c) {
-#define NVL_CASE(a, b)                                                                                                \
-    case (a) * 8 + (b):                                                                                               \
-        nvl_tile(x, ldx, w, ldw, bias, y, ldy, K, a, b);                                                             \
-        break;
-    switch (r * 8 + c) {
-        NVL_CASE(1, 1) NVL_CASE(1, 2) NVL_CASE(1, 3) NVL_CASE(1, 4)
-        NVL_CASE(2, 1) NVL_CASE(2, 2) NVL_CASE(2, 3) NVL_CASE(2, 4)
-        NVL_CASE(3, 1) NVL_CASE(3, 2) NVL_CASE(3, 3) NVL_CASE(3, 4)
-        NVL_CASE(4, 1) NVL_CASE(4, 2) NVL_CASE(4, 3) NVL_CASE(4, 4)
-    default:
-        break;
-    }
-#undef NVL_CASE
+NVL_INLINE nvl_v32 nvl_above_inf32(nvl_v32 a, float bound, nvl_v32 v) {
+    for (int j = 0; j < NVL_PW32; j++)
+        if (a.l[j] > bound) v.l[j] = INFINITY;
+    return v;
 }
-
-/* Rows m0 .. m0 + R by columns n0 .. n1: whole R x C tiles, then the last columns in tiles of 4 or fewer. */
-NVL_INLINE void nvl_row_group(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, float *y,
-                              int64_t ldy, int64_t K, int64_t n0, int64_t n1, const int R, const int C) {
-    int64_t n = n0;
-    for (; n + C <= n1; n += C)
-        nvl_tile(x, ldx, w + n * ldw, ldw, bias != NULL ? bias + n : NULL, y + n, ldy, K, R, C);
-    for (; n < n1; n += 4) {
-        const int c = (int)(n1 - n < 4 ? n1 - n : 4);
-        nvl_tile_any(x, ldx, w + n * ldw, ldw, bias != NULL ? bias + n : NULL, y + n, ldy, K, R, c);
+NVL_INLINE nvl_v32 nvl_pow2_32(nvl_v32 n) {
+    const float magic = NVL_MAGIC;
+    uint32_t m;
+    memcpy(&m, &magic, 4);
+    for (int j = 0; j < NVL_PW32; j++) {
+        uint32_t b;
+        memcpy(&b, &n.l[j], 4);
+        b = ((b - m) + 127u) << 23;
+        memcpy(&n.l[j], &b, 4);
     }
+    return n;
 }
-
-/* The split both precisions share: units of NVL_ROW_BLOCK rows by NVL_COL_BLOCK columns, column blocks outer (a
-   block of weight rows is reused by every row block a thread takes); unit u covers rows [m0, m1), columns [n0, n1).
-   The split never reaches K, so it moves no bit. */
 typedef struct {
-    int64_t m0, m1, n0, n1;
-} nvl_unit;
-
-NVL_INLINE nvl_unit nvl_unit_of(int64_t u, int64_t row_blocks, int64_t M, int64_t N) {
-    nvl_unit b;
-    b.n0 = u / row_blocks * NVL_COL_BLOCK;
-    b.m0 = u % row_blocks * NVL_ROW_BLOCK;
-    b.n1 = b.n0 + NVL_COL_BLOCK < N ? b.n0 + NVL_COL_BLOCK : N;
-    b.m1 = b.m0 + NVL_ROW_BLOCK < M ? b.m0 + NVL_ROW_BLOCK : M;
-    return b;
+    double l[NVL_PW64];
+} nvl_v64;
+NVL_INLINE nvl_v64 nvl_zero64(void) { return (nvl_v64){{0}}; }
+NVL_INLINE nvl_v64 nvl_load64(const double *p) {
+    nvl_v64 v;
+    for (int j = 0; j < NVL_PW64; j++) v.l[j] = p[j];
+    return v;
+}
+NVL_INLINE nvl_v64 nvl_broadcast64(const double *p) {
+    nvl_v64 v;
+    for (int j = 0; j < NVL_PW64; j++) v.l[j] = *p;
+    return v;
+}
+NVL_INLINE nvl_v64 nvl_fma64(nvl_v64 a, nvl_v64 b, nvl_v64 c) {
+    for (int j = 0; j < NVL_PW64; j++) c.l[j] = fma(a.l[j], b.l[j], c.l[j]);
+    return c;
+}
+NVL_INLINE nvl_v64 nvl_add64(nvl_v64 a, nvl_v64 b) {
+    for (int j = 0; j < NVL_PW64; j++) a.l[j] = a.l[j] + b.l[j];
+    return a;
+}
+NVL_INLINE void nvl_store64(double *p, nvl_v64 v) {
+    for (int j = 0; j < NVL_PW64; j++) p[j] = v.l[j];
 }
 
-/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N] when bias is not NULL) on up to `threads` threads. */
-void nv_linear_f32(const float *x, int64_t ldx, const float *w, int64_t ldw, const float *bias, float *y,
-                   int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t threads) {
-    if (M <= 0 || N <= 0) return;
-    const int64_t row_blocks = (M + NVL_ROW_BLOCK - 1) / NVL_ROW_BLOCK;
-    const int64_t col_blocks = (N + NVL_COL_BLOCK - 1) / NVL_COL_BLOCK;
-    const int64_t units = row_blocks * col_blocks;
-    const int64_t team = nvl_team(threads, units, M, N, K);
+#endif
+
+/* float32: nv_linear_f32 and its helpers. */
+#define NVT_T float
+#define NVT_V nvl_v32
+#define NVT_PW NVL_PW32
+#define NVT_NAME(name) nvl32_##name
+#define nvt_zero nvl_zero32
+#define nvt_load nvl_load32
+#define nvt_broadcast nvl_broadcast32
+#define nvt_fma nvl_fma32
+#define nvt_add nvl_add32
+#define nvt_store nvl_store32
+#define nvl32_linear nv_linear_f32
+#include "cpu_linear_tile.h"
+#undef NVT_T
+#undef NVT_V
+#undef NVT_PW
+#undef NVT_NAME
+#undef nvt_zero
+#undef nvt_load
+#undef nvt_broadcast
+#undef nvt_fma
+#undef nvt_add
+#undef nvt_store
+
+/* float64: the same rule in double (MKL's dgemm is M-dependent as its sgemm is: BI-6). */
+#define NVT_T double
+#define NVT_V nvl_v64
+#define NVT_PW NVL_PW64
+#define NVT_NAME(name) nvl64_##name
+#define nvt_zero nvl_zero64
+#define nvt_load nvl_load64
+#define nvt_broadcast nvl_broadcast64
+#define nvt_fma nvl_fma64
+#define nvt_add nvl_add64
+#define nvt_store nvl_store64
+#define nvl64_linear nv_linear_f64
+#include "cpu_linear_tile.h"
+
+/* The MLP's activation in the batch-invariant mode (spec/batch-invariance.md BI-8): out[m][i] = g / (1 + e^-g) * u for
+g = gu[m][i], u = gu[m][I + i]. Every element, wherever it sits, goes through the same vector code (the last
+elements of a row through a zero-padded copy), whose every step is one IEEE operation rounded to nearest, so the
+three paths give the same bits and a row's bits do not depend on its batch or on the thread count (torch's F.silu
+computes the elements past a thread's last whole vector with another exp). e^t is Cephes' expf (within 2 units in
+the last place of the correctly rounded SiLU, as torch's exp): t clamped to [-87, 88.37], n = round(t / ln 2),
+r = t - n ln 2 in two fused steps, a degree-7 polynomial, times 2^n; below -87, 1 + e^t is 1 all the same; above
+88.37, e^t is taken as inf (it is finite up to 88.72, so g in [-88.72, -88.37) gives -0, not about -3e-37). */
+NVL_INLINE nvl_v32 nvl_silu_mul(nvl_v32 g, nvl_v32 u) {
+    const nvl_v32 t = nvl_clamp32(nvl_mul32(g, nvl_set32(-1.0f)), -87.0f, 88.37f);
+    const nvl_v32 n = nvl_add32(nvl_mul32(t, nvl_set32(1.44269504088896341f)), nvl_set32(NVL_MAGIC));
+    const nvl_v32 nf = nvl_add32(n, nvl_set32(-NVL_MAGIC));
+    nvl_v32 r = nvl_fma32(nf, nvl_set32(-0.693359375f), t);
+    r = nvl_fma32(nf, nvl_set32(2.12194440e-4f), r);
+    nvl_v32 p = nvl_set32(1.9875691500e-4f);
+    p = nvl_fma32(p, r, nvl_set32(1.3981999507e-3f));
+    p = nvl_fma32(p, r, nvl_set32(8.3334519073e-3f));
+    p = nvl_fma32(p, r, nvl_set32(4.1665795894e-2f));
+    p = nvl_fma32(p, r, nvl_set32(1.6666665459e-1f));
+    p = nvl_fma32(p, r, nvl_set32(5.0000001201e-1f));
+    p = nvl_fma32(p, nvl_mul32(r, r), r);
+    p = nvl_add32(p, nvl_set32(1.0f));
+    const nvl_v32 e = nvl_above_inf32(nvl_mul32(g, nvl_set32(-1.0f)), 88.37f, nvl_mul32(p, nvl_pow2_32(n)));
+    return nvl_mul32(nvl_div32(g, nvl_add32(nvl_set32(1.0f), e)), u);
+}
+
+#define NVL_ACT_WORK (1 << 15) /* elements a thread gets at least */
+
+void nv_silu_mul_f32(const float *gu, int64_t ldgu, float *out, int64_t ldo, int64_t M, int64_t I, int64_t threads) {
+    if (M <= 0 || I <= 0) return;
+    int64_t team = threads < 1 ? 1 : threads < M ? threads : M;
+    if (team > M * I / NVL_ACT_WORK) team = M * I / NVL_ACT_WORK < 1 ? 1 : M * I / NVL_ACT_WORK;
     const nvl_fpenv env = nvl_fpenv_get();
-#pragma omp parallel num_threads((int)team)
-    {
+#pragma omp parallel for num_threads((int)team) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
         const nvl_fpenv own = nvl_fpenv_get();
         nvl_fpenv_set(env);
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < units; u++) {
-            const nvl_unit b = nvl_unit_of(u, row_blocks, M, N);
-            const int64_t n0 = b.n0, n1 = b.n1, m1 = b.m1;
-            int64_t m = b.m0;
-            for (; m + 4 <= m1; m += 4)
-                nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 4, 4);
-            /* The last rows: wider tiles, so each still keeps up to 16 accumulators busy. */
-            if (m1 - m == 3) nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 3, 4);
-            if (m1 - m == 2) nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 2, 8);
-            if (m1 - m == 1) nvl_row_group(x + m * ldx, ldx, w, ldw, bias, y + m * ldy, ldy, K, n0, n1, 1, 16);
-        }
-        nvl_fpenv_set(own);
-    }
-}
-
-/* float64: the same rule in double (16 lanes of fused multiply-adds over k = l, l + 16, ... from +0, the last
-   chunk's lanes past K taking fma(0, 0, acc) as in float32, the halving tree, then + bias[n]), each lane written as C's fma(), which the compiler turns into vector fused multiply-adds
-   where the target has them (one rounding each, as the standard requires, so any width gives the same bits). MKL's
-   dgemm is M-dependent as its sgemm is (spec/batch-invariance.md, BI-6). */
-
-NVL_INLINE void nvl_tile_f64(const double *x, int64_t ldx, const double *w, int64_t ldw, const double *bias,
-                             double *y, int64_t ldy, int64_t K, const int R, const int C) {
-    double acc[4][4][NVL_LANES];
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < C; j++)
-            for (int l = 0; l < NVL_LANES; l++) acc[i][j][l] = 0.0;
-    int64_t k = 0;
-    for (; k + NVL_LANES <= K; k += NVL_LANES)
-        for (int i = 0; i < R; i++)
-            for (int j = 0; j < C; j++)
-                for (int l = 0; l < NVL_LANES; l++)
-                    acc[i][j][l] = fma(x[i * ldx + k + l], w[j * ldw + k + l], acc[i][j][l]);
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < C; j++) {
-            double *a = acc[i][j];
-            if (k < K)
-                for (int l = 0; l < NVL_LANES; l++) {
-                    const int in = l < K - k;
-                    a[l] = fma(in ? x[i * ldx + k + l] : 0.0, in ? w[j * ldw + k + l] : 0.0, a[l]);
-                }
-            for (int width = NVL_LANES / 2; width > 0; width /= 2)
-                for (int l = 0; l < width; l++) a[l] = a[l] + a[l + width];
-            y[i * ldy + j] = bias != NULL ? a[0] + bias[j] : a[0];
-        }
-}
-
-static void nvl_tile_any_f64(const double *x, int64_t ldx, const double *w, int64_t ldw, const double *bias,
-                             double *y, int64_t ldy, int64_t K, int r, int c) {
-#define NVL_CASE64(a, b)                                                                                              \
-    case (a) * 8 + (b):                                                                                               \
-        nvl_tile_f64(x, ldx, w, ldw, bias, y, ldy, K, a, b);                                                         \
-        break;
-    switch (r * 8 + c) {
-        NVL_CASE64(1, 1) NVL_CASE64(1, 2) NVL_CASE64(1, 3) NVL_CASE64(1, 4)
-        NVL_CASE64(2, 1) NVL_CASE64(2, 2) NVL_CASE64(2, 3) NVL_CASE64(2, 4)
-    default:
-        break;
-    }
-#undef NVL_CASE64
-}
-
-/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) in float64: tiles of 2 rows by 4 columns, blocks split as above. */
-void nv_linear_f64(const double *x, int64_t ldx, const double *w, int64_t ldw, const double *bias, double *y,
-                   int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t threads) {
-    if (M <= 0 || N <= 0) return;
-    const int64_t row_blocks = (M + NVL_ROW_BLOCK - 1) / NVL_ROW_BLOCK;
-    const int64_t col_blocks = (N + NVL_COL_BLOCK - 1) / NVL_COL_BLOCK;
-    const int64_t units = row_blocks * col_blocks;
-    const int64_t team = nvl_team(threads, units, M, N, K);
-    const nvl_fpenv env = nvl_fpenv_get();
-#pragma omp parallel num_threads((int)team)
-    {
-        const nvl_fpenv own = nvl_fpenv_get();
-        nvl_fpenv_set(env);
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < units; u++) {
-            const nvl_unit blk = nvl_unit_of(u, row_blocks, M, N);
-            const int64_t n0 = blk.n0, n1 = blk.n1, m1 = blk.m1;
-            for (int64_t m = blk.m0; m < m1; m += 2) {
-                const int r = m1 - m < 2 ? 1 : 2;
-                for (int64_t n = n0; n < n1; n += 4) {
-                    const int c = (int)(n1 - n < 4 ? n1 - n : 4);
-                    const double *b = bias != NULL ? bias + n : NULL;
-                    if (r == 2 && c == 4)
-                        nvl_tile_f64(x + m * ldx, ldx, w + n * ldw, ldw, b, y + m * ldy + n, ldy, K, 2, 4);
-                    else
-                        nvl_tile_any_f64(x + m * ldx, ldx, w + n * ldw, ldw, b, y + m * ldy + n, ldy, K, r, c);
-                }
-            }
+        const float *g = gu + m * ldgu, *u = g + I;
+        float *o = out + m * ldo;
+        int64_t i = 0;
+        for (; i + NVL_PW32 <= I; i += NVL_PW32) nvl_store32(o + i, nvl_silu_mul(nvl_load32(g + i), nvl_load32(u + i)));
+        if (i < I) {
+            float gt[NVL_PW32] = {0}, ut[NVL_PW32] = {0}, ot[NVL_PW32];
+            memcpy(gt, g + i, (size_t)(I - i) * sizeof(float));
+            memcpy(ut, u + i, (size_t)(I - i) * sizeof(float));
+            nvl_store32(ot, nvl_silu_mul(nvl_load32(gt), nvl_load32(ut)));
+            memcpy(o + i, ot, (size_t)(I - i) * sizeof(float));
         }
         nvl_fpenv_set(own);
     }

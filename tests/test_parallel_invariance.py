@@ -95,7 +95,7 @@ def test_the_chunked_linear_is_its_chunks_sums_and_a_shard_computes_whole_chunks
     assert torch.equal(fixed_order_sum(halves), got)
     quarters = [ChunkedInvariantLinear(w[:, a : a + q], 1)(x[:, a : a + q]) for a in range(0, k, q)]
     assert torch.equal(fixed_order_sum(quarters), got)
-    assert not torch.equal(BoundLinear(w)(x), got)  # 4 chunks round otherwise than one chain per lane over K
+    assert not torch.equal(BoundLinear(w)(x), got)  # 4 chunks of 24 round otherwise than one block of 64 and one of 32
     for threads in (1, 2):
         with at_threads(threads):
             assert all(torch.equal(four(x[i : i + 1])[0], got[i]) for i in range(x.shape[0]))

@@ -29,12 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.backend import AttentionBackend, DecodePlan
-from kernels.cpu_build import load_library
-from kernels.linear import BoundLinear, bind, linear_refusal
+from kernels.linear import BoundLinear, invariant_silu_mul
 from kernels.norm import add_rms_norm, rms_norm
 from kernels.rotary import rotary_rows, rotate
 from optimized.models.config import ModelConfig
-from optimized.models.sharding import Shard, fixed_order_sum
+from optimized.models.sharding import Shard
 
 Rows = tuple[tuple[int, int], ...]
 
@@ -73,45 +72,15 @@ class TensorParallel(Protocol):
         ...
 
 
-class ChunkedInvariantLinear:
+class ChunkedInvariantLinear(BoundLinear):
     """``x @ weight.T`` with K cut into ``chunks`` equal consecutive chunks: each chunk's sum by the invariant kernel
-    (BI-2's rule over the chunk's K), the chunks' sums added by ``fixed_order_sum`` (TP-12); no bias. The kernel
-    reads each chunk of ``x`` and of the weight in place (their row strides) and writes the chunks' sums into one
-    tensor, so a call makes one allocation. Needs the compiled library."""
+    (BI-2's rule over the chunk's K), the chunks' sums added in ``fixed_order_sum``'s order (TP-12); no bias. One
+    kernel call computes every chunk and their sum (``bounds``: each chunk's columns). Needs the compiled library."""
 
     def __init__(self, weight: torch.Tensor, chunks: int) -> None:
-        reason = linear_refusal(torch.empty(0, weight.shape[-1] if weight.dim() else 0, dtype=weight.dtype),
-                                weight, None)
-        if reason is not None:
-            raise ValueError(reason)
-        n, k = weight.shape
-        if chunks < 1 or k % chunks:
-            raise ValueError(f"in_features {k} does not split into {chunks} equal chunks")
-        self.weight = weight.contiguous()
-        self.dtype = weight.dtype
-        self.out_features, self.in_features = n, k
-        self.step = k // chunks
-        self.bounds = tuple((a, a + self.step) for a in range(0, k, self.step)) if k else ((0, 0),)
-        self._call = bind(load_library(), self.dtype)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        k, n = self.in_features, self.out_features
-        if x.dtype != self.dtype or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != k:
-            raise ValueError(f"x {x.dtype} {tuple(x.shape)} on {x.device} does not fit this layer's "
-                             f"[*, {k}] {self.dtype} on the CPU")
-        if k == 0:
-            return torch.zeros(*x.shape[:-1], n, dtype=self.dtype)
-        rows = x.reshape(-1, k)
-        if rows.stride(-1) != 1 and k > 1:
-            rows = rows.contiguous()
-        m, size = rows.shape[0], self.weight.element_size()
-        sums = torch.empty(len(self.bounds), m, n, dtype=self.dtype)
-        threads = torch.get_num_threads()
-        for c, (a, _) in enumerate(self.bounds):
-            self._call(rows.data_ptr() + a * size, rows.stride(0), self.weight.data_ptr() + a * size, k, None,
-                       sums[c].data_ptr(), n, m, n, self.step, threads)
-        out = fixed_order_sum(list(sums))
-        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
+        super().__init__(weight, None, chunks)
+        k, step = self.in_features, self.in_features // chunks
+        self.bounds = tuple((a, a + step) for a in range(0, k, step)) if k else ((0, 0),)
 
 
 class Linear(nn.Linear):
@@ -261,9 +230,17 @@ class MLP(nn.Module):
         self.batch_invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        """``down(silu(gate) * up)``; in the batch-invariant mode SiLU is ``g / (1 + exp(-g))`` (BI-8), in float32
+        the C kernel's, fused with ``* up``."""
+        gate_up = self.gate_up_proj(x)
+        if self.batch_invariant and gate_up.dtype == torch.float32:
+            return self._down(invariant_silu_mul(gate_up, self.intermediate_size))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         act = gate / (1 + torch.exp(-gate)) if self.batch_invariant else F.silu(gate)
-        out: torch.Tensor = self.down_proj(act * up)
+        return self._down(act * up)
+
+    def _down(self, h: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(h)
         return out
 
 

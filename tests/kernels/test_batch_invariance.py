@@ -97,16 +97,38 @@ SPECIAL = st.sampled_from([0.0, -0.0, 1.0, -1.0, 1e-30, -3e-38, 1e30, 0.1, 2.0**
 
 @pytest.mark.clause("BI-2")
 @settings(max_examples=25, deadline=None)
-@given(m=st.integers(1, 20), n=st.integers(1, 40), k=st.integers(1, 70), seed=st.integers(0, 2**16), data=st.data())
+@given(m=st.integers(1, 20), n=st.integers(1, 40), k=st.integers(1, 150), seed=st.integers(0, 2**16), data=st.data())
 def test_the_kernel_computes_the_stated_order(m: int, n: int, k: int, seed: int, data: st.DataObject) -> None:
     """BI-2: the compiled kernel equals fixed_order_linear (the stated order, each fused multiply-add emulated
     exactly in float64 with torch) bit for bit, on random values and on exact zeros of both signs, ties, tiny and
-    huge values."""
+    huge values; K past one and two blocks, cut into any count of chunks that divides it (the pairwise tree of 3, 5
+    or 6 chunks carries an odd one up)."""
     x, w, b = layer(m, n, k, seed, bias=data.draw(st.booleans()))
+    chunks = data.draw(st.sampled_from([c for c in range(1, min(k, 8) + 1) if k % c == 0]))
     if data.draw(st.booleans()):
         picks = st.lists(SPECIAL, min_size=m * k, max_size=m * k)
         x = torch.tensor(data.draw(picks), dtype=torch.float32).view(m, k)
-    assert torch.equal(linear.compiled_linear(x, w, b), linear.fixed_order_linear(x, w, b))
+    assert torch.equal(linear.compiled_linear(x, w, b, chunks=chunks), linear.fixed_order_linear(x, w, b, chunks))
+
+
+@pytest.mark.clause("BI-2")
+def test_the_stated_order_is_not_one_chain_over_k() -> None:
+    """BI-2's control for the test above: the emulation is a real oracle, since the orders near it round otherwise.
+    The kernel is the pairwise sum of its blocks of 32 (and so, at K = 256, the same bits as 4 chunks of 2 blocks);
+    one chain over all of K, and the blocks' sums added in order instead, each give some output other bits."""
+    x, w, _ = layer(16, 24, 256, 5, bias=False)
+    kernel = linear.compiled_linear(x, w, None)
+    one_chain = torch.zeros(16, 24)
+    for j in range(256):
+        one_chain = linear._fma_f32(x[:, j, None], w[None, :, j], one_chain)
+    blocks = [linear.fixed_order_linear(x[:, a : a + 32], w[:, a : a + 32]) for a in range(0, 256, 32)]
+    in_order = blocks[0]
+    for b in blocks[1:]:
+        in_order = in_order + b
+    assert torch.equal(kernel, linear.pairwise_sum(blocks))
+    assert torch.equal(kernel, linear.compiled_linear(x, w, None, chunks=4))
+    assert not torch.equal(kernel, one_chain)
+    assert not torch.equal(kernel, in_order)
 
 
 @pytest.mark.clause("BI-2")
@@ -163,6 +185,75 @@ def test_every_instruction_set_path_gives_the_same_bits(
             assert torch.equal(linear.compiled_linear(*case, kernel=kernel), want), (path, case[0].shape)
 
 
+def silu_mul_of(library: ctypes.CDLL) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """``nv_silu_mul_f32`` of a build, called as ``linear.invariant_silu_mul`` calls it."""
+    fn = library.nv_silu_mul_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_int64]  # fmt: skip
+
+    def call(gu: torch.Tensor, width: int) -> torch.Tensor:
+        out = torch.empty(gu.shape[0], width)
+        fn(gu.data_ptr(), gu.stride(0), out.data_ptr(), width, gu.shape[0], width, 1)
+        return out
+
+    return call
+
+
+def silu_inputs() -> torch.Tensor:
+    """Gates over SiLU's whole range (every regime of the kernel's exp, its clamps, signed zeros, inf and NaN)."""
+    g = torch.cat([torch.linspace(-120, 120, 40001), torch.randn(4000) * 4,
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.37, -88.37, -88.4, 87.0, -87.0, torch.inf, -torch.inf,
+                                 torch.nan])])  # fmt: skip
+    return g
+
+
+@pytest.mark.clause("BI-8")
+def test_every_instruction_set_path_gives_the_same_silu_bits(linear_paths: dict[str, ctypes.CDLL]) -> None:
+    """BI-8: the mode's SiLU times up, built for AVX2 and for no vector extension at all, gives the very bits of this
+    machine's build (NaN's too), on rows whose width is and is not a multiple of the vector (the tail's padded
+    copy)."""
+    g = silu_inputs()
+    for width in (g.numel(), 129, 16, 3):
+        gu = torch.cat([g[:width], torch.randn(width)]).view(1, -1).repeat(2, 1)
+        want = linear.invariant_silu_mul(gu, width)
+        for path, library in linear_paths.items():
+            assert torch.equal(silu_mul_of(library)(gu, width).view(torch.int32), want.view(torch.int32)), (path, width)
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many float32 values lie between a and b (their ordered bit patterns' distance)."""
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        i = t.view(torch.int32).long()
+        return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+@pytest.mark.clause("BI-8")
+def test_the_invariant_silu_is_as_accurate_as_torchs() -> None:
+    """BI-8: the C SiLU (Cephes' expf) is within 2 units in the last place of the correctly rounded g / (1 + e^-g)
+    wherever that is above 1e-30 in size, as torch's own forms are; 0, +-inf and NaN give what torch's form gives,
+    and the product with up is one more rounding. A gate_up that does not fit is a ValueError naming it."""
+    g = silu_inputs()
+    up = torch.randn(g.numel())
+    mine = linear.invariant_silu_mul(torch.cat([g, torch.ones_like(g)]).view(1, -1), g.numel())[0]
+    exact = (g.double() / (1 + torch.exp(-g.double()))).float()
+    torch_form = g / (1 + torch.exp(-g))
+    sized = exact.abs() > 1e-30
+    assert int(ulps_apart(mine[sized], exact[sized]).max()) <= 2
+    assert int(ulps_apart(torch_form[sized], exact[sized]).max()) <= 2
+    special = ~torch.isfinite(g) | (g == 0)
+    assert torch.equal(mine[special].nan_to_num(7.0), torch_form[special].nan_to_num(7.0))
+    assert torch.equal(torch.copysign(torch.ones(int(special.sum())), mine[special]),
+                       torch.copysign(torch.ones(int(special.sum())), torch_form[special]))  # fmt: skip
+    times_up = linear.invariant_silu_mul(torch.cat([g, up]).view(1, -1), g.numel())[0]
+    assert torch.equal(times_up.view(torch.int32), (mine * up).view(torch.int32))
+    with pytest.raises(ValueError, match=r"gate_up torch\.float64"):
+        linear.invariant_silu_mul(torch.zeros(2, 8, dtype=torch.float64), 4)
+    with pytest.raises(ValueError, match=r"gate_up .* \(2, 7\) .* is not \[\*, 2 \* 4\]"):
+        linear.invariant_silu_mul(torch.zeros(2, 7), 4)
+
+
 @pytest.mark.clause("BI-3")
 @pytest.mark.parametrize("model", sorted(linear.MODEL_SHAPES))
 def test_error_against_float64_is_within_twice_mkls(model: str) -> None:
@@ -216,20 +307,21 @@ def test_flushed_denormals_change_no_row(dtype: torch.dtype) -> None:
 
 @pytest.mark.clause("BI-2")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_lanes_past_k_add_zero_times_zero(dtype: torch.dtype) -> None:
-    """BI-2's rule for a last chunk shorter than 16: its lanes past K take fma(0, 0, acc), in float32 and float64
-    alike, so a lane left at -0 by products that underflowed becomes +0. Every x = -tiny, w = tiny: at K = 16 each
-    lane is -0 and so is the output; at K = 17 lanes 1..15 add 0 * 0, +0, and the output is +0 (skipping them would
-    give -0)."""
+def test_each_chain_starts_from_plus_zero(dtype: torch.dtype) -> None:
+    """BI-2's signed zeros: each block's chain starts from +0, in float32 and float64 alike. Products that are exactly
+    -0 (every x = 0, w = -1) then give +0 (-0 + +0 is +0; a chain started from -0, or from its first product, would
+    stay -0), while products that underflow keep the chain at -0 (every x = -tiny, w = tiny: the fused multiply-add
+    rounds the exact, nonzero sum), and -0 sums add to -0 across blocks and chunks. The emulation agrees."""
     tiny = 1e-30 if dtype == torch.float32 else 1e-200
-    for k, sign in ((16, -1.0), (17, 1.0), (33, 1.0)):
-        x, w = torch.full((3, k), -tiny, dtype=dtype), torch.full((2, k), tiny, dtype=dtype)
-        y = linear.invariant_linear(x, w)
-        assert torch.equal(y, torch.zeros(3, 2, dtype=dtype)) and bool((torch.copysign(torch.ones_like(y), y) == sign)
-                                                                      .all()), (k, y)  # fmt: skip
-        if dtype == torch.float32:
-            assert torch.equal(torch.copysign(torch.ones_like(y), linear.fixed_order_linear(x, w)),
-                               torch.copysign(torch.ones_like(y), y))  # fmt: skip
+    for k, chunks in ((1, 1), (17, 1), (64, 1), (65, 1), (200, 1), (200, 4), (96, 3)):
+        for xv, wv, sign in ((0.0, -1.0, 1.0), (-tiny, tiny, -1.0)):
+            x, w = torch.full((3, k), xv, dtype=dtype), torch.full((2, k), wv, dtype=dtype)
+            y = linear.invariant_linear(x, w, None, chunks)
+            signs = torch.copysign(torch.ones_like(y), y)
+            assert torch.equal(y, torch.zeros(3, 2, dtype=dtype)) and bool((signs == sign).all()), (k, chunks, xv, y)
+            if dtype == torch.float32:
+                emulated = linear.fixed_order_linear(x, w, None, chunks)
+                assert torch.equal(torch.copysign(torch.ones_like(y), emulated), signs)
 
 
 @pytest.mark.clause("BI-5")
