@@ -59,7 +59,7 @@ BASELINE = "lesson"
 # step, about 25 ms of the default model's prefill on this CPU), as chunked prefill is meant to be used.
 ENGINE_DEFAULTS = {"max_num_batched_tokens": 256}
 # Not passed on: a policy per engine is this command's own choice, and one trace file cannot record several runs.
-NOT_PASSED = ("trace", "trace_wall_times")
+NOT_PASSED = ("trace", "trace_wall_times", "scheduling_policy")
 WARMUP_REQUESTS = 4
 # The trace's defaults: its first 100 rows at a mean of 5 requests/s (near the recorded 5.4/s), which this CPU
 # serves under every policy, the lesson's prefill steps stalling its decodes often enough to set its p99 TBT (at 3/s
@@ -456,7 +456,7 @@ def main(args: argparse.Namespace) -> int:
     runs: dict[str, list[Replay]] = {policy: [] for policy in args.policies}
     for k in range(args.rounds):
         for policy in args.policies if k % 2 == 0 else args.policies[::-1]:  # neither end always first
-            llm = LLM(**kwargs, **({} if policy == BASELINE else {"scheduling_policy": policy}))
+            llm = LLM(**{**kwargs, "scheduling_policy": policy})
             try:
                 vocab, max_len = llm.limits.vocab_size, llm.limits.max_model_len
                 if not jobs:
