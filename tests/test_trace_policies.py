@@ -16,6 +16,7 @@ import pytest
 from optimized import SamplingParams
 from optimized.cli.replay import replay_recorded
 from optimized.core.config import POLICIES, SchedulerConfig
+from optimized.core.policies import make_scheduler
 from optimized.trace.recorder import Recorder, TraceObserver
 from optimized.trace.replay import replay_trace
 from optimized.trace.schema import TraceError, read_trace
@@ -230,3 +231,26 @@ def test_an_engine_run_checked_and_recorded_under_each_policy(policy: str, tmp_p
     for impl in ("reference", "optimized"):
         assert replay_recorded(trace, impl) == 0
         assert capsys.readouterr().out.startswith(f"identical: {len(trace.steps)}/{len(trace.steps)} steps")
+
+
+@pytest.mark.clause("POLICY-16", "POLICY-15", "TRACE-14")
+@pytest.mark.parametrize("full", [False, True])
+def test_the_replays_checks_judge_the_priorities_the_trace_recorded(full: bool) -> None:
+    """POLICY-15, POLICY-16: the replay's checks judge POLICY-6 with the priorities the trace recorded (what
+    ``batch_violations`` and ``state_violations`` are handed), never with those the implementation under test
+    reports of itself; so queues in the order of other priorities than the recorded ones are reported, on the
+    light checks and the full ones alike. The control: the recorded priorities themselves find nothing."""
+    from optimized.trace.checks import batch_violations, state_violations
+
+    port = make_scheduler(SchedulerConfig(num_blocks=32, block_size=4, max_num_seqs=1, policy="priority"))
+    seqs = [port.new_sequence([1 + i, 2, 3], 4) for i in range(3)]
+    for seq, priority in zip(seqs, (2, 0, 1), strict=True):
+        port.add(seq, priority=priority)
+    out = port.schedule()
+    recorded = {s.seq_id: p for s, p in zip(seqs, (2, 0, 1), strict=True)}
+    reversed_ = {s.seq_id: p for s, p in zip(seqs, (0, 2, 1), strict=True)}  # another order of the same queues
+    assert batch_violations(port, out.batch, out.is_prefill, full, recorded) == []
+    assert [v.clause for v in batch_violations(port, out.batch, out.is_prefill, full, reversed_)] == ["POLICY-6"]
+    port.postprocess(out.batch, [7] * len(out.batch), out.is_prefill)
+    assert state_violations(port, full, recorded) == []
+    assert [v.clause for v in state_violations(port, full, reversed_)] == ["POLICY-6"]
