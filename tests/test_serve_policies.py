@@ -148,6 +148,10 @@ def test_under_the_lesson_a_priority_is_refused_by_the_server(serve_cache: Path)
             assert "this engine's is 'lesson'" in error["message"], error
         error = refused(lambda: completion(client, "Hi", 2, 1 << 63))
         assert error["param"] == "priority" and error["message"].startswith(BAD[3][1]), error
+        error = refused(lambda: completion(client, "Hi", 2, 3, stream=True))  # a stream refused before it starts
+        assert error["param"] == "priority", error
+        loop = served.loop
+        assert llm.engine._arrivals == 0 and not (loop._arrivals or loop._live or loop._unscheduled)  # none leaked
         assert completion(client, "Hi", 2, 0).choices[0].finish_reason == "length"
         assert chat(client, 2, 0).choices[0].finish_reason == "length"
     finally:
