@@ -254,3 +254,28 @@ def test_the_replays_checks_judge_the_priorities_the_trace_recorded(full: bool) 
     port.postprocess(out.batch, [7] * len(out.batch), out.is_prefill)
     assert state_violations(port, full, recorded) == []
     assert [v.clause for v in state_violations(port, full, reversed_)] == ["POLICY-6"]
+
+
+@pytest.mark.clause("POLICY-12", "POLICY-16", "TRACE-4")
+@pytest.mark.usefixtures("engine_env")
+def test_a_priority_is_counted_when_the_trace_checks_an_add_records_length(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRACE-4 with POLICY-12: the door's check of an add record's length counts the widest priority as it counts
+    the widest id and step, so a request whose record with its priority would pass the reader's line limit is
+    refused before anything changes (a ValueError, the engine trusted, nothing added), never after it was added
+    (which left the engine half changed and untrusted); a shorter prompt is then taken."""
+    import optimized.trace.recorder as recorder_module
+
+    llm = make_llm(num_kvcache_blocks=64, scheduling_policy="priority", trace=str(tmp_path / "t.jsonl"))
+    assert llm.recorder is not None
+    prompt = list(range(1, 30))
+    widest_without_priority = recorder_module.add_record(recorder_module.INT64_MAX, prompt, 2, False,
+                                                         recorder_module.INT64_MAX)
+    monkeypatch.setattr(recorder_module, "MAX_LINE_BYTES", len(widest_without_priority))
+    llm.recorder.at_step(10**6)  # a long run: its add records carry a seven-digit step
+    with pytest.raises(ValueError, match="line limit"):
+        llm.add_request(prompt, SamplingParams(max_tokens=2), priority=-(1 << 63))
+    assert llm.engine.trusted and llm.engine.live == {} and llm.engine.scheduler.is_finished()
+    llm.add_request(prompt[:20], SamplingParams(max_tokens=2), priority=-(1 << 63))
+    assert len(llm.engine.live) == 1
+    llm.close()

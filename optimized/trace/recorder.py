@@ -30,6 +30,7 @@ from optimized.verify.shadow import SchedulerKnobs
 
 Entry = tuple[int, int, Sequence[int]]  # request id, tokens scheduled, block table
 INT64_MAX = (1 << 63) - 1  # the widest request id or step number an add record can hold
+INT64_MIN = -(1 << 63)  # the widest priority one can hold
 
 
 def header(config: SchedulerKnobs, eos_token_ids: Iterable[int] = (), **extra: Any) -> dict[str, Any]:
@@ -66,9 +67,9 @@ def add_record(request_id: int, prompt: Sequence[int], max_tokens: int, ignore_e
 
 
 def check_add_record(prompt: Sequence[int], max_tokens: int, ignore_eos: bool) -> None:
-    """ValueError when the request's ``add`` record, whatever its id and step, would be a line the reader refuses:
-    the request is refused with the other limits (ENG-10, TRACE-4), before anything changes."""
-    add_record(INT64_MAX, prompt, max_tokens, ignore_eos, INT64_MAX)
+    """ValueError when the request's ``add`` record, whatever its id, step and priority (POLICY-12), would be a line
+    the reader refuses: the request is refused with the other limits (ENG-10, TRACE-4), before anything changes."""
+    add_record(INT64_MAX, prompt, max_tokens, ignore_eos, INT64_MAX, INT64_MIN)
 
 
 class Recorder:
