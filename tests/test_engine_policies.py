@@ -131,16 +131,17 @@ def _nothing_added(llm: LLM) -> bool:
 
 
 @pytest.mark.clause("POLICY-12", "ENG-10")
-def test_a_priority_other_than_0_is_refused_unless_the_policy_is_priority() -> None:
-    """POLICY-12: under lesson (and mixed, lpm: the same rule) a priority other than 0, through generate's list or
-    add_request's argument, is a RequestRefused naming ``priority`` and ``scheduling_policy``, nothing added; 0 (an
-    int of any integer type, a numpy one too) is taken."""
-    llm = _engine()
+@pytest.mark.parametrize("policy", ["lesson", "mixed", "lpm"])
+def test_a_priority_other_than_0_is_refused_unless_the_policy_is_priority(policy: str) -> None:
+    """POLICY-12: under lesson, mixed and lpm a priority other than 0, through generate's list or add_request's
+    argument, is a RequestRefused naming ``priority`` and ``scheduling_policy``, nothing added; 0 (an int of any
+    integer type, a numpy one too) is taken."""
+    llm = _engine(policy)
     prompts = [[1, 2, 3], [4, 5]]
     for call in (lambda: llm.generate(prompts, SamplingParams(max_tokens=2), False, priority=[0, 1]),
                  lambda: llm.add_request([1, 2], SamplingParams(max_tokens=2), priority=-1)):
         with pytest.raises(RequestRefused, match=r"priority is -?1, but only scheduling_policy 'priority' orders "
-                           r"requests by priority \(this engine's is 'lesson'\)") as refused:
+                           rf"requests by priority \(this engine's is '{policy}'\)") as refused:
             call()
         assert refused.value.field == "priority"
         assert _nothing_added(llm)
@@ -165,6 +166,10 @@ def test_a_priority_that_is_no_int64_is_refused_under_any_policy(policy: str) ->
         assert refused.value.field == "priority"
         with pytest.raises(RequestRefused, match=f"prompt 1: priority {words}"):
             llm.generate([[1], [2]], SamplingParams(max_tokens=2), False, priority=[0, bad])  # type: ignore[list-item]
+        assert _nothing_added(llm)
+        good = [0, 0, 0] if policy == "lesson" else [4, -1, 0]  # the last prompt's refusal, after three good ones
+        with pytest.raises(RequestRefused, match=f"prompt 3: priority {words}"):
+            llm.generate([[1], [2], [3], [4]], SamplingParams(max_tokens=2), False, priority=[*good, bad])  # type: ignore[list-item]
         assert _nothing_added(llm)
     for bad_list, words in (([0], r"priority: 1 given for 2 prompts"), ([0, 0, 0], r"priority: 3 given for 2"),
                             (0, r"priority must be a list of ints, one per prompt, got int"),
