@@ -509,3 +509,23 @@ def test_with_the_mode_off_some_bits_differ(policy: str) -> None:
     _needs_the_mode()
     _, got = _crowd(policy, False)
     assert any(request != _alone(i, on=False) for i, request in enumerate(got))
+
+
+@pytest.mark.clause("POLICY-11", "POLICY-12")
+def test_an_engine_whose_limits_and_scheduler_name_other_policies_is_refused() -> None:
+    """POLICY-11, POLICY-12: the validator refuses a priority by the limits' policy, the scheduler orders by its
+    config's; an Engine given two different ones (a lesson's scheduler that would silently ignore the priorities
+    the limits let through, or the reverse) is a ValueError naming ``scheduling_policy``. The control: the LLM's
+    own pair agrees."""
+    from optimized.engine.engine import Engine
+
+    llm = _engine("priority")
+    config, limits = llm.engine.scheduler.config, llm.engine.limits
+    assert config.policy == limits.scheduling_policy == "priority"
+    for policy in ("lesson", "mixed", "lpm"):
+        with pytest.raises(ValueError, match=rf"^scheduling_policy: the limits' is 'priority', the scheduler's "
+                                             rf"config's '{policy}'"):
+            Engine(llm.engine.runner, replace(config, policy=policy), limits)
+        with pytest.raises(ValueError, match=rf"^scheduling_policy: the limits' is '{policy}'"):
+            Engine(llm.engine.runner, config, replace(limits, scheduling_policy=policy))
+    Engine(llm.engine.runner, config, limits)

@@ -135,6 +135,9 @@ class _Change:
 class Engine:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig, limits: EngineLimits,
                  observers: Seq[StepObserver] = ()) -> None:
+        if limits.scheduling_policy != config.policy:  # POLICY-12: the validator and the scheduler, one policy
+            raise ValueError(f"scheduling_policy: the limits' is {limits.scheduling_policy!r}, the scheduler's "
+                             f"config's {config.policy!r}: priorities would be refused or silently ignored")
         self.runner = runner
         self.limits = limits
         scheduler = make_scheduler(config)
