@@ -274,3 +274,19 @@ def test_the_snapshot_names_the_policy_and_each_live_priority() -> None:
     assert scheduler.postprocess(out.batch, [9, 9], True) == [short]
     assert scheduler.snapshot().priorities == {long.seq_id: 2}
 
+
+
+@pytest.mark.clause("POLICY-6", "POLICY-13")
+def test_a_finished_cut_short_prefill_and_an_urgent_admission_both_land_in_their_places() -> None:
+    """POLICY-6: a step that finishes a prefill cut short (less urgent than a running request) and admits a more
+    urgent arrival behind it leaves running in (priority, arrival) order on both sides. Negative control of the
+    reference's old one-at-a-time placement, which bisected a running queue whose tail was still unplaced and
+    left ["urgent", "calm", "long"]."""
+    t = Twin("priority", max_num_batched_tokens=8)
+    t.add("calm", [1, 2, 3], priority=10)
+    assert t.step() == (["calm"], True)
+    t.add("long", list(range(100, 112)), priority=9)
+    assert t.step() == (["long"], True)  # 8 of its 12 tokens: it keeps the front
+    t.add("urgent", [5, 6], priority=2)
+    assert t.step() == (["long", "urgent"], True)
+    assert t.queues(t.ref) == ([], ["urgent", "long", "calm"])
