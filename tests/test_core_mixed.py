@@ -371,6 +371,8 @@ def test_aborts_between_mixed_steps_and_a_failed_mixed_step() -> None:
     twin.add(list(range(10, 25)), 3)  # cut short: three decodes leave three tokens of budget
     out = twin.step()
     assert out is not None and out.is_prefill
+    cut = twin.opt_seqs[3]
+    assert twin.opt.waiting[0] is cut and cut.block_table and 0 < cut.num_cached_tokens < cut.num_tokens
     for index in (1, 3):  # a running request, then the prefill cut short (holding blocks)
         twin.ref.abort(twin.ref_seqs[index])
         twin.opt.abort(twin.opt_seqs[index])
