@@ -14,8 +14,8 @@ from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
-from invariants import SchedulerState, SeqView, Violation, seq_view
-from invariants import batch_checks as b
+from invariants import seq_view
+from optimized.cli.conformance import batch_violations, mixed_batch_violations, policy_snapshot
 from optimized.core.config import SchedulerConfig
 from optimized.core.errors import EmptyDecodeError
 from optimized.core.mixed_scheduler import MixedScheduler
@@ -31,29 +31,7 @@ from tests.optimized_pair import SAMPLES
 pytestmark = pytest.mark.clause("POLICY-13", "OPT-1")
 
 
-# --- the batch invariants of a mixed step -------------------------------------------------------------------------
-def mixed_batch_violations(state: SchedulerState, batch: list[SeqView], is_prefill: bool) -> list[Violation]:
-    """The batch clauses (INV-12..20) as a mixed step keeps them: the decodes (is_prefill False, a prefix of the
-    batch) are a decode batch at the front of ``running``, the rest a prefill batch; the budget bounds the whole
-    step (POLICY-2); only the last prefill may be cut short, and then the budget is spent (POLICY-3)."""
-    d = next((i for i, s in enumerate(batch) if s.is_prefill), len(batch))
-    decodes, prefills = batch[:d], batch[d:]
-    found = [*b.check_limits(state, batch, True), *b.check_decode(decodes, False),
-             *b.check_scheduled_counts(state, batch), *b.check_exclusive_writes(state, batch),
-             *b.check_progress(state, batch), *b.check_coverage(state, batch),
-             *b.check_unhashed_writes(state, batch), *b.check_placement(state, decodes, False)]
-    if prefills:
-        found += b.prefill_placement(state, prefills)
-    if is_prefill != bool(prefills):
-        found.append(Violation("POLICY-2", f"the step holds {len(prefills)} prefills but says is_prefill {is_prefill}"))
-    cut = [i for i, s in enumerate(prefills) if b.unfinished(s)]
-    if cut and (cut != [len(prefills) - 1]
-                or sum(s.num_scheduled_tokens for s in batch) != state.max_num_batched_tokens):
-        found.append(Violation("POLICY-3", f"prefills cut short at {cut} of {len(prefills)}, not the last alone "
-                                           "with the budget spent"))
-    return found
-
-
+# --- the batch invariants of a mixed step (optimized/cli/conformance.py) ------------------------------------------
 @pytest.mark.clause("POLICY-2", "POLICY-3")
 def test_the_mixed_batch_check_passes_a_real_step_and_reports_each_corruption() -> None:
     """The negative control of ``mixed_batch_violations``: a real mixed step of the reference (two decodes, a whole
@@ -77,6 +55,24 @@ def test_the_mixed_batch_check_passes_a_real_step_and_reports_each_corruption() 
     assert {"INV-12", "POLICY-3"} <= {v.clause for v in mixed_batch_violations(over, views, True)}
     two = [dataclasses.replace(views[0], num_scheduled_tokens=2, num_cached_tokens=views[0].num_tokens - 2), *views[1:]]
     assert "INV-14" in [v.clause for v in mixed_batch_violations(state, two, True)]
+
+
+@pytest.mark.clause("POLICY-2", "POLICY-14")
+def test_the_conformance_command_checks_a_mixed_step_by_the_mixed_clauses() -> None:
+    """POLICY-14: the command's batch check (``batch_violations``) of a mixed state is the mixed batch clauses: a
+    real mixed step passes, one over its budget or with its flag denied is reported (it used to check nothing)."""
+    port = ReferencePort(mixed_config(num_blocks=30, block_size=2, max_num_seqs=5, max_num_batched_tokens=8))
+    port.add(port.new_sequence([1, 2, 3], 5))
+    out = port.schedule()
+    port.postprocess(out.batch, [1], out.is_prefill)
+    port.add(port.new_sequence([9] * 9, 5))
+    out = port.schedule()
+    state, views = policy_snapshot(port), [seq_view(s) for s in out.batch]
+    assert state.policy == "mixed" and [v.is_prefill for v in views] == [False, True]
+    assert batch_violations(state, views, True) == []
+    over = dataclasses.replace(state, max_num_batched_tokens=7)
+    assert {"INV-12", "POLICY-3"} <= {v.clause for v in batch_violations(over, views, True)}
+    assert [v.clause for v in batch_violations(state, views, False)] == ["POLICY-2"]
 
 
 # --- the differential machine under mixed -------------------------------------------------------------------------
