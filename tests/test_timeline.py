@@ -186,7 +186,7 @@ def test_png_at_256_requests_samples_rows_and_says_so(tmp_path: Path) -> None:
         png(timeline, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert titles == ["showing every 2nd of 256 requests (128 rows)\nblock_size 4, num_blocks 64, "
-                      "budget (max_num_batched_tokens) 64, max_num_seqs 32"]
+                      "budget (max_num_batched_tokens) 64, max_num_seqs 32, policy lesson"]
     assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101)] == [
         "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st"]
 

@@ -27,14 +27,16 @@ __all__ = ["FULL_EVERY", "BlocksOnDemand", "batch_violations", "block_view", "he
 FULL_EVERY = 64  # every 64th step (and the end of the trace) checks the whole state from a snapshot
 
 
-def batch_violations(port: SchedulerPort[Any], batch: list[Any], prefill: bool, full: bool) -> list[Violation]:
+def batch_violations(port: SchedulerPort[Any], batch: list[Any], prefill: bool, full: bool,
+                     priorities: dict[int, int] | None = None) -> list[Violation]:
     """Right after ``schedule()``: every batch invariant and INV-2 on the held blocks; with ``full``, every state
-    invariant from a snapshot as well."""
+    invariant from a snapshot as well. ``priorities``: the live sequences' (seq_id -> priority) under the
+    ``priority`` policy, which the light state reads (POLICY-6)."""
     views = [seq_view(s) for s in batch]
     if full:
         state = snapshot(port)
         return check_state(state, between_steps=False) + check_batch(state, views, prefill)
-    return held_block_violations(port) + check_batch(light_state(port), views, prefill)
+    return held_block_violations(port) + check_batch(light_state(port, priorities=priorities), views, prefill)
 
 
 def state_violations(port: SchedulerPort[Any], full: bool) -> list[Violation]:
