@@ -15,7 +15,6 @@ from importlib import resources
 from typing import Any
 
 from invariants import SchedulerState, SeqView, Violation, check_batch, check_state, seq_view, snapshot
-from invariants import batch_checks as b
 from optimized.core.config import POLICIES
 from optimized.verify.conformance import implementation, parse_workload, replay
 from optimized.verify.reference_port import ReferencePort
@@ -71,37 +70,13 @@ def batch_violations(state: SchedulerState, batch: list[SeqView], is_prefill: bo
 
     ``lpm`` keeps all of them (it orders ``waiting``, then the lesson's loops decide); ``priority`` all but
     INV-20's "finished prefills end ``running``": an admitted request goes to its (priority, arrival) place,
-    checked instead (POLICY-6); ``mixed`` batches are its own (decodes and prefills together, POLICY-2):
-    ``mixed_batch_violations``.
+    checked instead (POLICY-6); a ``mixed`` step is judged by ``check_batch`` as a mixed step (its decodes, then
+    its prefills: POLICY-2, POLICY-3).
     """
-    if state.policy == "mixed":
-        return mixed_batch_violations(state, batch, is_prefill)
     found = check_batch(state, batch, is_prefill)
     if state.policy == "priority":
         found = [v for v in found if not (v.clause == "INV-20" and "are not the tail of running" in v.message)]
         found += priority_order(state)
-    return found
-
-
-def mixed_batch_violations(state: SchedulerState, batch: list[SeqView], is_prefill: bool) -> list[Violation]:
-    """The batch clauses (INV-12..20) as a mixed step keeps them: the decodes (is_prefill False, a prefix of the
-    batch) are a decode batch at the front of ``running``, the rest a prefill batch; the budget bounds the whole
-    step (POLICY-2); only the last prefill may be cut short, and then the budget is spent (POLICY-3)."""
-    d = next((i for i, s in enumerate(batch) if s.is_prefill), len(batch))
-    decodes, prefills = batch[:d], batch[d:]
-    found = [*b.check_limits(state, batch, True), *b.check_decode(decodes, False),
-             *b.check_scheduled_counts(state, batch), *b.check_exclusive_writes(state, batch),
-             *b.check_progress(state, batch), *b.check_coverage(state, batch),
-             *b.check_unhashed_writes(state, batch), *b.check_placement(state, decodes, False)]
-    if prefills:
-        found += b.prefill_placement(state, prefills)
-    if is_prefill != bool(prefills):
-        found.append(Violation("POLICY-2", f"the step holds {len(prefills)} prefills but says is_prefill {is_prefill}"))
-    cut = [i for i, s in enumerate(prefills) if b.unfinished(s)]
-    if cut and (cut != [len(prefills) - 1]
-                or sum(s.num_scheduled_tokens for s in batch) != state.max_num_batched_tokens):
-        found.append(Violation("POLICY-3", f"prefills cut short at {cut} of {len(prefills)}, not the last alone "
-                                           "with the budget spent"))
     return found
 
 
