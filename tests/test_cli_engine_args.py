@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from optimized.benchmarks import policies as policies_bench
 from optimized.benchmarks import serve as serve_bench
 from optimized.cli import run
 from optimized.cli.command import build_parser
@@ -32,6 +33,7 @@ ENGINE_COMMANDS: dict[str, tuple[list[str], dict[str, Any], tuple[str, ...]]] = 
     "serve": ([], {}, ()),
     "bench throughput": ([], {}, ("trace", "trace_wall_times")),  # its --trace is a mode of its own
     "bench serve": ([], {}, serve_bench.NOT_PASSED),
+    "bench policies": ([], policies_bench.ENGINE_DEFAULTS, policies_bench.NOT_PASSED),  # it runs every policy
 }
 
 
