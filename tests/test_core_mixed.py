@@ -24,20 +24,18 @@ from optimized.core.port import PortFactory, ScheduleOutput, SchedulerPort
 from optimized.core.sequence import Sequence
 from optimized.verify.conformance import Workload, implementation, parse_workload, replay
 from optimized.verify.machines import Stats, counting
-from optimized.verify.machines.differential_machine import DifferentialMachine, Disagreement
+from optimized.verify.machines.differential_machine import Disagreement
+from optimized.verify.machines.policy_machines import MixedDifferential
 from optimized.verify.reference_port import ReferencePort
 from tests.optimized_pair import SAMPLES
 
 pytestmark = pytest.mark.clause("POLICY-13", "OPT-1")
 
 
-# --- the batch invariants of a mixed step (invariants.check_batch under mixed) --------------------------------------
-mixed_batch_violations = check_batch
-
-
+# --- the batch invariants of a mixed step (invariants.check_batch reads a mixed step so) -----------------------
 @pytest.mark.clause("POLICY-2", "POLICY-3")
 def test_the_mixed_batch_check_passes_a_real_step_and_reports_each_corruption() -> None:
-    """The negative control of ``mixed_batch_violations``: a real mixed step of the reference (two decodes, a whole
+    """The negative control of ``check_batch`` under ``mixed``: a real mixed step of the reference (two decodes, a whole
     prefill, one cut short) passes; the flag denied, a chunk cut short before the last, a step over its budget and
     a decode of two tokens are each reported."""
     port = ReferencePort(mixed_config(num_blocks=30, block_size=2, max_num_seqs=5, max_num_batched_tokens=8))
@@ -50,14 +48,14 @@ def test_the_mixed_batch_check_passes_a_real_step_and_reports_each_corruption() 
     out = port.schedule()
     state, views = port.snapshot(), [seq_view(s) for s in out.batch]
     assert [(v.is_prefill, v.num_scheduled_tokens) for v in views] == [(False, 1), (False, 1), (True, 2), (True, 4)]
-    assert mixed_batch_violations(state, views, True) == []
-    assert [v.clause for v in mixed_batch_violations(state, views, False)] == ["POLICY-2"]
+    assert check_batch(state, views, True) == []
+    assert [v.clause for v in check_batch(state, views, False)] == ["POLICY-2"]
     swapped = [views[0], views[1], views[3], views[2]]
-    assert "POLICY-3" in [v.clause for v in mixed_batch_violations(state, swapped, True)]
+    assert "POLICY-3" in [v.clause for v in check_batch(state, swapped, True)]
     over = dataclasses.replace(state, max_num_batched_tokens=7)
-    assert {"INV-12", "POLICY-3"} <= {v.clause for v in mixed_batch_violations(over, views, True)}
+    assert {"INV-12", "POLICY-3"} <= {v.clause for v in check_batch(over, views, True)}
     two = [dataclasses.replace(views[0], num_scheduled_tokens=2, num_cached_tokens=views[0].num_tokens - 2), *views[1:]]
-    assert "INV-14" in [v.clause for v in mixed_batch_violations(state, two, True)]
+    assert "INV-14" in [v.clause for v in check_batch(state, two, True)]
 
 
 @pytest.mark.clause("POLICY-2", "POLICY-14")
@@ -90,18 +88,10 @@ class Reach:
     preemptions: int = 0  # the lockstep driver's (the machine counts its own in Stats)
 
 
-class MixedDifferential(DifferentialMachine):
-    """OPT-1 under ``mixed``: every decision of the optimized policy is its reference's (POLICY-13)."""
+class CountedMixed(MixedDifferential):
+    """The machine under ``mixed``, counting what it reached into ``reach``."""
 
-    policy = "mixed"
-    reach: Reach | None = None  # a test that counts gives its subclass one; the machine itself touches nothing
-
-    def check(self, port: SchedulerPort[Any], batch: list[Any], is_prefill: bool) -> None:
-        found = mixed_batch_violations(port.snapshot(), [seq_view(s) for s in batch], is_prefill)
-        self.stats.violations += len(found)
-        if found:
-            name = "reference" if port is self.ref else "optimized"
-            raise Disagreement(f"{name}: " + "; ".join(map(str, found)))
+    reach: Reach | None = None  # a test that counts gives its subclass one
 
     def schedule_both(self) -> tuple[list[Any], list[Any], bool] | None:
         assert self.ref is not None
@@ -133,7 +123,7 @@ def test_the_machine_reaches_mixed_steps_chunks_and_preemptions() -> None:
     prefills cut short, preemptions, the empty decode. (A cut-short prefill losing its blocks to a decode is rare
     in its draws, about once in a hundred runs: the targeted test below makes it happen.)"""
     stats, reach = Stats(), Reach()
-    machine = type("Counted", (MixedDifferential,), {"reach": reach})
+    machine = type("Counted", (CountedMixed,), {"reach": reach})
     run_state_machine_as_test(counting(machine, stats), settings=SEARCH)
     assert stats.violations == 0
     assert stats.steps > 500 and stats.preemptions > 0 and stats.prefix_hit_tokens > 0 and stats.aborts > 0, stats
@@ -399,7 +389,7 @@ def test_every_conformance_workload_replays_identically_under_mixed() -> None:
 
     def checked(port: SchedulerPort[Any], batch: list[Any], is_prefill: bool) -> None:
         nonlocal mixed_steps
-        assert mixed_batch_violations(port.snapshot(), [seq_view(s) for s in batch], is_prefill) == []
+        assert check_batch(port.snapshot(), [seq_view(s) for s in batch], is_prefill) == []
         mixed_steps += is_prefill and not batch[0].is_prefill
 
     empty = 0
