@@ -1,6 +1,7 @@
 """Predicates over scheduler state: each returns the violations it finds, naming spec clauses.
 
-Pure Python, no torch. ``check_state`` checks a whole state, ``check_batch`` one batch; a check that reads
+Pure Python, no torch. ``check_state`` checks a whole state, ``check_batch`` one batch, each with the clauses of
+the state's policy (``policy_checks``, spec/policies.md) and no other's; a check that reads
 only some blocks (the trace's replay, check mode between its full comparisons) runs ``check_live`` (the invariants
 that read no block) and ``on_demand.check_blocks`` (INV-2, INV-4 per block) over the blocks it chose.
 """

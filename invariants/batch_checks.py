@@ -5,7 +5,9 @@ sequences (they are still waiting or running right after schedule()). A batch
 is all-prefill or all-decode; only its first sequence may be a partial prefill;
 each sequence writes only blocks it alone holds, which carry no hash yet. Each
 predicate returns the violations it finds, naming INV- clauses of
-spec/invariants.md.
+spec/invariants.md. Under ``priority`` a completed prefill takes its place in
+``running`` (not its tail); a ``mixed`` step is its decodes then its prefills,
+judged by ``check_mixed_batch`` (POLICY-2, POLICY-3).
 """
 
 from __future__ import annotations
@@ -148,6 +150,12 @@ def check_placement(state: SchedulerState, batch: list[SeqView], is_prefill: boo
         return [Violation("INV-20", f"batch {ids} names a sequence twice")]
     if is_prefill:
         return prefill_placement(state, batch)
+    return decode_placement(state, batch)
+
+
+def decode_placement(state: SchedulerState, batch: list[SeqView]) -> list[Violation]:
+    """INV-20 for decode: every member has is_prefill False, and the batch is the front of running, in order."""
+    ids = [seq.seq_id for seq in batch]
     found = [Violation("INV-20", f"decode seq {seq.seq_id} has is_prefill True") for seq in batch if seq.is_prefill]
     front = [seq.seq_id for seq in state.running[: len(batch)]]
     if front != ids:
@@ -156,15 +164,47 @@ def check_placement(state: SchedulerState, batch: list[SeqView], is_prefill: boo
 
 
 def prefill_placement(state: SchedulerState, batch: list[SeqView]) -> list[Violation]:
-    """INV-20 for prefill: finished prefills end running in batch order; a partial one stays at waiting[0]."""
+    """INV-20 for prefill: finished prefills end running in batch order (under ``priority``: are running, each at
+    its place, which POLICY-6 judges); a partial one stays at waiting[0]."""
     found = [Violation("INV-20", f"prefill seq {seq.seq_id} has is_prefill False")
              for seq in batch if not seq.is_prefill]
     done = [seq.seq_id for seq in batch if not unfinished(seq)]
-    tail = [seq.seq_id for seq in state.running[len(state.running) - len(done) :]] if done else []
+    if state.policy == "priority":
+        running = {seq.seq_id for seq in state.running}
+        if any(seq_id not in running for seq_id in done):
+            found.append(Violation("INV-20", f"finished prefills {done} are not all running"))
+        tail = done
+    else:
+        tail = [seq.seq_id for seq in state.running[len(state.running) - len(done) :]] if done else []
     if tail != done:
         found.append(Violation("INV-20", f"finished prefills {done} are not the tail of running {tail}"))
     partial = [seq.seq_id for seq in batch if unfinished(seq)]
     front = [seq.seq_id for seq in state.waiting[: len(partial)]]
     if partial != front:
         found.append(Violation("INV-20", f"partial prefills {partial} are not the front of waiting {front}"))
+    return found
+
+
+def check_mixed_batch(state: SchedulerState, batch: list[SeqView], is_prefill: bool) -> list[Violation]:
+    """A ``mixed`` step's batch: its decodes (is_prefill False) are a decode batch at the front of ``running``, the
+    rest a prefill batch placed as INV-20 says; the budget bounds the whole step (INV-12 read so, POLICY-2), which
+    is a prefill step exactly when it holds a prefill; only the last prefill may be cut short, and only with the
+    budget spent (POLICY-3, in place of INV-13)."""
+    first = next((i for i, seq in enumerate(batch) if seq.is_prefill), len(batch))
+    decodes, prefills = batch[:first], batch[first:]
+    ids = [seq.seq_id for seq in batch]
+    found = [*check_limits(state, batch, True), *check_decode(decodes, False)]
+    if len(set(ids)) != len(ids):
+        found.append(Violation("INV-20", f"batch {ids} names a sequence twice"))
+    else:
+        found += decode_placement(state, decodes)
+        if prefills:
+            found += prefill_placement(state, prefills)
+    if is_prefill != bool(prefills):
+        found.append(Violation("POLICY-2", f"the step holds {len(prefills)} prefills but says is_prefill {is_prefill}"))
+    cut = [i for i, seq in enumerate(prefills) if unfinished(seq)]
+    spent = sum(seq.num_scheduled_tokens for seq in batch) == state.max_num_batched_tokens
+    if cut and (cut != [len(prefills) - 1] or not spent):
+        found.append(Violation("POLICY-3", f"prefills cut short at positions {cut} of {len(prefills)}, not the last "
+                                           "alone with the budget spent"))
     return found

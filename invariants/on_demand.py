@@ -114,18 +114,24 @@ def live_view(seq: Any) -> SeqView:
     return view
 
 
-def light_state(port: Any, read: Mapping[int, BlockView] | None = None) -> SchedulerState:
+def light_state(port: Any, read: Mapping[int, BlockView] | None = None,
+                priorities: Mapping[int, int] | None = None) -> SchedulerState:
     """The state the batch and live-sequence checks read of a scheduler port: the queues (``live_view``), and the
     blocks on demand (no copy of the cache; the free queue, used set and prefix table left empty). ``read``: blocks
-    the caller has just read of the same port, served from it instead of read again."""
+    the caller has just read of the same port, served from it instead of read again. The policy and patience are the
+    port's config's; ``priorities`` (seq_id -> priority) the caller's, who knows what each request was added with;
+    lpm's counts none (the port keeps them to itself: a full snapshot carries them)."""
     config, blocks = port.config, port.blocks
     known = {} if read is None else read
+    policy = getattr(config, "policy", "lesson")
     return SchedulerState(
         block_size=config.block_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         blocks=BlocksOnDemand(lambda b: known.get(b) or block_view(blocks, b), blocks.num_blocks), free_block_ids=[],
         used_block_ids=set(), hash_to_block_id={}, waiting=[live_view(s) for s in port.waiting],
-        running=[live_view(s) for s in port.running])
+        running=[live_view(s) for s in port.running], policy=policy,
+        patience=getattr(config, "patience", 0) if policy == "lpm" else 0,
+        priorities={} if priorities is None else dict(priorities))
 
 
 def held_counts(port: Any) -> Counter[int]:

@@ -81,8 +81,24 @@ def seq_view(seq: Any) -> SeqView:
     )
 
 
-def snapshot(scheduler: Any) -> SchedulerState:
-    """A deep-copied state of a scheduler (reference attributes, or its own ``snapshot()``)."""
+def policy_fields(scheduler: Any, policy: str | None = None) -> dict[str, Any]:
+    """The policy fields of a ``SchedulerState`` read off a bare reference scheduler, duck-typed (the invariants
+    import no scheduler): a ``priority`` map makes it the ``priority`` policy, ``passes`` and ``patience`` the
+    ``lpm`` one, else ``policy`` (the lesson's by default; ``mixed`` keeps no state of its own to tell it by)."""
+    live = [*scheduler.waiting, *scheduler.running]
+    priority = getattr(scheduler, "priority", None)
+    if isinstance(priority, dict):
+        return {"policy": policy or "priority", "priorities": {s.seq_id: priority[s.seq_id] for s in live}}
+    passes, patience = getattr(scheduler, "passes", None), getattr(scheduler, "patience", None)
+    if isinstance(passes, dict) and isinstance(patience, int):
+        return {"policy": policy or "lpm", "patience": patience,
+                "passes": {s.seq_id: passes[s.seq_id] for s in scheduler.waiting}}
+    return {"policy": policy or "lesson"}
+
+
+def snapshot(scheduler: Any, policy: str | None = None) -> SchedulerState:
+    """A deep-copied state of a scheduler (reference attributes, or its own ``snapshot()``); ``policy`` names a
+    bare reference's policy where its attributes do not tell it (``policy_fields``)."""
     own = getattr(scheduler, "snapshot", None)
     if callable(own):
         state: SchedulerState = own()
@@ -98,4 +114,5 @@ def snapshot(scheduler: Any) -> SchedulerState:
         hash_to_block_id=dict(bm.hash_to_block_id),
         waiting=[seq_view(s) for s in scheduler.waiting],
         running=[seq_view(s) for s in scheduler.running],
+        **policy_fields(scheduler, policy),
     )

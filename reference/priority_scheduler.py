@@ -38,11 +38,12 @@ class PriorityScheduler(Scheduler):
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         batch, is_prefill = super().schedule()
-        if is_prefill:  # the lesson appends each finished prefill to running: move it to its place
-            for seq in batch:
-                if seq.status is SequenceStatus.RUNNING:
-                    self.running.remove(seq)
-                    self._insert(self.running, seq)
+        if is_prefill:  # the lesson appends each finished prefill to running: move each to its place
+            admitted = [seq for seq in batch if seq.status is SequenceStatus.RUNNING]
+            for seq in admitted:  # all out first: a bisection needs the queue it searches sorted
+                self.running.remove(seq)
+            for seq in admitted:
+                self._insert(self.running, seq)
         return batch, is_prefill
 
     def preempt(self, seq: Sequence) -> None:

@@ -21,6 +21,7 @@ class Req:
     seq: Any
     params: SamplingParams
     stop_ids: frozenset[int] = frozenset()
+    priority: int = 0
 
 
 def workload(seed: int, requests: int, vocab: int = 8) -> list[tuple[list[int], int]]:
@@ -33,12 +34,13 @@ def workload(seed: int, requests: int, vocab: int = 8) -> list[tuple[list[int], 
 
 def drive(port: SchedulerPort[Any], shadow: Shadow, work: list[tuple[list[int], int]], eos: int,
           arrive_every: int = 2, abort_every: int = 0, max_steps: int = 400,
-          after_postprocess: Callable[[int], None] | None = None) -> int:
+          after_postprocess: Callable[[int], None] | None = None,
+          priority_of: Callable[[int], int] | None = None) -> int:
     """Admit ``work`` two requests per ``arrive_every`` steps (aborting every ``abort_every``-th arrival one step
     after it came, when set), step until done; tokens are a function of the step and the sequence's length (eos
     now and then). ``after_postprocess(step)``, when given, runs between the port's postprocess and the shadow's
     (a test corrupts the engine's state there). Returns the steps taken; a divergence raises
-    ``ShadowDivergence``."""
+    ``ShadowDivergence``. ``priority_of(arrival)``, when given, is each request's priority (POLICY-12)."""
     live: dict[int, Req] = {}
     pending = list(enumerate(work))
     step = 0
@@ -54,8 +56,9 @@ def drive(port: SchedulerPort[Any], shadow: Shadow, work: list[tuple[list[int], 
             for arrival, (prompt, max_tokens) in pending[:2]:
                 params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
                 seq = port.new_sequence(prompt, max_tokens)
-                port.add(seq)
-                req = Req(arrival, seq, params)
+                priority = 0 if priority_of is None else priority_of(arrival)
+                port.add(seq, priority=priority)
+                req = Req(arrival, seq, params, priority=priority)
                 live[seq.seq_id] = req
                 shadow.added(req)
                 if abort_every and arrival % abort_every == abort_every - 1:
@@ -77,6 +80,6 @@ def drive(port: SchedulerPort[Any], shadow: Shadow, work: list[tuple[list[int], 
 
 
 def config(num_blocks: int = 24, block_size: int = 2, max_num_seqs: int = 4, max_num_batched_tokens: int = 16,
-           eos: int = 7) -> SchedulerConfig:
+           eos: int = 7, policy: str = "lesson", patience: int = 8) -> SchedulerConfig:
     return SchedulerConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens, eos=eos)
+                           max_num_batched_tokens=max_num_batched_tokens, eos=eos, policy=policy, patience=patience)

@@ -124,22 +124,32 @@ def crowd(rng: random.Random, needle: int, mates: int) -> tuple[list[list[int]],
 # --- the mode: a field, refused where it cannot hold (BI-7) ---
 
 
-@pytest.mark.clause("BI-7")
-def test_the_mode_is_one_field_off_by_default_and_binds_every_linear_layer() -> None:
-    """BI-7: ``batch_invariant`` is one EngineArgs field (so a flag on every engine command), None by default, which
-    resolves to off; on, every linear layer and the LM head run the invariant kernel and every MLP the invariant
-    SiLU; off, none does."""
+@pytest.mark.clause("BI-7", "BI-10")
+def test_the_mode_is_one_field_on_by_default_in_float32_and_binds_every_linear_layer() -> None:
+    """BI-7, BI-10: ``batch_invariant`` is one EngineArgs field (so a flag on every engine command), None by default,
+    which resolves to on in float32 with the C kernels and the 'cpu' attention, and to off in float64; on, every
+    linear layer and the LM head run the invariant kernel and every MLP the invariant SiLU; off, none does."""
     assert EngineArgs().batch_invariant is None
     assert EngineArgs(batch_invariant=True).cli_flags() == ["--batch-invariant"]
-    for on in (False, True):
-        llm = LLM(str(checkpoint("qwen3")), dtype="float32", num_kvcache_blocks=64,
-                  **({"batch_invariant": True} if on else {}))
-        assert llm.settings.batch_invariant is on
+    for dtype, asked, on in (("float32", None, True), ("float32", False, False), ("float32", True, True),
+                             ("float64", None, False), ("float64", True, True)):
+        llm = LLM(str(checkpoint("qwen3")), dtype=dtype, num_kvcache_blocks=64,
+                  **({} if asked is None else {"batch_invariant": asked}))
+        assert llm.settings.batch_invariant is on, (dtype, asked)
         net = llm.network()
         layers = [m for m in net.modules() if isinstance(m, Linear)]
         assert len(layers) == 1 + 4 * 2  # the LM head, and qkv, o, gate_up, down of both layers
         assert all((m.invariant is not None) is on for m in layers)
         assert all(m.batch_invariant is on for m in net.modules() if isinstance(m, MLP))
+
+
+@pytest.mark.clause("BI-10")
+def test_the_default_is_off_where_the_mode_cannot_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BI-10: left at None, the mode is off (never refused) where it cannot hold: without the C kernels, or with
+    torch's attention, in float32 too."""
+    assert make(None, attention_backend="torch").settings.batch_invariant is False
+    monkeypatch.setattr(cpu_build, "unavailable_reason", lambda: "no C compiler (a test)")
+    assert make(None).settings.batch_invariant is False
 
 
 @pytest.mark.clause("BI-7")
@@ -170,8 +180,8 @@ def test_where_it_cannot_hold_it_is_refused_with_the_reason(monkeypatch: pytest.
 
 @pytest.mark.clause("BI-7")
 def test_the_refusal_is_asked_only_when_the_mode_is(monkeypatch: pytest.MonkeyPatch) -> None:
-    """BI-7: with the mode off (False or None) the build never computes the refusal, which would build the C library
-    (up to the build's timeout) even for torch's attention."""
+    """BI-7: with the mode off (False, or None with torch's attention) the build never computes the refusal, which
+    would build the C library (up to the build's timeout) even for torch's attention."""
     from optimized.entry import build
 
     def refuse(*args: Any) -> str:

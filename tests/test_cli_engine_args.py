@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from optimized.benchmarks import policies as policies_bench
 from optimized.benchmarks import serve as serve_bench
 from optimized.cli import run
 from optimized.cli.command import build_parser
@@ -32,6 +33,7 @@ ENGINE_COMMANDS: dict[str, tuple[list[str], dict[str, Any], tuple[str, ...]]] = 
     "serve": ([], {}, ()),
     "bench throughput": ([], {}, ("trace", "trace_wall_times")),  # its --trace is a mode of its own
     "bench serve": ([], {}, serve_bench.NOT_PASSED),
+    "bench policies": ([], policies_bench.ENGINE_DEFAULTS, policies_bench.NOT_PASSED),  # it runs every policy
 }
 
 
@@ -90,7 +92,8 @@ def _every_field_set(tmp_path: Path) -> dict[str, Any]:
     """A value for every field, none its default."""
     given: dict[str, Any] = {
         "model": checkpoint("qwen3"), "dtype": "float64", "device": "cpu", "kvcache_block_size": 4,
-        "num_kvcache_blocks": 24, "max_num_seqs": 3, "max_num_batched_tokens": 40, "max_model_len": 64,
+        "num_kvcache_blocks": 24, "max_num_seqs": 3, "max_num_batched_tokens": 40, "scheduling_policy": "priority",
+        "lpm_patience": 3, "max_model_len": 64,
         "gpu_memory_utilization": 0.5, "cpu_kvcache_gib": 0.25, "enforce_eager": True, "check": True,
         "check_full_every": 5, "attention_backend": "torch", "batch_invariant": False, "seed": 7,
         "tensor_parallel_size": 2, "trace": tmp_path / "run.jsonl", "trace_wall_times": True,
@@ -109,6 +112,7 @@ def test_every_field_reaches_the_engine(tmp_path: Path) -> None:
     assert llm.settings == EngineArgs(**given)
     config = llm.engine.scheduler.config
     assert (config.num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == (24, 4, 3, 40)
+    assert (config.policy, config.patience) == ("priority", 3)
     assert llm.checked and llm.traced and llm.limits.max_model_len == 64
     llm.close()
 
@@ -126,7 +130,8 @@ def test_cli_flags_give_another_command_the_same_settings(tmp_path: Path) -> Non
 
 BAD: dict[str, object] = {
     "model": "", "dtype": "int8", "device": "tpu", "kvcache_block_size": 1, "num_kvcache_blocks": 0,
-    "max_num_seqs": 0, "max_num_batched_tokens": True, "max_model_len": 1, "gpu_memory_utilization": 1.5,
+    "max_num_seqs": 0, "max_num_batched_tokens": True, "scheduling_policy": "fifo", "lpm_patience": -1,
+    "max_model_len": 1, "gpu_memory_utilization": 1.5,
     "cpu_kvcache_gib": math.inf, "enforce_eager": "no", "check": 1, "check_full_every": 0,
     "attention_backend": "flash",
     "batch_invariant": "yes", "seed": 1.5, "tensor_parallel_size": 0, "trace": "", "trace_wall_times": 1,
@@ -149,7 +154,7 @@ def test_the_scheduler_config_and_the_workers_spec_derive_from_it(tmp_path: Path
     """ARCH-2: the scheduler's config and the tensor-parallel workers' RunnerSpec are EngineArgs' fields of the
     same names (the spec only once every None is resolved: a None left is refused by name)."""
     settings = EngineArgs(**_every_field_set(tmp_path))
-    assert settings.scheduler_config(num_blocks=9, eos=5) == SchedulerConfig(9, 4, 3, 40, 5)
+    assert settings.scheduler_config(num_blocks=9, eos=5) == SchedulerConfig(9, 4, 3, 40, 5, "priority", 3)
     spec = RunnerSpec.of(settings, threads=2)
     for field in dataclasses.fields(RunnerSpec):
         if field.name != "threads":

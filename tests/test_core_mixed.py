@@ -14,8 +14,8 @@ from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
-from invariants import SchedulerState, SeqView, Violation, seq_view
-from invariants import batch_checks as b
+from invariants import check_batch, seq_view
+from optimized.cli.conformance import batch_violations, policy_snapshot
 from optimized.core.config import SchedulerConfig
 from optimized.core.errors import EmptyDecodeError
 from optimized.core.mixed_scheduler import MixedScheduler
@@ -24,39 +24,18 @@ from optimized.core.port import PortFactory, ScheduleOutput, SchedulerPort
 from optimized.core.sequence import Sequence
 from optimized.verify.conformance import Workload, implementation, parse_workload, replay
 from optimized.verify.machines import Stats, counting
-from optimized.verify.machines.differential_machine import DifferentialMachine, Disagreement
+from optimized.verify.machines.differential_machine import Disagreement
+from optimized.verify.machines.policy_machines import MixedDifferential
 from optimized.verify.reference_port import ReferencePort
 from tests.optimized_pair import SAMPLES
 
 pytestmark = pytest.mark.clause("POLICY-13", "OPT-1")
 
 
-# --- the batch invariants of a mixed step -------------------------------------------------------------------------
-def mixed_batch_violations(state: SchedulerState, batch: list[SeqView], is_prefill: bool) -> list[Violation]:
-    """The batch clauses (INV-12..20) as a mixed step keeps them: the decodes (is_prefill False, a prefix of the
-    batch) are a decode batch at the front of ``running``, the rest a prefill batch; the budget bounds the whole
-    step (POLICY-2); only the last prefill may be cut short, and then the budget is spent (POLICY-3)."""
-    d = next((i for i, s in enumerate(batch) if s.is_prefill), len(batch))
-    decodes, prefills = batch[:d], batch[d:]
-    found = [*b.check_limits(state, batch, True), *b.check_decode(decodes, False),
-             *b.check_scheduled_counts(state, batch), *b.check_exclusive_writes(state, batch),
-             *b.check_progress(state, batch), *b.check_coverage(state, batch),
-             *b.check_unhashed_writes(state, batch), *b.check_placement(state, decodes, False)]
-    if prefills:
-        found += b.prefill_placement(state, prefills)
-    if is_prefill != bool(prefills):
-        found.append(Violation("POLICY-2", f"the step holds {len(prefills)} prefills but says is_prefill {is_prefill}"))
-    cut = [i for i, s in enumerate(prefills) if b.unfinished(s)]
-    if cut and (cut != [len(prefills) - 1]
-                or sum(s.num_scheduled_tokens for s in batch) != state.max_num_batched_tokens):
-        found.append(Violation("POLICY-3", f"prefills cut short at {cut} of {len(prefills)}, not the last alone "
-                                           "with the budget spent"))
-    return found
-
-
+# --- the batch invariants of a mixed step (invariants.check_batch reads a mixed step so) -----------------------
 @pytest.mark.clause("POLICY-2", "POLICY-3")
 def test_the_mixed_batch_check_passes_a_real_step_and_reports_each_corruption() -> None:
-    """The negative control of ``mixed_batch_violations``: a real mixed step of the reference (two decodes, a whole
+    """The negative control of ``check_batch`` under ``mixed``: a real mixed step of the reference (two decodes, a whole
     prefill, one cut short) passes; the flag denied, a chunk cut short before the last, a step over its budget and
     a decode of two tokens are each reported."""
     port = ReferencePort(mixed_config(num_blocks=30, block_size=2, max_num_seqs=5, max_num_batched_tokens=8))
@@ -69,14 +48,32 @@ def test_the_mixed_batch_check_passes_a_real_step_and_reports_each_corruption() 
     out = port.schedule()
     state, views = port.snapshot(), [seq_view(s) for s in out.batch]
     assert [(v.is_prefill, v.num_scheduled_tokens) for v in views] == [(False, 1), (False, 1), (True, 2), (True, 4)]
-    assert mixed_batch_violations(state, views, True) == []
-    assert [v.clause for v in mixed_batch_violations(state, views, False)] == ["POLICY-2"]
+    assert check_batch(state, views, True) == []
+    assert [v.clause for v in check_batch(state, views, False)] == ["POLICY-2"]
     swapped = [views[0], views[1], views[3], views[2]]
-    assert "POLICY-3" in [v.clause for v in mixed_batch_violations(state, swapped, True)]
+    assert "POLICY-3" in [v.clause for v in check_batch(state, swapped, True)]
     over = dataclasses.replace(state, max_num_batched_tokens=7)
-    assert {"INV-12", "POLICY-3"} <= {v.clause for v in mixed_batch_violations(over, views, True)}
+    assert {"INV-12", "POLICY-3"} <= {v.clause for v in check_batch(over, views, True)}
     two = [dataclasses.replace(views[0], num_scheduled_tokens=2, num_cached_tokens=views[0].num_tokens - 2), *views[1:]]
-    assert "INV-14" in [v.clause for v in mixed_batch_violations(state, two, True)]
+    assert "INV-14" in [v.clause for v in check_batch(state, two, True)]
+
+
+@pytest.mark.clause("POLICY-2", "POLICY-14")
+def test_the_conformance_command_checks_a_mixed_step_by_the_mixed_clauses() -> None:
+    """POLICY-14: the command's batch check (``batch_violations``) of a mixed state is the mixed batch clauses: a
+    real mixed step passes, one over its budget or with its flag denied is reported (it used to check nothing)."""
+    port = ReferencePort(mixed_config(num_blocks=30, block_size=2, max_num_seqs=5, max_num_batched_tokens=8))
+    port.add(port.new_sequence([1, 2, 3], 5))
+    out = port.schedule()
+    port.postprocess(out.batch, [1], out.is_prefill)
+    port.add(port.new_sequence([9] * 9, 5))
+    out = port.schedule()
+    state, views = policy_snapshot(port), [seq_view(s) for s in out.batch]
+    assert state.policy == "mixed" and [v.is_prefill for v in views] == [False, True]
+    assert batch_violations(state, views, True) == []
+    over = dataclasses.replace(state, max_num_batched_tokens=7)
+    assert {"INV-12", "POLICY-3"} <= {v.clause for v in batch_violations(over, views, True)}
+    assert [v.clause for v in batch_violations(state, views, False)] == ["POLICY-2"]
 
 
 # --- the differential machine under mixed -------------------------------------------------------------------------
@@ -91,18 +88,10 @@ class Reach:
     preemptions: int = 0  # the lockstep driver's (the machine counts its own in Stats)
 
 
-class MixedDifferential(DifferentialMachine):
-    """OPT-1 under ``mixed``: every decision of the optimized policy is its reference's (POLICY-13)."""
+class CountedMixed(MixedDifferential):
+    """The machine under ``mixed``, counting what it reached into ``reach``."""
 
-    policy = "mixed"
-    reach: Reach | None = None  # a test that counts gives its subclass one; the machine itself touches nothing
-
-    def check(self, port: SchedulerPort[Any], batch: list[Any], is_prefill: bool) -> None:
-        found = mixed_batch_violations(port.snapshot(), [seq_view(s) for s in batch], is_prefill)
-        self.stats.violations += len(found)
-        if found:
-            name = "reference" if port is self.ref else "optimized"
-            raise Disagreement(f"{name}: " + "; ".join(map(str, found)))
+    reach: Reach | None = None  # a test that counts gives its subclass one
 
     def schedule_both(self) -> tuple[list[Any], list[Any], bool] | None:
         assert self.ref is not None
@@ -134,7 +123,7 @@ def test_the_machine_reaches_mixed_steps_chunks_and_preemptions() -> None:
     prefills cut short, preemptions, the empty decode. (A cut-short prefill losing its blocks to a decode is rare
     in its draws, about once in a hundred runs: the targeted test below makes it happen.)"""
     stats, reach = Stats(), Reach()
-    machine = type("Counted", (MixedDifferential,), {"reach": reach})
+    machine = type("Counted", (CountedMixed,), {"reach": reach})
     run_state_machine_as_test(counting(machine, stats), settings=SEARCH)
     assert stats.violations == 0
     assert stats.steps > 500 and stats.preemptions > 0 and stats.prefix_hit_tokens > 0 and stats.aborts > 0, stats
@@ -371,6 +360,8 @@ def test_aborts_between_mixed_steps_and_a_failed_mixed_step() -> None:
     twin.add(list(range(10, 25)), 3)  # cut short: three decodes leave three tokens of budget
     out = twin.step()
     assert out is not None and out.is_prefill
+    cut = twin.opt_seqs[3]
+    assert twin.opt.waiting[0] is cut and cut.block_table and 0 < cut.num_cached_tokens < cut.num_tokens
     for index in (1, 3):  # a running request, then the prefill cut short (holding blocks)
         twin.ref.abort(twin.ref_seqs[index])
         twin.opt.abort(twin.opt_seqs[index])
@@ -398,7 +389,7 @@ def test_every_conformance_workload_replays_identically_under_mixed() -> None:
 
     def checked(port: SchedulerPort[Any], batch: list[Any], is_prefill: bool) -> None:
         nonlocal mixed_steps
-        assert mixed_batch_violations(port.snapshot(), [seq_view(s) for s in batch], is_prefill) == []
+        assert check_batch(port.snapshot(), [seq_view(s) for s in batch], is_prefill) == []
         mixed_steps += is_prefill and not batch[0].is_prefill
 
     empty = 0

@@ -9,7 +9,6 @@ preempted request goes to its place, an admitted one to its place in ``running``
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from typing import Any, ClassVar
 
@@ -17,37 +16,19 @@ import pytest
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from invariants import SchedulerState, seq_view
-from optimized.cli.conformance import batch_violations
 from optimized.core.config import SchedulerConfig
-from optimized.core.port import SchedulerPort
 from optimized.core.priority_scheduler import PriorityScheduler
 from optimized.core.scheduler import Scheduler
 from optimized.verify import conformance
 from optimized.verify.machines import CI_SETTINGS
 from optimized.verify.machines.differential_machine import DifferentialMachine, Disagreement
+from optimized.verify.machines.policy_machines import PriorityDifferential
 from optimized.verify.reference_port import ReferencePort
 from reference.lpm_scheduler import LpmScheduler as ReferenceLpm
-from reference.priority_scheduler import PriorityScheduler as ReferencePriority
-
-
-def reference_policy_state(port: ReferencePort) -> SchedulerState:
-    """The adapter's own snapshot with the policy's fields read off the policy's reference itself: ``priorities``
-    of the live sequences, ``passes`` of the waiting ones, the patience."""
-    lesson = port.lesson_scheduler
-    state = ReferencePort.snapshot(port)
-    live = [*lesson.waiting, *lesson.running]
-    if isinstance(lesson, ReferencePriority):
-        return dataclasses.replace(state, policy="priority",
-                                   priorities={s.seq_id: lesson.priority[s.seq_id] for s in live})
-    if isinstance(lesson, ReferenceLpm):
-        return dataclasses.replace(state, policy="lpm", patience=lesson.patience,
-                                   passes={s.seq_id: lesson.passes[s.seq_id] for s in lesson.waiting})
-    return state
 
 
 class PolicyMachine(DifferentialMachine):
-    """The differential machine under a policy: the policy's own state compared too, and what a run reached counted.
+    """The differential machine counting what a run reached, mixed in before a policy's machine.
 
     ``reach`` (a class attribute, one per subclass) counts, over every run: ``overtaken`` (a prefill step
     admitted a request while an earlier arrival kept waiting unallocated), ``preempted`` (requests preempted),
@@ -55,36 +36,6 @@ class PolicyMachine(DifferentialMachine):
     """
 
     reach: ClassVar[Counter[str]] = Counter()
-    checked_adapter: ReferencePort | None = None  # the reference adapter whose snapshot was looked at
-
-    def compare(self, when: str, between_steps: bool = True) -> None:
-        assert self.ref is not None and self.opt is not None
-        ref = self.ref
-        assert isinstance(ref, ReferencePort)
-        if ref is not self.checked_adapter:
-            self.checked_adapter = ref
-            if ref.snapshot().policy != self.policy:
-                # The adapter does not fill the policy's fields yet: read them off the reference here.
-                ref.snapshot = lambda: reference_policy_state(ref)  # type: ignore[method-assign]
-        super().compare(when, between_steps)
-        truth, ours = reference_policy_state(ref), self.opt.snapshot()
-        for name, state in (("reference adapter", ref.snapshot()), ("optimized", ours)):
-            mine = self._policy_fields(state, self.ref_arrival if state is not ours else self.opt_arrival)
-            if mine != self._policy_fields(truth, self.ref_arrival):
-                raise Disagreement(f"POLICY-13 after {when}: {name}'s policy state {mine} is not the reference's "
-                                   f"{self._policy_fields(truth, self.ref_arrival)}")
-
-    @staticmethod
-    def _policy_fields(state: SchedulerState, arrival: dict[int, int]) -> tuple[Any, ...]:
-        return (state.policy, state.patience, {arrival[k]: v for k, v in state.priorities.items()},
-                {arrival[k]: v for k, v in state.passes.items()})
-
-    def check(self, port: SchedulerPort[Any], batch: list[Any], is_prefill: bool) -> None:
-        state = port.snapshot()
-        found = batch_violations(state, [seq_view(s) for s in batch], is_prefill)
-        self.stats.violations += len(found)
-        if found:
-            raise Disagreement(f"{'reference' if port is self.ref else 'optimized'}: " + "; ".join(map(str, found)))
 
     def schedule_both(self) -> tuple[list[Any], list[Any], bool] | None:
         preempted = self.stats.preemptions
@@ -102,8 +53,7 @@ class PolicyMachine(DifferentialMachine):
         return scheduled
 
 
-class PriorityDifferential(PolicyMachine):
-    policy = "priority"
+class CountedPriority(PolicyMachine, PriorityDifferential):
     reach: ClassVar[Counter[str]] = Counter()
 
 
@@ -114,16 +64,18 @@ class TestPriorityDifferential(PriorityDifferential.TestCase):  # type: ignore[m
 QUICK = settings(**{**CI_SETTINGS, "derandomize": True, "phases": [Phase.generate]})
 
 
-def run_machine(machine: type[PolicyMachine]) -> Counter[str]:
+def run_machine(machine: type[PolicyMachine], examples: int = QUICK.max_examples) -> Counter[str]:
+    """What ``examples`` runs of ``machine`` reached; a negative control searches longer, up to its first failure
+    (the machine's draws are seeded by its class, so how soon a mutant is met changes with it)."""
     machine.reach.clear()
-    run_state_machine_as_test(machine, settings=QUICK)
+    run_state_machine_as_test(machine, settings=settings(QUICK, max_examples=examples))
     return machine.reach
 
 
 @pytest.mark.clause("POLICY-13")
 def test_the_machine_reaches_overtaking_and_preemption() -> None:
     """POLICY-13: the runs the suite's profile draws make requests overtake earlier ones and preempt."""
-    reach = run_machine(PriorityDifferential)
+    reach = run_machine(CountedPriority)
     assert reach["overtaken"] >= 10 and reach["preempted"] >= 5, reach
 
 
@@ -144,7 +96,7 @@ def test_the_machine_catches_a_group_kept_whole(monkeypatch: pytest.MonkeyPatch)
     """POLICY-13, OPT-2: negative control: with the group kept whole the machine reports a disagreement."""
     monkeypatch.setitem(conformance.IMPLEMENTATIONS, "optimized", KeepsTheGroup)
     with pytest.raises(Disagreement):
-        run_machine(PriorityDifferential)
+        run_machine(CountedPriority, examples=300)
 
 
 # --- targeted: the rules of the reference's docstring, step by step beside it ------------------------------
@@ -274,3 +226,19 @@ def test_the_snapshot_names_the_policy_and_each_live_priority() -> None:
     assert scheduler.postprocess(out.batch, [9, 9], True) == [short]
     assert scheduler.snapshot().priorities == {long.seq_id: 2}
 
+
+
+@pytest.mark.clause("POLICY-6", "POLICY-13")
+def test_a_finished_cut_short_prefill_and_an_urgent_admission_both_land_in_their_places() -> None:
+    """POLICY-6: a step that finishes a prefill cut short (less urgent than a running request) and admits a more
+    urgent arrival behind it leaves running in (priority, arrival) order on both sides. Negative control of the
+    reference's old one-at-a-time placement, which bisected a running queue whose tail was still unplaced and
+    left ["urgent", "calm", "long"]."""
+    t = Twin("priority", max_num_batched_tokens=8)
+    t.add("calm", [1, 2, 3], priority=10)
+    assert t.step() == (["calm"], True)
+    t.add("long", list(range(100, 112)), priority=9)
+    assert t.step() == (["long"], True)  # 8 of its 12 tokens: it keeps the front
+    t.add("urgent", [5, 6], priority=2)
+    assert t.step() == (["long", "urgent"], True)
+    assert t.queues(t.ref) == ([], ["urgent", "long", "calm"])

@@ -4,7 +4,8 @@
 workloads (optimized/benchmarks/scheduler.py); ``throughput`` runs the engine
 against transformers (optimized/benchmarks/throughput.py); ``threads`` runs the
 engine under each CPU setting, idle and beside a busy core
-(optimized/benchmarks/busy_core.py). The engine's benchmarks import torch, so
+(optimized/benchmarks/busy_core.py); ``policies`` replays a trace through every scheduling policy
+(optimized/benchmarks/policies.py). The engine's benchmarks import torch, so
 they are loaded only when asked for.
 """
 
@@ -17,7 +18,8 @@ from optimized.engine.args import EngineArgs
 
 HELP = ("benchmarks: 'scheduler' (reference vs optimized scheduler), 'throughput' (the engine vs transformers), "
         "'threads' (CPU settings, idle and with a busy core), 'serve' (the HTTP server vs LLM.generate), "
-        "'check' (the engine unchecked vs in check mode)")
+        "'check' (the engine unchecked vs in check mode), 'determinism' (requests alone and in a crowd), "
+        "'policies' (every scheduling policy on a trace)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from optimized.benchmarks import determinism as determinism_bench
 
     determinism_bench.add_arguments(determinism)
+    policies = sub.add_parser("policies", help="a trace (or a shared-prefix workload) replayed through every "
+                              "scheduling policy on the engine: TTFT, TBT, E2E, goodput, hit rate, and each policy "
+                              "against the lesson's")
+    from optimized.benchmarks import policies as policies_bench
+
+    policies_bench.add_arguments(policies)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -85,6 +93,10 @@ def main(args: argparse.Namespace) -> int:
         from optimized.benchmarks import determinism as determinism_bench
 
         return determinism_bench.main(args)
+    if args.bench == "policies":
+        from optimized.benchmarks import policies as policies_bench
+
+        return policies_bench.main(args)
     if args.bench == "threads":
         from optimized.benchmarks import busy_core
 

@@ -70,11 +70,9 @@ def batch_violations(state: SchedulerState, batch: list[SeqView], is_prefill: bo
 
     ``lpm`` keeps all of them (it orders ``waiting``, then the lesson's loops decide); ``priority`` all but
     INV-20's "finished prefills end ``running``": an admitted request goes to its (priority, arrival) place,
-    checked instead (POLICY-6); ``mixed`` batches are its own (decodes and prefills together, POLICY-2), so
-    none of them.
+    checked instead (POLICY-6); a ``mixed`` step is judged by ``check_batch`` as a mixed step (its decodes, then
+    its prefills: POLICY-2, POLICY-3).
     """
-    if state.policy == "mixed":
-        return []
     found = check_batch(state, batch, is_prefill)
     if state.policy == "priority":
         found = [v for v in found if not (v.clause == "INV-20" and "are not the tail of running" in v.message)]

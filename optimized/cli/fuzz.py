@@ -61,11 +61,10 @@ def main(args: argparse.Namespace) -> int:
     factories: dict[str, type[RuleBasedStateMachine]] = {}
     for name in names:
         try:
-            module = machines.load(name)
+            factories[name] = machines.load(name)
         except ValueError as e:
             print(f"nanoverify fuzz: {e}", file=sys.stderr)
             return 2
-        factories[name] = module.Machine
     if args.reproduce is not None:
         return reproduce(args.machine, factories[args.machine], args.reproduce)
     seed = args.seed if args.seed is not None else secrets.randbits(32)
@@ -178,6 +177,8 @@ def report_progress(start: float, stats: dict[str, Stats]) -> None:
 
 
 def report_failure(name: str, error: BaseException, rerun: str | None) -> None:
+    from optimized.verify.machines import MACHINES
+
     notes = [str(n) for n in getattr(error, "__notes__", [])]
     print(f"FAILURE in machine {name}: {type(error).__name__}: {error}")
     program = [note for note in notes if "@reproduce_failure" not in note]
@@ -189,7 +190,7 @@ def report_failure(name: str, error: BaseException, rerun: str | None) -> None:
     print("To reproduce:")
     if blob is not None:
         print(f"  nanoverify fuzz --machine {name} --reproduce {blob.group(2)}")
-        print(f"  or decorate {name}'s Machine.TestCase with @reproduce_failure({blob.group(1)!r}, "
+        print(f"  or decorate {MACHINES[name]}.TestCase with @reproduce_failure({blob.group(1)!r}, "
               f"b{blob.group(2)!r}) (hypothesis {blob.group(1)})")
     if rerun is not None:
         print(f"  rerun the whole run: nanoverify fuzz --machine {name} {rerun}")

@@ -6,7 +6,8 @@ line, whatever its bytes, is one line on standard error and exit 2 with nothing 
 standard output; the reader's limits are spec/cli.md's CLI-7. An input whose first
 record is a trace header (``{"version": ...}``, spec/trace.md) is a recorded run:
 it is replayed through ``--impl`` with invariants checked at every step, and the
-command prints ``identical: N/N steps`` (exit 0) or, after the count of identical
+command prints ``identical: N/N steps`` (with the trace's policy when it is not the
+lesson's: both implementations of that policy judge it) (exit 0) or, after the count of identical
 steps, the first differing step and field (exit 1).
 """
 
@@ -80,12 +81,20 @@ def read_input(name: str) -> list[Workload] | Trace:
     return read_stream(sys.stdin.buffer)
 
 
+def policy_note(trace: Trace) -> str:
+    """The policy a trace was judged under, when it is not the lesson's (whose line TRACE-6 keeps as it was)."""
+    policy = trace.policy
+    if policy == "lesson":
+        return ""
+    return f" (policy {policy}, patience {trace.config.get('patience')})" if policy == "lpm" else f" (policy {policy})"
+
+
 def replay_recorded(trace: Trace, impl: str) -> int:
     """TRACE-6: replay a recorded run; 0 when every step is identical, 1 at the first difference."""
     if trace.truncated is not None:
         print(f"nanoverify replay: warning: {trace.truncated}", file=sys.stderr)
     outcome = replay_trace(trace, impl)
-    print(f"identical: {outcome.identical}/{outcome.steps} steps")
+    print(f"identical: {outcome.identical}/{outcome.steps} steps{policy_note(trace)}")
     if outcome.difference is not None:
         print(f"first difference: {outcome.difference}")
         return 1

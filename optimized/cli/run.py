@@ -70,11 +70,14 @@ def main(args: argparse.Namespace) -> int:
     generated = sum(len(o.token_ids) for o in outs)
     prompt_tokens = sum(len(p) for p in prompts)
     print(f"model: {llm.model_dir}")
+    policy = llm.settings.scheduling_policy
+    print(f"scheduling policy: {policy}" + (f" (patience {llm.settings.lpm_patience})" if policy == "lpm" else ""))
     print(f"requests: {len(outs)} ({prompt_tokens} prompt tokens, {generated} generated) in {seconds:.1f} s")
     print(
         f"throughput: {generated / seconds:.1f} output tok/s, {(prompt_tokens + generated) / seconds:.1f} total tok/s"
     )
-    print(f"steps: {st.steps} ({st.prefill_steps} prefill, {st.decode_steps} decode)")
+    mixed = f", {st.mixed_steps} of them mixed with decodes" if st.mixed_steps else ""
+    print(f"steps: {st.steps} ({st.prefill_steps} prefill{mixed}, {st.decode_steps} decode)")
     print(f"preemptions: {st.preemptions}")
     print(f"prefix-cache hit tokens: {st.prefix_cache_hit_tokens}")
     print(

@@ -9,10 +9,9 @@ names a policy by the config it builds, never by a class.
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 from optimized.core.config import POLICIES, SchedulerConfig
-from optimized.core.port import SchedulerPort
+from optimized.core.scheduler import Scheduler
 
 __all__ = ["POLICIES", "make_scheduler"]
 
@@ -26,16 +25,17 @@ _CLASSES = {
 assert tuple(_CLASSES) == POLICIES
 
 
-def scheduler_class(policy: str) -> type[Any]:
-    """The optimized class of ``policy``; ValueError naming the policies for any other name."""
-    if policy not in _CLASSES:
+def scheduler_class(policy: str) -> type[Scheduler]:
+    """The optimized class of ``policy`` (``Scheduler`` or a subclass); ValueError naming the policies for any
+    other name."""
+    if not isinstance(policy, str) or policy not in _CLASSES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     module, name = _CLASSES[policy]
-    cls: type[Any] = getattr(importlib.import_module(module), name)
+    cls = getattr(importlib.import_module(module), name)
+    assert isinstance(cls, type) and issubclass(cls, Scheduler)  # every policy's class is the core's, subclassed
     return cls
 
 
-def make_scheduler(config: SchedulerConfig) -> SchedulerPort[Any]:
+def make_scheduler(config: SchedulerConfig) -> Scheduler:
     """The optimized scheduler of ``config.policy``."""
-    port: SchedulerPort[Any] = scheduler_class(config.policy)(config)
-    return port
+    return scheduler_class(config.policy)(config)

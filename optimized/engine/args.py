@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from kernels.backend_names import BACKEND_NAMES
-from optimized.core.config import MINIMUMS, SchedulerConfig
+from optimized.core.config import DEFAULT_PATIENCE, MINIMUMS, POLICIES, SchedulerConfig
 from optimized.core.errors import is_strict_int
 from optimized.engine import arg_types
 
@@ -162,7 +162,16 @@ class EngineArgs:
         "KV-cache blocks", "int", least=MINIMUMS["num_blocks"], unset="what the memory budget holds"))
     max_num_seqs: int = field(default=256, metadata=_knob("sequences per step", "int", least=MINIMUMS["max_num_seqs"]))
     max_num_batched_tokens: int = field(default=8192, metadata=_knob(
-        "prompt tokens per prefill step", "int", least=MINIMUMS["max_num_batched_tokens"]))
+        "prompt tokens per prefill step (under mixed: every token of a step, decodes included)", "int",
+        least=MINIMUMS["max_num_batched_tokens"]))
+    scheduling_policy: str = field(default="lesson", metadata=_knob(
+        "who runs each step (spec/policies.md): lesson (the lesson's: prefill first, first come first served), "
+        "mixed (decodes first, then prefill chunks in the same step), priority (requests by their priority, lower "
+        "first, then arrival), lpm (the longest cached prefix first, a request passed over --lpm-patience times "
+        "goes next)", "choice", choices=POLICIES))
+    lpm_patience: int = field(default=DEFAULT_PATIENCE, metadata=_knob(
+        "lpm: how often a waiting request may be passed over before it is due (0: the lesson's order)", "int",
+        least=0))
     max_model_len: int | None = field(default=None, metadata=_knob(
         "prompt + completion tokens", "int", least=2, unset="the model's"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_knob(
@@ -182,7 +191,8 @@ class EngineArgs:
     batch_invariant: bool | None = field(default=None, metadata=_knob(
         "batch-invariant kernels: a request's tokens and logits the same bits whatever the batch, chunking, "
         "preemption, prefix cache or thread count (spec/batch-invariance.md; CPU, float32 or float64, the 'cpu' "
-        "attention backend, any tensor-parallel size)", "bool", unset="off"))
+        "attention backend, any tensor-parallel size)", "bool",
+        unset="on in float32 on the CPU with the 'cpu' attention backend, else off"))
     seed: int = field(default=0, metadata=_knob(
         "seed of the seeds unseeded requests draw (run and bench throughput: of their workload too)", "int",
         least=None))
@@ -227,7 +237,7 @@ class EngineArgs:
         """The scheduler's knobs (spec/knobs.md): these, with the KV blocks the memory budget gave."""
         return SchedulerConfig(num_blocks=num_blocks, block_size=self.kvcache_block_size,
                                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                               eos=eos)
+                               eos=eos, policy=self.scheduling_policy, patience=self.lpm_patience)
 
     @classmethod
     def add_cli_args(cls, p: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None,

@@ -20,9 +20,12 @@ arbitrary point: FAULT-4) may have left the state half changed: ``busy`` then
 still names the interrupted operation, every later call raises RuntimeError
 (ENG-11), and the exception itself propagates untouched; a cleanup that fails
 never replaces the exception that caused it (FAULT-5). The scheduler
-implementation is imported in exactly one place, the import of
-``optimized.core.scheduler`` below. The engine is not thread-safe: ``LLM``
-serializes calls into it (THREAD-1).
+is made in exactly one place, by ``optimized.core.policies.make_scheduler``
+from the config's policy (spec/policies.md, POLICY-11), imported below; each
+request's priority goes to its ``add`` (POLICY-12). A step of the ``mixed``
+policy holds decodes and prefill chunks at once: it is a prefill step to the
+runner, whose decodes are one-token chunks (POLICY-17). The engine is not
+thread-safe: ``LLM`` serializes calls into it (THREAD-1).
 """
 
 from __future__ import annotations
@@ -35,26 +38,30 @@ import numpy as np
 
 from optimized.core.errors import is_strict_int
 
-# The one import point of the scheduler the engine drives (it satisfies the scheduler port, ARCH-4).
+# The one import point of the scheduler the engine drives: the factory of the config's policy (each policy's class
+# subclasses the lesson's optimized Scheduler and satisfies the scheduler port, ARCH-4).
+from optimized.core.policies import make_scheduler
 from optimized.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig, Sequence
 from optimized.engine.logprobs import keep
 from optimized.engine.model_runner import DrawParams, ModelRunner
 from optimized.engine.observer import StepObserver
 from optimized.engine.sampling_params import Logprob, SamplingParams
-from optimized.engine.validation import EngineLimits, validate_request
+from optimized.engine.validation import EngineLimits, validate_priority, validate_request
 
 __all__ = ["Engine", "EngineLimits", "EngineStats", "Request", "SchedulerConfig", "describe", "validate_request"]
 
 
 @dataclass
 class Request:
-    """One request as the engine tracks it; ``arrival`` is its 0-based add order (the LLM's request_id)."""
+    """One request as the engine tracks it; ``arrival`` is its 0-based add order (the LLM's request_id);
+    ``priority`` its place under the ``priority`` policy (lower first; 0 under every other, POLICY-12)."""
 
     arrival: int
     seq: Sequence
     params: SamplingParams
     draw: DrawParams
     stop_ids: frozenset[int]
+    priority: int = 0
     finish_reason: str | None = None
     # ENG-18: when asked, one dict per generated token, and one per prompt token (the first's None)
     logprobs: list[dict[int, Logprob]] | None = None
@@ -72,6 +79,8 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_tokens: int = 0  # tokens looked up in the prefix cache (each time a sequence gets blocks)
     chunked_prefills: int = 0  # prefill grants that left their sequence's prompt unfinished
+    mixed_steps: int = 0  # prefill steps that decoded too (the ``mixed`` policy's, POLICY-2)
+    mixed_decode_tokens: int = 0  # the decodes of those steps (counted in ``prefill_tokens`` too)
     compared_steps: int = 0  # steps whose decisions check mode compared with the reference
     aborted_requests: int = 0  # ABORT-8
     failed_steps: int = 0  # FAULT-1: steps whose model run raised (not counted in ``steps``)
@@ -126,9 +135,14 @@ class _Change:
 class Engine:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig, limits: EngineLimits,
                  observers: Seq[StepObserver] = ()) -> None:
+        if limits.scheduling_policy != config.policy:  # POLICY-12: the validator and the scheduler, one policy
+            raise ValueError(f"scheduling_policy: the limits' is {limits.scheduling_policy!r}, the scheduler's "
+                             f"config's {config.policy!r}: priorities would be refused or silently ignored")
         self.runner = runner
         self.limits = limits
-        self.scheduler = Scheduler(config)
+        scheduler = make_scheduler(config)
+        assert isinstance(scheduler, Scheduler)  # every policy's class is one (optimized/core/policies.py)
+        self.scheduler = scheduler
         self.observers = list(observers)  # told of every change, in order (ARCH-3): the recorder, the shadow
         self.live: dict[int, Request] = {}  # by seq_id
         self.by_arrival: dict[int, Request] = {}  # the same live requests, by arrival
@@ -162,22 +176,23 @@ class Engine:
         for observer in self.observers:  # TRACE-1: a closed or broken trace refuses the change before it begins
             observer.before_change()
 
-    def add(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
-        """Validate and queue one request; refused by the limits or by an observer (the trace's line limit),
-        nothing changes."""
+    def add(self, token_ids: Seq[int], params: SamplingParams, seed: int, priority: object = 0) -> Request:
+        """Validate and queue one request; refused by the limits, by its priority (POLICY-12) or by an observer
+        (the trace's line limit), nothing changes."""
         self.require_trusted()
         ids = validate_request(token_ids, params, self.limits)
+        checked = validate_priority(priority, self.limits)
         for observer in self.observers:
             observer.check_add(ids, params)
-        return self.add_validated(ids, params, seed)
+        return self.add_validated(ids, params, seed, checked)
 
-    def add_validated(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
-        """``add`` for a request the caller has already passed through ``validate_request`` and every observer's
-        ``check_add`` (``LLM`` does both when it validates)."""
+    def add_validated(self, token_ids: Seq[int], params: SamplingParams, seed: int, priority: int = 0) -> Request:
+        """``add`` for a request the caller has already passed through ``validate_request``, ``validate_priority``
+        and every observer's ``check_add`` (``LLM`` does all three when it validates)."""
         self.require_trusted()
-        request = self._request(token_ids, params, seed)
+        request = self._request(token_ids, params, seed, priority)
         with self._adding:
-            self.scheduler.add(request.seq, request.stop_ids)
+            self.scheduler.add(request.seq, request.stop_ids, request.priority)
             self.live[request.seq.seq_id] = request
             self.by_arrival[request.arrival] = request
             self._arrivals += 1
@@ -185,7 +200,7 @@ class Engine:
                 observer.added(request)
         return request
 
-    def _request(self, token_ids: Seq[int], params: SamplingParams, seed: int) -> Request:
+    def _request(self, token_ids: Seq[int], params: SamplingParams, seed: int, priority: int) -> Request:
         """The next arrival's ``Request``, not yet added anywhere."""
         # Validated once (validate_request): the sequence takes them as an int64 array, unchecked again.
         seq = Sequence(np.asarray(token_ids, dtype=np.int64), params, self.limits.block_size)
@@ -198,7 +213,7 @@ class Engine:
         prompt_logprobs = -1 if params.prompt_logprobs is None or len(token_ids) < 2 else params.prompt_logprobs
         draw = DrawParams(temperature, top_k, params.top_p, seed % (1 << 63),
                           -1 if params.logprobs is None else params.logprobs, prompt_logprobs)
-        return Request(self._arrivals, seq, params, draw, frozenset(stops),
+        return Request(self._arrivals, seq, params, draw, frozenset(stops), priority,
                        logprobs=None if params.logprobs is None else [],
                        prompt_logprobs=None if params.prompt_logprobs is None else [None])
 
@@ -320,6 +335,10 @@ class Engine:
             st.prefix_cache_hit_tokens += out.prefix_hit_tokens
             st.prefix_cache_query_tokens += out.prefix_query_tokens
             st.chunked_prefills += sum(s.num_cached_tokens + s.num_scheduled_tokens < s.num_tokens for s in seqs)
+            decodes = sum(not s.is_prefill for s in seqs)
+            if decodes:
+                st.mixed_steps += 1
+                st.mixed_decode_tokens += decodes
         else:
             st.decode_steps += 1
             st.decode_tokens += computed

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from invariants.block_math import admits
+from optimized.core.errors import INT64_MAX, INT64_MIN
 from optimized.engine.sampling_params import RequestRefused, SamplingParams, token_id
 
 if TYPE_CHECKING:
     from optimized.models.tokenizer import Tokenizer
 
-__all__ = ["EngineLimits", "RequestRefused", "prompt_ids", "validate_request"]
+__all__ = ["EngineLimits", "RequestRefused", "prompt_ids", "validate_priority", "validate_request"]
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
@@ -32,6 +33,7 @@ class EngineLimits:
     num_blocks: int
     block_size: int
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    scheduling_policy: str = "lesson"  # only the ``priority`` policy takes a priority other than 0 (POLICY-12)
 
     @property
     def eos(self) -> int:
@@ -107,3 +109,19 @@ def validate_request(token_ids: Seq[int], params: SamplingParams, limits: Engine
         raise RequestRefused("max_tokens", f"is too large: {params.max_tokens} + {n} prompt tokens {past}",
                              CONTEXT_LENGTH_EXCEEDED)
     return ids
+
+
+def validate_priority(priority: object, limits: EngineLimits) -> int:
+    """POLICY-12: a request's priority as a plain int, or a ``RequestRefused`` naming ``priority``; changes nothing.
+
+    Any integer type (a numpy integer too), never a bool, within int64 (as vLLM's and the trace's). Only the
+    ``priority`` policy orders by it; under another a priority other than 0 would be silently ignored, so it is
+    refused, as vLLM refuses it.
+    """
+    value = token_id(priority, "priority", "must be an int")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise RequestRefused("priority", f"must be an int64 (in [-2**63, 2**63 - 1]), got {value}")
+    if value != 0 and limits.scheduling_policy != "priority":
+        raise RequestRefused("priority", f"is {value}, but only scheduling_policy 'priority' orders requests by "
+                             f"priority (this engine's is {limits.scheduling_policy!r}); leave it 0")
+    return value

@@ -88,7 +88,11 @@ def build_engine(args: EngineArgs) -> EngineParts:
     if max_model_len > c.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's {c.max_position_embeddings}")
     enforce_eager = dev.type != "cuda" or not backend.capturable if args.enforce_eager is None else args.enforce_eager
-    batch_invariant = bool(args.batch_invariant)  # None: off (BI-7 says why it is opt-in)
+    if args.batch_invariant is None:  # BI-10: on where it holds and costs no speed (float32 on the CPU's kernels)
+        batch_invariant = (dtype == "float32" and backend.name == "cpu"
+                           and batch_invariant_refusal(dev, dtype, backend.name) is None)
+    else:
+        batch_invariant = bool(args.batch_invariant)
     settings = replace(args, model=model_dir, dtype=dtype, device=str(dev), attention_backend=backend.name,
                        max_model_len=max_model_len, enforce_eager=enforce_eager, batch_invariant=batch_invariant)
     tokenizer = load_tokenizer(model_dir)
@@ -101,6 +105,6 @@ def build_engine(args: EngineArgs) -> EngineParts:
         runner = load_runner(spec, dev)
     settings = replace(settings, num_kvcache_blocks=runner.num_blocks)
     limits = EngineLimits(c.vocab_size, max_model_len, runner.num_blocks, settings.kvcache_block_size,
-                          c.eos_token_ids)
+                          c.eos_token_ids, settings.scheduling_policy)
     return EngineParts(runner, settings.scheduler_config(runner.num_blocks, c.eos), limits, settings, model_dir, c,
                        tokenizer, group)

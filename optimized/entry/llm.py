@@ -280,18 +280,19 @@ class LLM:
     def __exit__(self, kind: object, error: object, trace: object) -> None:
         self.close()
 
-    def _validated(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
-        """ENG-10, ARCH-6: the prompt's token ids and its params, or a RequestRefused (nothing changed); every
-        observer is asked last (TRACE-4: the trace's add record)."""
-        return validated_request(prompt, params, self.engine.limits, self.tokenizer, self._ask_observers)
+    def _validated(self, prompt: str | list[int], params: SamplingParams,
+                   priority: object = 0) -> tuple[list[int], SamplingParams, int]:
+        """ENG-10, ARCH-6: the prompt's token ids, its params and its priority (POLICY-12), or a RequestRefused
+        (nothing changed); every observer is asked last (TRACE-4: the trace's add record)."""
+        return validated_request(prompt, params, self.engine.limits, self.tokenizer, self._ask_observers, priority)
 
     def _ask_observers(self, ids: list[int], params: SamplingParams) -> None:
         for observer in self.engine.observers:
             observer.check_add(ids, params)
 
-    def _add(self, ids: list[int], params: SamplingParams) -> Request:
+    def _add(self, ids: list[int], params: SamplingParams, priority: int) -> Request:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        request = self.engine.add_validated(ids, params, seed)
+        request = self.engine.add_validated(ids, params, seed, priority)
         if params.stop:
             self._watched[request.arrival] = IncrementalDetokenizer(self.tokenizer, params.stop)
         return request
@@ -314,22 +315,25 @@ class LLM:
                 return None
             return request.logprobs[start:]
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
-        """ABORT-7: validate and queue one request (as generate would); its request_id. Refused: RequestRefused
-        (ARCH-6)."""
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    priority: int = 0) -> int:
+        """ABORT-7: validate and queue one request (as generate would); its request_id. ``priority``: lower
+        first under the ``priority`` policy, and refused other than 0 under every other (POLICY-12). Refused:
+        RequestRefused (ARCH-6)."""
         self._require_trusted()
-        ids, params = self._validated(prompt, SamplingParams() if sampling_params is None else sampling_params)
+        ids, params, checked = self._validated(prompt, SamplingParams() if sampling_params is None
+                                               else sampling_params, priority)
         with self._lock, _Bookkeeping(self, "an add_request"):
-            request = self._add(ids, params)
+            request = self._add(ids, params, checked)
             self._stepped[request.arrival] = prompt if isinstance(prompt, str) else None
         return request.arrival
 
-    def add_validated(self, prompt_ids: list[int], sampling_params: SamplingParams) -> int:
+    def add_validated(self, prompt_ids: list[int], sampling_params: SamplingParams, priority: int = 0) -> int:
         """``add_request`` for a caller that ran the one validator (``entry.requests.validated_request``) with this
         LLM's limits and ``trace_check(self.traced)``, as the server's HTTP side does: only trust and the trace's
         writability are checked again (ENG-11, TRACE-1). Its request_id; its output has no prompt text."""
         with self._lock, _Bookkeeping(self, "an add_request"):
-            request = self._add(prompt_ids, sampling_params)
+            request = self._add(prompt_ids, sampling_params, priority)
             self._stepped[request.arrival] = None
         return request.arrival
 
@@ -421,8 +425,12 @@ class LLM:
         prompts: Sequence[str] | Sequence[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; one output per prompt, in order. Refuses the whole call on one bad request.
+
+        ``priority``: one per prompt (vLLM's), lower first under the ``priority`` policy; None: every one 0, the
+        only value another policy takes (POLICY-12).
 
         FAULT-3: when a step raises, this call's live requests are aborted before the exception propagates.
         THREAD-2: other threads may use the LLM meanwhile; the outputs returned are this call's only.
@@ -433,17 +441,18 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a list of strings or of token-id lists, got {type(prompts).__name__}")
         params = self._params_per_prompt(sampling_params, len(prompts))
+        priorities = self._priority_per_prompt(priority, len(prompts))
         validated = []
         for i, sp in enumerate(params):
             try:
-                validated.append(self._validated(prompts[i], sp))
+                validated.append(self._validated(prompts[i], sp, priorities[i]))
             except RequestRefused as e:
                 raise RequestRefused(e.field, e.reason, e.code, f"prompt {i}: {e}") from None
         requests: list[Request] = []
         try:
             with self._lock, _Bookkeeping(self, "a generate call's adds"):
-                for ids, sp in validated:
-                    requests.append(self._add(ids, sp))
+                for ids, sp, rank in validated:
+                    requests.append(self._add(ids, sp, rank))
             self._run(requests, use_tqdm)
         except BaseException as error:
             self._abort_after(error, requests)
@@ -469,6 +478,18 @@ class LLM:
             raise RequestRefused("sampling_params", f"holds {n} for {count} prompts", None,
                                  f"sampling_params: {n} given for {count} prompts")
         return list(sampling_params)
+
+    @staticmethod
+    def _priority_per_prompt(priority: object, count: int) -> list[object]:
+        """POLICY-12: one priority for each prompt (each checked by the one validator); None means 0 for all."""
+        if priority is None:
+            return [0] * count
+        if not isinstance(priority, (list, tuple)):
+            raise RequestRefused("priority", f"must be a list of ints, one per prompt, got {type(priority).__name__}")
+        if len(priority) != count:
+            raise RequestRefused("priority", f"holds {len(priority)} for {count} prompts", None,
+                                 f"priority: {len(priority)} given for {count} prompts")
+        return list(priority)
 
     def _abort_after(self, error: BaseException, requests: list[Request]) -> None:
         """FAULT-3: abort this call's live requests when the engine is still trusted (a model fault, or an

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from optimized.engine.sampling_params import RequestRefused, SamplingParams
-from optimized.engine.validation import EngineLimits, prompt_ids, validate_request
+from optimized.engine.validation import EngineLimits, prompt_ids, validate_priority, validate_request
 from optimized.trace.recorder import check_add_record
 
 if TYPE_CHECKING:
@@ -35,14 +35,15 @@ def trace_check(traced: bool) -> AddCheck | None:
 
 
 def validated_request(prompt: object, params: SamplingParams | Callable[[int], SamplingParams],
-                      limits: EngineLimits, tokenizer: Tokenizer,
-                      check_add: AddCheck | None) -> tuple[list[int], SamplingParams]:
-    """The prompt's token ids and the request's params, or a ``RequestRefused`` (nothing changed).
+                      limits: EngineLimits, tokenizer: Tokenizer, check_add: AddCheck | None,
+                      priority: object = 0) -> tuple[list[int], SamplingParams, int]:
+    """The prompt's token ids, the request's params and its priority, or a ``RequestRefused`` (nothing changed).
 
     ``params``: a ``SamplingParams`` the caller was given (checked again: it may have been changed since it was
     made), or a function that makes them from the prompt's length (the server's: a max_tokens left to it is the
     room the limits leave), checked as they are made and not again. ``check_add``: the engine's last word (the
     trace's add record, ``trace_check``); its ValueError refuses the prompt, whose length is at fault.
+    ``priority``: an int64, other than 0 only under the ``priority`` policy (POLICY-12).
     """
     ids = prompt_ids(prompt, tokenizer)
     if isinstance(params, SamplingParams) or not callable(params):  # validate_request refuses what is none
@@ -50,6 +51,7 @@ def validated_request(prompt: object, params: SamplingParams | Callable[[int], S
     else:
         made, recheck = params(len(ids)), False
     ids = validate_request(ids, made, limits, recheck)
+    checked = validate_priority(priority, limits)
     if check_add is not None:
         try:
             check_add(ids, made)
@@ -57,4 +59,4 @@ def validated_request(prompt: object, params: SamplingParams | Callable[[int], S
             raise
         except ValueError as e:
             raise RequestRefused("prompt", f"is too long for the trace: {e}") from None
-    return ids, made
+    return ids, made, checked

@@ -257,9 +257,9 @@ class _Handlers:
                            param="model", code="model_not_found", kind="not_found_error")
 
     def _validated(self, call: _Call, prompt: str | list[int],
-                   max_tokens: int | None) -> tuple[list[int], SamplingParams]:
-        """SERVE-9, ARCH-6: the prompt's ids and the request's ``SamplingParams``, or the one validator's refusal
-        as a 400. A max_tokens left to the server is all the room the limits leave."""
+                   max_tokens: int | None) -> tuple[list[int], SamplingParams, int]:
+        """SERVE-9, ARCH-6: the prompt's ids, the request's ``SamplingParams`` and its priority (POLICY-12), or the
+        one validator's refusal as a 400. A max_tokens left to the server is all the room the limits leave."""
         sampling = _sampling(call.body)
 
         def params(prompt_len: int) -> SamplingParams:
@@ -267,14 +267,14 @@ class _Handlers:
                                   else max_tokens)
 
         try:
-            return validated_request(prompt, params, self.limits, self.tokenizer, self.check_add)
+            return validated_request(prompt, params, self.limits, self.tokenizer, self.check_add, call.body.priority)
         except RequestRefused as refusal:
             raise call.refused(refusal) from None
 
     async def _generate(self, request: Request, call: _Call, prompt: str | list[int],
                         max_tokens: int | None) -> Response:
-        ids, params = self._validated(call, prompt, max_tokens)
-        stream = Stream(ids, params, asyncio.get_running_loop())
+        ids, params, priority = self._validated(call, prompt, max_tokens)
+        stream = Stream(ids, params, asyncio.get_running_loop(), priority=priority)
         try:
             self.loop.submit(stream)
         except Unavailable as e:

@@ -69,6 +69,7 @@ class Submit:
     key: int  # the stream's name between the two processes
     prompt_ids: list[int]
     params: SamplingParams
+    priority: int = 0  # POLICY-12
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ class EngineProcess:
                 self._quiet_since = time.perf_counter()
             stream.key = next(self._keys)
             self._streams[stream.key] = stream
-        self._outbox.put(Submit(stream.key, stream.prompt_ids, stream.params))
+        self._outbox.put(Submit(stream.key, stream.prompt_ids, stream.params, stream.priority))
 
     def cancel(self, stream: Stream) -> None:
         """The client went away: the engine aborts the request at its next gap between steps (SERVE-7). Nobody
@@ -463,8 +464,8 @@ def _obey(conn: Connection, loop: EngineLoop, send: Callable[[Report], None], st
         except (EOFError, OSError):
             return
         match command:
-            case Submit(key, prompt_ids, params):
-                stream = Stream(prompt_ids, params, key=key)
+            case Submit(key, prompt_ids, params, priority):
+                stream = Stream(prompt_ids, params, key=key, priority=priority)
                 with lock:
                     streams[key] = stream
                 try:

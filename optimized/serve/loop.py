@@ -84,6 +84,7 @@ class Stream:
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     key: int = 0  # the stream's name between the two processes
+    priority: int = 0  # the request's (POLICY-12), validated by its handler
     request_id: int | None = None
     sent: int = 0  # completion tokens sent so far
     scheduled_at: float | None = None  # when the first step that computed it began (SERVE-13)
@@ -325,7 +326,8 @@ class EngineLoop:
     def _admit(self, stream: Stream) -> None:
         if stream.cancelled:
             return
-        stream.request_id = self.llm.add_validated(stream.prompt_ids, stream.params)  # SERVE-9 checked it
+        stream.request_id = self.llm.add_validated(stream.prompt_ids, stream.params,  # SERVE-9 checked them
+                                                   stream.priority)
         self._live[stream.request_id] = stream
         self._unscheduled.append(stream)
         self.metrics.admitted(len(stream.prompt_ids))

@@ -66,6 +66,7 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     return_token_ids: bool = False  # vLLM's extra: choices carry ``token_ids``, the response ``prompt_token_ids``
+    priority: int = 0  # vLLM's extra: lower first under the ``priority`` policy, else only 0 (POLICY-12)
 
 
 class CompletionRequest(_Sampling):

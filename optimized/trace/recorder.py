@@ -23,16 +23,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from optimized.core.config import DEFAULT_PATIENCE
 from optimized.trace.schema import VERSION
 from optimized.verify.conformance import MAX_LINE_BYTES
 from optimized.verify.shadow import SchedulerKnobs
 
 Entry = tuple[int, int, Sequence[int]]  # request id, tokens scheduled, block table
 INT64_MAX = (1 << 63) - 1  # the widest request id or step number an add record can hold
+INT64_MIN = -(1 << 63)  # the widest priority one can hold
 
 
 def header(config: SchedulerKnobs, eos_token_ids: Iterable[int] = (), **extra: Any) -> dict[str, Any]:
-    """The first record: the format's version and the configuration the run used (TRACE-1)."""
+    """The first record: the format's version and the configuration the run used (TRACE-1), its policy and
+    patience named unless it is the lesson's."""
     cfg: dict[str, Any] = {
         "block_size": config.block_size,
         "num_blocks": config.num_blocks,
@@ -42,13 +45,20 @@ def header(config: SchedulerKnobs, eos_token_ids: Iterable[int] = (), **extra: A
         "eos_token_ids": [int(t) for t in eos_token_ids],
         **extra,
     }
+    policy = getattr(config, "policy", "lesson")
+    if policy != "lesson":  # a lesson's header is as it always was: without them, a trace is the lesson's
+        cfg.update(policy=policy, patience=getattr(config, "patience", DEFAULT_PATIENCE))
     return {"version": VERSION, "config": cfg}
 
 
-def add_record(request_id: int, prompt: Sequence[int], max_tokens: int, ignore_eos: bool, arrive: int) -> str:
-    """A request's ``add`` line; ValueError when the trace reader would refuse it (over 1 MiB)."""
-    record = {"id": request_id, "prompt": [int(t) for t in prompt], "max_tokens": max_tokens,
-              "ignore_eos": ignore_eos, "arrive": arrive}
+def add_record(request_id: int, prompt: Sequence[int], max_tokens: int, ignore_eos: bool, arrive: int,
+               priority: int = 0) -> str:
+    """A request's ``add`` line (its priority written where it is not 0); ValueError when the trace reader would
+    refuse it (over 1 MiB)."""
+    record: dict[str, Any] = {"id": request_id, "prompt": [int(t) for t in prompt], "max_tokens": max_tokens,
+                              "ignore_eos": ignore_eos, "arrive": arrive}
+    if priority:
+        record["priority"] = int(priority)
     line = json.dumps({"add": record}) + "\n"
     if len(line) > MAX_LINE_BYTES:
         raise ValueError(f"the trace's add record for this prompt would be {len(line)} bytes, past the trace "
@@ -57,9 +67,9 @@ def add_record(request_id: int, prompt: Sequence[int], max_tokens: int, ignore_e
 
 
 def check_add_record(prompt: Sequence[int], max_tokens: int, ignore_eos: bool) -> None:
-    """ValueError when the request's ``add`` record, whatever its id and step, would be a line the reader refuses:
-    the request is refused with the other limits (ENG-10, TRACE-4), before anything changes."""
-    add_record(INT64_MAX, prompt, max_tokens, ignore_eos, INT64_MAX)
+    """ValueError when the request's ``add`` record, whatever its id, step and priority (POLICY-12), would be a line
+    the reader refuses: the request is refused with the other limits (ENG-10, TRACE-4), before anything changes."""
+    add_record(INT64_MAX, prompt, max_tokens, ignore_eos, INT64_MAX, INT64_MIN)
 
 
 class Recorder:
@@ -121,19 +131,21 @@ class Recorder:
             raise ValueError(f"step {number} is before step {self.steps}, the next one: step numbers increase")
         self.steps = number
 
-    def add(self, request_id: int, prompt: Sequence[int], max_tokens: int, ignore_eos: bool) -> None:
+    def add(self, request_id: int, prompt: Sequence[int], max_tokens: int, ignore_eos: bool,
+            priority: int = 0) -> None:
         """A request arrived (it is scheduled from the next step on); written with that step."""
-        self.write_add(self.add_line(request_id, prompt, max_tokens, ignore_eos))
+        self.write_add(self.add_line(request_id, prompt, max_tokens, ignore_eos, priority))
 
     def check_add(self, prompt: Sequence[int], max_tokens: int, ignore_eos: bool) -> None:
         """ValueError when the trace can take no more, or as ``check_add_record``."""
         self.require_writable()
         check_add_record(prompt, max_tokens, ignore_eos)
 
-    def add_line(self, request_id: int, prompt: Sequence[int], max_tokens: int, ignore_eos: bool) -> str:
+    def add_line(self, request_id: int, prompt: Sequence[int], max_tokens: int, ignore_eos: bool,
+                 priority: int = 0) -> str:
         """The ``add`` record's line, made before the request is added anywhere (ValueError as ``check_add``)."""
         self.require_writable()
-        return add_record(request_id, prompt, max_tokens, ignore_eos, self.steps)
+        return add_record(request_id, prompt, max_tokens, ignore_eos, self.steps, priority)
 
     def write_add(self, line: str) -> None:
         """Write an ``add_line`` (with the next step's flush)."""
@@ -277,7 +289,7 @@ class TraceObserver:
     def added(self, request: Any) -> None:
         seq, params = request.seq, request.params
         self.recorder.add(request.arrival, seq.token_ids[: seq.num_prompt_tokens], params.max_tokens,
-                          params.ignore_eos)
+                          params.ignore_eos, request.priority)
 
     def scheduled(self, scheduler: Any, out: Any, requests: Sequence[Tracked], live: Mapping[int, Tracked]) -> None:
         self._decided = record_schedule(self.recorder, out, requests, live)

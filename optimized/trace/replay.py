@@ -121,7 +121,7 @@ class _Driver:
         seq = self.scheduler.new_sequence(added.prompt, self.trace.max_tokens(added), added.ignore_eos)
         self.seq_of[added.id] = seq
         self.id_of[seq.seq_id] = added.id
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, priority=added.priority)
 
     def abort(self, aborted: Aborted) -> str | None:
         try:
@@ -166,16 +166,23 @@ class _Driver:
             "after postprocess")
 
     def _batch_violations(self, batch: list[Any], prefill: bool) -> str | None:
-        found = batch_violations(self.scheduler, batch, prefill, self.full)
+        found = batch_violations(self.scheduler, batch, prefill, self.full, self._priorities())
         return f"invariant {found[0].clause} after schedule(): {found[0].message}" if found else None
 
+    def _priorities(self) -> dict[int, int] | None:
+        """Under ``priority``: each live sequence's priority as the trace recorded it, by seq_id, for POLICY-6."""
+        if self.trace.policy != "priority":
+            return None
+        sched, trace, ids = self.scheduler, self.trace, self.id_of
+        return {s.seq_id: trace.priority(ids[s.seq_id]) for s in (*sched.running, *sched.waiting)}
+
     def _violations(self, when: str, full: bool = False) -> str | None:
-        found = state_violations(self.scheduler, full or self.full)
+        found = state_violations(self.scheduler, full or self.full, self._priorities())
         return f"invariant {found[0].clause} {when}: {found[0].message}" if found else None
 
     def end(self) -> str | None:
         """The whole state checked once more after the last record."""
-        found = state_violations(self.scheduler, full=True)
+        found = state_violations(self.scheduler, True, self._priorities())
         return f"after the last step: invariant {found[0].clause}: {found[0].message}" if found else None
 
 

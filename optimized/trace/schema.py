@@ -11,17 +11,21 @@ step ``arrive``), ``abort`` records, ``cut`` records (a stop token ended a
 request early: its ``max_tokens`` lowered to what it produced) and the
 conformance step records of CONF-3, extended with the model's ``tokens`` or a
 ``failed`` reason; in version 2 a batch entry's block table is written as the
-change from the request's last recorded one (``Tables``).
+change from the request's last recorded one (``Tables``). The header's config
+names the scheduling policy and lpm's patience (a trace without them is the
+lesson's, patience 8: every older trace still reads), an ``add`` record its
+request's priority (absent: 0; only the ``priority`` policy has others).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from optimized.core.config import MINIMUMS
+from optimized.core.config import DEFAULT_PATIENCE, MINIMUMS, POLICIES
 from optimized.verify.conformance import CONFIG_FIELDS, Request, bounded_lines
 from optimized.verify.conformance import _json_line as json_line
 
@@ -71,6 +75,7 @@ class Trace:
     events: list[Event]
     eos_token_ids: list[int] = field(default_factory=list)
     cuts: dict[int, int] = field(default_factory=dict)  # request id -> lowered max_tokens
+    priorities: dict[int, int] = field(default_factory=dict)  # request id -> its priority, where not 0
     truncated: str | None = None  # why the last line was dropped, when it was cut short
 
     @property
@@ -90,6 +95,13 @@ class Trace:
         numbers = self._step_numbers
         steps_from_arrival = len(numbers) - bisect.bisect_left(numbers, added.arrive)
         return min(self.cuts.get(added.id, added.max_tokens), steps_from_arrival + 1)
+
+    @property
+    def policy(self) -> str:
+        return str(self.config.get("policy", "lesson"))
+
+    def priority(self, request_id: int) -> int:
+        return self.priorities.get(request_id, 0)
 
 
 def is_trace_header(obj: Any) -> bool:
@@ -119,9 +131,9 @@ def _key(obj: dict[str, Any], key: str, where: str) -> Any:
     return obj[key]
 
 
-def parse_header(obj: Any) -> tuple[dict[str, int], list[int], int]:
-    """The header's scheduler config (CONF-1's fields, the header's own bounds) and EOS ids; TraceError naming the
-    field."""
+def parse_header(obj: Any) -> tuple[dict[str, Any], list[int], int]:
+    """The header's scheduler config (CONF-1's fields, the header's own bounds, the policy and patience) and EOS
+    ids; TraceError naming the field."""
     if not is_trace_header(obj):
         raise _fail("header", "the first record must be the header {\"version\": 2, \"config\": {...}}")
     if isinstance(obj["version"], bool) or obj["version"] not in VERSIONS:
@@ -129,10 +141,16 @@ def parse_header(obj: Any) -> tuple[dict[str, int], list[int], int]:
     cfg = _key(obj, "config", "header")
     if not isinstance(cfg, dict):
         raise _fail("config", "must be an object")
-    config = {f: _int(_key(cfg, f, "config"), f"config.{f}", HEADER_MINIMUMS[f]) for f in CONFIG_FIELDS}
+    config: dict[str, Any] = {f: _int(_key(cfg, f, "config"), f"config.{f}", HEADER_MINIMUMS[f])
+                              for f in CONFIG_FIELDS}
     for name, most in HEADER_MAXIMUMS.items():
         if config[name] > most:
             raise _fail(f"config.{name}", f"must be at most {most}, got {config[name]}")
+    policy = cfg.get("policy", "lesson")
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise _fail("config.policy", f"must be one of {', '.join(POLICIES)}, got {policy!r}"[:200])
+    config["policy"] = policy
+    config["patience"] = _int(cfg.get("patience", DEFAULT_PATIENCE), "config.patience")
     eos_ids = _ints(cfg.get("eos_token_ids", []), "config.eos_token_ids")
     return config, eos_ids, obj["version"]
 
@@ -153,6 +171,15 @@ def _added(obj: Any, first: int) -> Request:
     if arrive < first:
         raise _fail("add.arrive", f"is {arrive}, but step {first - 1} precedes this record")
     return Request(rid, prompt, max_tokens, ignore_eos, arrive)
+
+
+def _priority(obj: dict[str, Any], policy: str) -> int:
+    """An ``add`` record's priority: an int64, absent 0, and 0 unless the policy is ``priority`` (POLICY-12)."""
+    priority = _int(obj.get("priority", 0), "add.priority", INT64_MIN)
+    if priority and policy != "priority":
+        raise _fail("add.priority", f"must be 0 unless config.policy is priority (the trace's is {policy}), "
+                                    f"got {priority}")
+    return priority
 
 
 class Tables:
@@ -251,7 +278,11 @@ class _Builder:
         if self.trace.events and isinstance(self.trace.events[-1], Step) and self.trace.events[-1].empty_decode:
             raise _fail("record", "follows the empty decode, which ends a trace (CONF-4)")
         if "add" in obj:
-            self._add(_added(obj["add"], self.next))
+            added = _added(obj["add"], self.next)
+            priority = _priority(obj["add"], self.trace.policy)
+            self._add(dataclasses.replace(added, priority=priority))
+            if priority:
+                self.trace.priorities[added.id] = priority
         elif "abort" in obj:
             self._abort(obj)
         elif "cut" in obj:

@@ -400,7 +400,12 @@ def config_line(config: dict[str, Any]) -> str:
     """The settings a figure's reader needs, in one line."""
     return (f"block_size {config['block_size']}, num_blocks {config['num_blocks']}, "
             f"budget (max_num_batched_tokens) {config['max_num_batched_tokens']}, "
-            f"max_num_seqs {config['max_num_seqs']}")
+            f"max_num_seqs {config['max_num_seqs']}, policy {_policy(config)}")
+
+
+def _policy(config: dict[str, Any]) -> str:
+    policy = str(config.get("policy", "lesson"))
+    return f"{policy} (patience {config.get('patience')})" if policy == "lpm" else policy
 
 
 @dataclass

@@ -28,7 +28,7 @@ class _Recording(ReplayWatcher):
 
     def added(self, step: int, request: Request) -> None:
         self.recorder.at_step(step)
-        self.recorder.add(request.id, request.prompt, request.max_tokens, request.ignore_eos)
+        self.recorder.add(request.id, request.prompt, request.max_tokens, request.ignore_eos, request.priority)
 
     def stepped(self, port: SchedulerPort[Any], record: dict[str, Any], tokens: list[int]) -> None:
         recorder = self.recorder

@@ -13,12 +13,15 @@ block manager's), or leaving anything running, propagates as it is.
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from collections import deque
 from collections.abc import Collection
+from typing import Any
 
 import reference
 from invariants import SchedulerState, snapshot
+from invariants.state import policy_fields
 from optimized.core.config import SchedulerConfig
 from optimized.core.errors import stop_set, strict_int
 from optimized.core.port import EmptyDecodeError, ScheduleOutput
@@ -189,4 +192,10 @@ class ReferencePort:
             self._stops.pop(seq.seq_id, None)
 
     def snapshot(self) -> SchedulerState:
-        return snapshot(self.lesson_scheduler)
+        """The lesson's state, with the policy's own fields (``policy_state``)."""
+        return dataclasses.replace(snapshot(self.lesson_scheduler), **self.policy_state())
+
+    def policy_state(self) -> dict[str, Any]:
+        """The ``SchedulerState`` fields of the config's policy, read off its reference: the policy, each live
+        sequence's priority (``priority``), each waiting one's passes and the patience (``lpm``)."""
+        return policy_fields(self.lesson_scheduler, self.config.policy)

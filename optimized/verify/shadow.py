@@ -1,7 +1,8 @@
 """Check mode: the reference scheduler runs in lockstep with the engine's and must decide the same (spec/check.md).
 
 The shadow mirrors every add (same tokens, same max_tokens/ignore_eos, same
-stop set, same scheduler config) and is fed the engine's tokens, so both
+stop set, same priority, same scheduler config, its policy and patience
+included) and is fed the engine's tokens, so both
 schedulers see the same history. Both are driven through the scheduler port
 (ARCH-4): the reference through its adapter (``reference_port``).
 
@@ -18,8 +19,12 @@ the tables of the sequences it preempted or finished), which must also read the
 same on both, with the same number of free blocks. Every ``full_every`` steps,
 when nothing is left live, after a failed step and at close of a trusted
 engine, it compares the whole states and runs every invariant on both
-(CHECK-3). An abort, or a failed step's batch (spec/abort.md), is applied to the
-reference through the port; the queues must then be equal by arrival, and the
+(CHECK-3). The policy's own clauses (spec/policies.md) are among the invariants:
+the engine's priorities are those its requests were added with; the lpm
+counts, which the engine keeps to itself, are read from its snapshot at each
+full comparison and must equal the reference's by arrival. An abort, or a
+failed step's batch (spec/abort.md), is applied to the reference through the
+port; the queues must then be equal by arrival, and the
 released blocks read the same. The first difference or violation raises
 ``ShadowDivergence`` naming the step, with both states dumped. Sequences are
 matched by arrival order, never by seq_id: the two implementations number their
@@ -28,13 +33,14 @@ sequences independently.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn, Protocol
 
 from invariants import BlockView, SchedulerState, check_batch, check_live, check_state, seq_view
 from invariants.on_demand import check_blocks, held_counts, light_state, live_view
-from optimized.core.config import SchedulerConfig
+from optimized.core.config import DEFAULT_PATIENCE, SchedulerConfig
 from optimized.core.errors import strict_int
 from optimized.core.port import EmptyDecodeError, ScheduleOutput, SchedulerPort, SeqLike
 from optimized.engine.sampling_params import SamplingParams
@@ -60,6 +66,7 @@ class SchedulerKnobs(Protocol):
     def max_num_batched_tokens(self) -> int: ...
     @property
     def eos(self) -> int: ...
+    # and, when it has them, ``policy`` and ``patience`` (a config without them is the lesson's)
 
 
 class Arrived(Protocol):
@@ -157,9 +164,14 @@ class Shadow:
 
     def __init__(self, config: SchedulerKnobs, stats: Any = None, full_every: int = FULL_EVERY) -> None:
         self.full_every = strict_int(full_every, "check_full_every", 1)
-        self.ref: SchedulerPort[Any] = ReferencePort(SchedulerConfig(
+        self.config = SchedulerConfig(
             num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, eos=config.eos))
+            max_num_batched_tokens=config.max_num_batched_tokens, eos=config.eos,
+            policy=getattr(config, "policy", "lesson"), patience=getattr(config, "patience", DEFAULT_PATIENCE))
+        self.reference = ReferencePort(self.config)
+        self.ref: SchedulerPort[Any] = self.reference
+        self._priority: dict[int, int] = {}  # arrival -> its priority (the priority policy's; 0 under the others)
+        self._engine_ids: dict[int, int] = {}  # arrival -> the engine's seq_id, for requests added through a hook
         self.by_arrival: dict[int, SeqLike] = {}
         self.arrival_of: dict[int, int] = {}  # reference seq_id -> arrival
         self.batch: list[Any] = []
@@ -184,7 +196,9 @@ class Shadow:
         """The reference takes whatever the engine validated."""
 
     def added(self, request: Any) -> None:
-        self.add(request.arrival, request.seq.token_ids, request.params, request.stop_ids)
+        self._engine_ids[request.arrival] = request.seq.seq_id
+        self.add(request.arrival, request.seq.token_ids, request.params, request.stop_ids,
+                 request.priority)
 
     def scheduled(self, scheduler: SchedulerPort[Any], out: ScheduleOutput[Any], requests: Sequence[Arrived],
                   live: Mapping[int, Arrived]) -> None:
@@ -225,12 +239,15 @@ class Shadow:
             propagating.add_note(f"check mode at close, while this propagated: {divergence}")
 
     # --- the comparisons ----------------------------------------------------------------------------------
-    def add(self, arrival: int, token_ids: Sequence[int], params: SamplingParams, stops: frozenset[int]) -> None:
-        """The same request; ``stops`` its stop set (ENG-15), which the reference honours through the port."""
+    def add(self, arrival: int, token_ids: Sequence[int], params: SamplingParams, stops: frozenset[int],
+            priority: int = 0) -> None:
+        """The same request; ``stops`` its stop set (ENG-15), which the reference honours through the port, and
+        ``priority`` its priority (POLICY-12)."""
         seq = self.ref.new_sequence(list(token_ids), params.max_tokens, params.ignore_eos, params.temperature)
+        self.ref.add(seq, stops, priority)
         self.by_arrival[arrival] = seq
         self.arrival_of[seq.seq_id] = arrival
-        self.ref.add(seq, stops)
+        self._priority[arrival] = priority
         self._changed = True
 
     def _fail(self, engine_scheduler: SchedulerPort[Any], what: str) -> NoReturn:
@@ -270,7 +287,7 @@ class Shadow:
             self._fail(engine_scheduler, f"block {block_id} (touched by this step) engine (ref_count, hash, tokens, "
                                          f"used)={a} reference={b}")
         views = {b: BlockView(b, r, h, t) for b, (r, h, t, _) in zip(touched, read[0], strict=True)}
-        state = light_state(engine_scheduler, views)  # the batch checks' blocks: mostly these, not read again
+        state = self._with_policy(light_state(engine_scheduler, views))  # the batch checks' blocks: mostly these
         violations = check_live(state, between_steps=batch is None)
         if batch is not None:  # the batch's views are the state's own (every member is waiting or running)
             views_by_id = {v.seq_id: v for v in (*state.running, *state.waiting)}
@@ -284,8 +301,10 @@ class Shadow:
     def _compare_full(self, engine_scheduler: SchedulerPort[Any], when: str) -> None:
         """CHECK-3: the whole states equal (every block, the free queue in order, the used blocks, the prefix
         table, the queues by arrival) and every invariant on both."""
-        engine_state = self._full[0].read(engine_scheduler)
-        ref_state = self._full[1].read(self.ref)
+        engine_state = self._with_policy(self._full[0].read(engine_scheduler))
+        ref_state = dataclasses.replace(self._full[1].read(self.ref), **self.reference.policy_state())
+        if self.config.policy == "lpm":
+            self._compare_passes(engine_scheduler, engine_state, ref_state, when)
         violations = check_state(engine_state)
         if violations:
             self._fail(engine_scheduler, f"engine scheduler breaks (full check {when}) "
@@ -412,7 +431,30 @@ class Shadow:
         """A request finished or was aborted: drop it from the maps."""
         seq = self.by_arrival.pop(arrival)
         del self.arrival_of[seq.seq_id]
+        self._priority.pop(arrival, None)
+        self._engine_ids.pop(arrival, None)
         return seq
+
+    def _with_policy(self, state: SchedulerState) -> SchedulerState:
+        """The engine's ``state`` with the policy's fields: the priorities its live requests were added with (under
+        ``priority``), the patience (under ``lpm``: the counts are compared at full comparisons)."""
+        config = self.config
+        state.policy, state.patience = config.policy, config.patience if config.policy == "lpm" else 0
+        if config.policy == "priority":
+            arrival = {seq_id: a for a, seq_id in self._engine_ids.items()}
+            state.priorities = {s.seq_id: self._priority[arrival[s.seq_id]]
+                                for s in (*state.running, *state.waiting) if s.seq_id in arrival}
+        return state
+
+    def _compare_passes(self, engine_scheduler: SchedulerPort[Any], engine_state: SchedulerState,
+                        ref_state: SchedulerState, when: str) -> None:
+        """Under ``lpm``: the engine's own counts of passes (its snapshot's) are the reference's, by arrival."""
+        engine_arrival = {seq_id: r.arrival for seq_id, r in self._live.items()}
+        engine_state.passes = engine_scheduler.snapshot().passes
+        mine = {engine_arrival.get(k, -1): v for k, v in engine_state.passes.items()}
+        ref = {self.arrival_of.get(k, -1): v for k, v in ref_state.passes.items()}
+        if mine != ref:
+            self._fail(engine_scheduler, f"lpm passes by arrival (full check {when}): engine={mine} reference={ref}")
 
     def _compare_queues(self, engine_scheduler: SchedulerPort[Any], engine_arrivals: dict[int, int],
                         what: str) -> None:

@@ -21,9 +21,10 @@ requests are live at once, and a rule lets the queue drain, so a run is many
 small workloads on one cache. After every schedule() and every
 postprocess() the two must agree on every decision, compared by arrival
 index: batch order, num_scheduled_tokens, block tables, the prefill flag,
-preemptions, finishes, queue orders, every sequence's counters and tokens, and
+preemptions, finishes, queue orders, every sequence's counters and tokens,
 the whole block-manager state (free-queue order, ref counts, hashes, prefix
-table), and the walk the optimized scheduler remembers for a waiting request
+table) and the policy's state (its name, each live request's priority, each
+waiting one's passes, the patience: POLICY-13), and the walk the optimized scheduler remembers for a waiting request
 must be the walk it would make afresh (OPT-15). Both must hit the empty decode (the port's EmptyDecodeError; the
 reference's adapter raises it where the lesson's assert fires) at the same
 step, and leave the same state behind it: the run goes on after it, so later
@@ -133,10 +134,17 @@ def _seq_fields(seq: Any) -> tuple[Any, ...]:
             seq.temperature, seq.num_completion_tokens, list(seq.completion_token_ids))
 
 
+def _by_arrival(per_seq: dict[int, int], arrival: dict[int, int]) -> dict[int | str, int]:
+    """A per-sequence map keyed by arrival index; a sequence the machine never added stays visible as such."""
+    return {arrival.get(seq_id, f"unknown seq {seq_id}"): value for seq_id, value in per_seq.items()}
+
+
 def _state_fields(state: SchedulerState, arrival: dict[int, int]) -> tuple[Any, ...]:
+    """The block manager, the queues and the policy's own state (POLICY-13): priorities, passes, patience."""
     blocks = [(b.block_id, b.ref_count, b.hash, b.token_ids) for b in state.blocks]
     return (blocks, state.free_block_ids, sorted(state.used_block_ids), sorted(state.hash_to_block_id.items()),
-            [arrival[s.seq_id] for s in state.waiting], [arrival[s.seq_id] for s in state.running])
+            [arrival[s.seq_id] for s in state.waiting], [arrival[s.seq_id] for s in state.running],
+            state.policy, state.patience, _by_arrival(state.priorities, arrival), _by_arrival(state.passes, arrival))
 
 
 class DifferentialMachine(FailureRule):
