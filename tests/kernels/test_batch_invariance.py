@@ -531,3 +531,21 @@ def test_flushed_denormals_change_no_attention_bit() -> None:
     assert torch.equal(decode2, decode1)
     assert torch.equal(decode2, prefill2)
     assert torch.equal(prefill2, torch.zeros_like(prefill2))  # every denormal read as 0, as the caller asked
+
+
+@pytest.mark.clause("BI-2")
+def test_the_librarys_key_covers_every_header_the_linear_includes(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """BI-2's kernel is cpu_linear.c and the tile header it includes: every file it includes by quotes is hashed
+    into the cached library's name (a changed tile with the old name would load the old, stale library), and the
+    name changes when the header's bytes change."""
+    included = {line.split('"')[1] for line in cpu_build.LINEAR_SOURCE.read_text(encoding="utf-8").splitlines()
+                if line.startswith("#include \"")}  # fmt: skip
+    assert included and included <= {h.name for h in cpu_build.HEADERS}
+    compiler = cpu_build.find_compiler()
+    assert compiler is not None
+    before = cpu_build.library_path(compiler)
+    changed = tmp_path / "cpu_linear_tile.h"
+    changed.write_bytes(cpu_build.HEADERS[0].read_bytes() + b"\n/* changed */\n")
+    monkeypatch.setattr(cpu_build, "HEADERS", (changed,))
+    assert cpu_build.library_path(compiler) != before
