@@ -38,12 +38,19 @@ def test_the_bench_times_each_policy_against_its_reference(policy: str) -> None:
 def test_the_policy_reaches_both_sides() -> None:
     """POLICY-20: the bench really runs the policy asked for, not the lesson's under another name: on the same
     workload the priority reference (its drawn priorities) and the mixed reference each decide otherwise than the
-    lesson's, and a policy outside the list is refused."""
+    lesson's, lpm's reference and optimized class otherwise than the lesson on the bench's interleaved system
+    prompts, and a policy outside the list is refused."""
     w = bench.make_workload("tiny", 8, 16, seed=5, kv_fraction=0.3)
     tokens = list(range(100, 140))
     lesson = bench.run(reference, w, tokens, "lesson").signature
     assert len(set(w.priorities)) > 1
     for policy in ("priority", "mixed"):
         assert bench.run(reference, w, tokens, policy).signature != lesson
+    # lpm reorders only where waiting requests hold different cached prefixes: the interleaved system prompts'
+    # workload (on every other one it decides as the lesson, so its ratio there would time the lesson's order).
+    interleaved, many = bench.workloads(True, 0)[-1], list(range(100, 612))
+    lpm = bench.run(reference, interleaved, many, "lpm").signature
+    assert lpm != bench.run(reference, interleaved, many, "lesson").signature
+    assert bench.run(optimized, interleaved, many, "lpm").signature == lpm
     with pytest.raises(ValueError, match="--policy must be one of"):
         bench.main(argparse.Namespace(quick=True, repeat=1, seed=0, policy="fifo"))

@@ -4,8 +4,9 @@ Workloads are shaped like nano-vllm's bench.py (prompts of 100-1024 random
 tokens, 100-1024 output tokens with ignore_eos, all requests arriving at once,
 max_num_batched_tokens 16384, max_num_seqs 512) and vary one thing each: the
 request count, the block size, a KV cache too small for the workload (so decode
-preempts), and a 512-token system prompt shared by every request (so the
-prefix cache hits). No model runs: the token handed to postprocess for the k-th
+preempts), a 512-token system prompt shared by every request (so the
+prefix cache hits), and eight 256-token system prompts interleaved in that small
+cache (the one workload on which lpm reorders the queue). No model runs: the token handed to postprocess for the k-th
 sequence of a batch is the k-th of a pre-drawn list of random ints, the same
 for both sides. Only schedule() and postprocess() are timed (perf_counter
 around each call, the garbage collector parked for both sides alike); each
@@ -63,11 +64,14 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def make_workload(name: str, num_requests: int, block_size: int, seed: int, kv_fraction: float = 1.0,
-                  system_prompt: int = 0) -> Workload:
-    """Random prompts and lengths; ``kv_fraction`` < 1 shrinks the cache below the workload's peak need."""
+                  system_prompt: int = 0, system_prompts: int = 1) -> Workload:
+    """Random prompts and lengths; ``kv_fraction`` < 1 shrinks the cache below the workload's peak need; each prompt
+    opens with one of ``system_prompts`` shared prompts of ``system_prompt`` tokens (more than one: drawn per
+    request, so they interleave and lpm reorders the queue)."""
     rng = random.Random(seed)
-    shared = [rng.randrange(32000) for _ in range(system_prompt)]
-    prompts = [shared + [rng.randrange(32000) for _ in range(rng.randint(100, 1024))] for _ in range(num_requests)]
+    shared = [[rng.randrange(32000) for _ in range(system_prompt)] for _ in range(system_prompts)]
+    prompts = [(shared[0] if system_prompts == 1 else shared[rng.randrange(system_prompts)])
+               + [rng.randrange(32000) for _ in range(rng.randint(100, 1024))] for _ in range(num_requests)]
     max_tokens = [rng.randint(100, 1024) for _ in range(num_requests)]
     # Enough blocks for every request at its longest, all at once: nothing is ever preempted.
     need = sum(ceil_div(len(p) + m, block_size) for p, m in zip(prompts, max_tokens, strict=True))
@@ -84,6 +88,11 @@ def workloads(quick: bool, seed: int) -> list[Workload]:
     out += [make_workload(f"{n} req, block 16", n, 16, seed) for n in sizes]
     out.append(make_workload(f"{small} req, block 16, KV 30%", small, 16, seed, kv_fraction=0.3))
     out.append(make_workload(f"{small} req, block 16, 512-token system prompt", small, 16, seed, system_prompt=512))
+    # Several system prompts interleaved: the one workload here on which lpm decides otherwise than the lesson (one
+    # shared prompt, or none, gives every waiting request the same cached prefix, and lpm keeps the lesson's order;
+    # a cache that holds every request admits the queue at once).
+    out.append(make_workload(f"{small} req, block 16, 8 system prompts of 256, KV 30%", small, 16, seed,
+                             kv_fraction=0.3, system_prompt=256, system_prompts=8))
     return out
 
 

@@ -69,6 +69,26 @@ def test_a_row_is_the_same_alone_in_any_batch_at_any_thread_count(
         assert torch.equal(linear.invariant_linear(x, w, b), y)
 
 
+NVL_THREAD_WORK = 1 << 20  # cpu_linear.c: a call runs on one thread below twice this many multiply-adds
+
+
+@pytest.mark.clause("BI-1")
+@pytest.mark.parametrize(("m", "n", "k"), [(67, 401, 97), (130, 33, 520), (9, 1537, 256)])
+def test_two_threads_really_split_and_give_the_same_bits(m: int, n: int, k: int) -> None:
+    """BI-1 at 2 threads: the hypothesis test above draws at most 300 x 81 x 81 multiply-adds, under the work the
+    kernel needs before it wakes a second thread, so its thread comparison always runs on one. These shapes (a
+    partial last panel, K not a multiple of a block, row counts that split unevenly) are past that work: the
+    product at 2 threads equals the one at 1, and each row alone equals its row in the batch."""
+    assert 300 * 81 * 81 < 2 * NVL_THREAD_WORK <= m * n * k
+    x, w, b = layer(m, n, k, m + n + k)
+    with at_threads(1):
+        single = linear.invariant_linear(x, w, b)
+    with at_threads(2):
+        assert torch.equal(linear.invariant_linear(x, w, b), single)
+        assert torch.equal(linear.invariant_linear(x[1:], w, b), single[1:])
+    assert rows_alone_differ(linear.invariant_linear, x[:3], w, b) == []
+
+
 @pytest.mark.clause("BI-1")
 def test_mkl_is_not_batch_invariant() -> None:
     """BI-1's negative control: F.linear (MKL) on the same inputs gives some row a different value alone than in a
@@ -511,3 +531,21 @@ def test_flushed_denormals_change_no_attention_bit() -> None:
     assert torch.equal(decode2, decode1)
     assert torch.equal(decode2, prefill2)
     assert torch.equal(prefill2, torch.zeros_like(prefill2))  # every denormal read as 0, as the caller asked
+
+
+@pytest.mark.clause("BI-2")
+def test_the_librarys_key_covers_every_header_the_linear_includes(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """BI-2's kernel is cpu_linear.c and the tile header it includes: every file it includes by quotes is hashed
+    into the cached library's name (a changed tile with the old name would load the old, stale library), and the
+    name changes when the header's bytes change."""
+    included = {line.split('"')[1] for line in cpu_build.LINEAR_SOURCE.read_text(encoding="utf-8").splitlines()
+                if line.startswith("#include \"")}  # fmt: skip
+    assert included and included <= {h.name for h in cpu_build.HEADERS}
+    compiler = cpu_build.find_compiler()
+    assert compiler is not None
+    before = cpu_build.library_path(compiler)
+    changed = tmp_path / "cpu_linear_tile.h"
+    changed.write_bytes(cpu_build.HEADERS[0].read_bytes() + b"\n/* changed */\n")
+    monkeypatch.setattr(cpu_build, "HEADERS", (changed,))
+    assert cpu_build.library_path(compiler) != before
