@@ -5,10 +5,13 @@ Each test names the mutant it kills; each was shown failing with its mutant appl
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from optimized.core.config import DEFAULT_PATIENCE, SchedulerConfig
 from optimized.core.policies import make_scheduler
+from optimized.core.port import SchedulerPort
 from optimized.verify.reference_port import ReferencePort
 from reference.config import SchedulerConfig as ReferenceConfig
 from reference.lpm_scheduler import LpmScheduler as ReferenceLpm
@@ -24,7 +27,8 @@ def test_a_mixed_step_is_postprocessed_once(prefill_too: bool) -> None:
     and a mixed step's alike; the mutant sent the second call down the mixed fast path, which appended the
     tokens again."""
     config = SchedulerConfig(num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, policy="mixed")
-    for port in (make_scheduler(config), ReferencePort(config)):
+    ports: tuple[SchedulerPort[Any], ...] = (make_scheduler(config), ReferencePort(config))
+    for port in ports:
         for prompt in ([1, 2, 3], [4, 5]):
             port.add(port.new_sequence(prompt, 10, ignore_eos=True))
         out = port.schedule()
@@ -46,7 +50,8 @@ def test_a_request_added_without_a_priority_has_priority_zero() -> None:
     default is 0, in the snapshot and in the order: a later arrival of priority 0 queues behind it, one of -1
     ahead of it; as the reference's."""
     config = SchedulerConfig(num_blocks=40, block_size=4, policy="priority")
-    for port in (make_scheduler(config), ReferencePort(config)):
+    ports: tuple[SchedulerPort[Any], ...] = (make_scheduler(config), ReferencePort(config))
+    for port in ports:
         plain = port.new_sequence([1, 2], 4)
         port.add(plain)
         same, urgent = port.new_sequence([3, 4], 4), port.new_sequence([5, 6], 4)
