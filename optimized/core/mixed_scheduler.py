@@ -57,25 +57,6 @@ class MixedScheduler(Scheduler):
         self._step_scheduled = True
         return ScheduleOutput(decodes, False, preempted, 0)
 
-    def _decode_members(self) -> tuple[tuple[Sequence, ...], bool]:
-        """The lesson's decode loop over ``running[:max_num_seqs]`` (the group's); who it preempted, and whether
-        anyone found no free block (the reference's ``preempted`` flag: a prefill losing its chunks counts)."""
-        group, running = self._group, self._running
-        members = group.members
-        k = min(len(running), self.max_num_seqs)
-        if len(members) < k:
-            group.join(running[len(members) : k], keep_segments=bool(self.block_manager.pending))
-        phase = group.needing_blocks(group.now)
-        due = group.phases[phase]
-        if not due:
-            return (), False
-        bm = self.block_manager
-        if len(due) <= bm.free.count:  # OPT-4: every member that needs a block finds one
-            any(map(list.append, group.tables[phase], bm.take_fresh_many(len(due))))
-            return (), False
-        # Some member finds the free queue empty (the members before it take the blocks there are).
-        return self._decode_with_preemption(due[:]), True
-
     def _release_before_preempting(self) -> bool:
         """POLICY-3: a prefill cut short (the front of ``waiting``, holding blocks) is the newest admitted: its
         chunks go before any running sequence is preempted; it keeps its place."""

@@ -239,27 +239,33 @@ class Scheduler:
 
     # --- lesson §4: the decode loop, as one group ----------------------------------------------
     def _decode(self) -> ScheduleOutput[Sequence]:
+        preempted, _ = self._decode_members()
+        members = self._group.members
+        if not members:
+            raise EmptyDecodeError("schedule(): nothing fits and nothing is running (the reference's assert)")
+        self._group.inflight = True
+        batch = members[:]
+        self._last_batch = batch
+        return ScheduleOutput(batch, False, preempted, 0)
+
+    def _decode_members(self) -> tuple[tuple[Sequence, ...], bool]:
+        """The lesson's decode loop over ``running[:max_num_seqs]``, the group's members: who it preempted, and
+        whether some member found the free queue empty (under ``mixed``, a prefill losing its chunks counts)."""
         group, running = self._group, self._running
-        preempted: tuple[Sequence, ...] = ()
         members = group.members
         k = min(len(running), self.max_num_seqs)
         if len(members) < k:
             group.join(running[len(members) : k], keep_segments=bool(self.block_manager.pending))
         phase = group.needing_blocks(group.now)
         due = group.phases[phase]
-        if due:
-            bm = self.block_manager
-            if len(due) <= bm.free.count:  # OPT-4: nobody has to be preempted
-                # list.append over the members' tables at C speed (it returns None, so any() runs to the end).
-                any(map(list.append, group.tables[phase], bm.take_fresh_many(len(due))))
-            else:
-                preempted = self._decode_with_preemption(due[:])
-        if not members:
-            raise EmptyDecodeError("schedule(): nothing fits and nothing is running (the reference's assert)")
-        group.inflight = True
-        batch = members[:]
-        self._last_batch = batch
-        return ScheduleOutput(batch, False, preempted, 0)
+        if not due:
+            return (), False
+        bm = self.block_manager
+        if len(due) <= bm.free.count:  # OPT-4: nobody has to be preempted
+            # list.append over the members' tables at C speed (it returns None, so any() runs to the end).
+            any(map(list.append, group.tables[phase], bm.take_fresh_many(len(due))))
+            return (), False
+        return self._decode_with_preemption(due[:]), True
 
     def _decode_with_preemption(self, due: list[Sequence]) -> tuple[Sequence, ...]:
         """The reference's popleft / can_append / preempt-the-tail loop, visiting only members that need a block.
