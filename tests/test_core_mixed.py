@@ -32,32 +32,6 @@ from tests.optimized_pair import SAMPLES
 pytestmark = pytest.mark.clause("POLICY-13", "OPT-1")
 
 
-# --- the batch invariants of a mixed step (invariants.check_batch reads a mixed step so) -----------------------
-@pytest.mark.clause("POLICY-2", "POLICY-3")
-def test_the_mixed_batch_check_passes_a_real_step_and_reports_each_corruption() -> None:
-    """The negative control of ``check_batch`` under ``mixed``: a real mixed step of the reference (two decodes, a whole
-    prefill, one cut short) passes; the flag denied, a chunk cut short before the last, a step over its budget and
-    a decode of two tokens are each reported."""
-    port = ReferencePort(mixed_config(num_blocks=30, block_size=2, max_num_seqs=5, max_num_batched_tokens=8))
-    for prompt in ([1, 2, 3], [4, 5, 6]):
-        port.add(port.new_sequence(prompt, 5))
-    out = port.schedule()
-    port.postprocess(out.batch, [1] * len(out.batch), out.is_prefill)
-    for prompt in ([7, 8], [9] * 9):
-        port.add(port.new_sequence(prompt, 5))
-    out = port.schedule()
-    state, views = port.snapshot(), [seq_view(s) for s in out.batch]
-    assert [(v.is_prefill, v.num_scheduled_tokens) for v in views] == [(False, 1), (False, 1), (True, 2), (True, 4)]
-    assert check_batch(state, views, True) == []
-    assert [v.clause for v in check_batch(state, views, False)] == ["POLICY-2"]
-    swapped = [views[0], views[1], views[3], views[2]]
-    assert "POLICY-3" in [v.clause for v in check_batch(state, swapped, True)]
-    over = dataclasses.replace(state, max_num_batched_tokens=7)
-    assert {"INV-12", "POLICY-3"} <= {v.clause for v in check_batch(over, views, True)}
-    two = [dataclasses.replace(views[0], num_scheduled_tokens=2, num_cached_tokens=views[0].num_tokens - 2), *views[1:]]
-    assert "INV-14" in [v.clause for v in check_batch(state, two, True)]
-
-
 @pytest.mark.clause("POLICY-2", "POLICY-14")
 def test_the_conformance_command_checks_a_mixed_step_by_the_mixed_clauses() -> None:
     """POLICY-14: the command's batch check (``batch_violations``) of a mixed state is the mixed batch clauses: a

@@ -210,7 +210,8 @@ def test_the_running_bound_holds_and_its_absence_is_caught() -> None:
 def test_the_running_bound_and_the_mixed_batch_corrupted_are_reported() -> None:
     """POLICY-2 on a snapshot: a running queue longer than the budget is reported (not under the lesson, whose
     decode batch the budget does not bound); a mixed step's batch with its flag denied, or its cut-short prefill
-    not last, is reported; the same mixed step read as the lesson's breaks INV-13 and INV-20."""
+    not last, is reported, as are a step over its budget (decodes included) and a decode of two tokens; the same mixed
+    step read as the lesson's breaks INV-13 and INV-20."""
     port = ReferencePort(config("mixed", num_blocks=30, block_size=2, max_num_seqs=5, max_num_batched_tokens=8))
     for prompt in ([1, 2, 3], [4, 5, 6]):
         port.add(port.new_sequence(prompt, 5))
@@ -224,6 +225,10 @@ def test_the_running_bound_and_the_mixed_batch_corrupted_are_reported() -> None:
     assert check_state(state, between_steps=False) == [] and check_batch(state, views, True) == []
     assert clauses(check_batch(state, views, False)) == {"POLICY-2"}
     assert "POLICY-3" in clauses(check_batch(state, [views[0], views[1], views[3], views[2]], True))
+    over = dataclasses.replace(state, max_num_batched_tokens=7)  # the decodes count toward the budget
+    assert {"INV-12", "POLICY-3"} <= clauses(check_batch(over, views, True))
+    two = [dataclasses.replace(views[0], num_scheduled_tokens=2, num_cached_tokens=views[0].num_tokens - 2), *views[1:]]
+    assert "INV-14" in clauses(check_batch(state, two, True))  # a decode of two tokens
     assert {"INV-13", "INV-20"} <= clauses(check_batch(dataclasses.replace(state, policy="lesson"), views, True))
     narrow = dataclasses.replace(state, max_num_batched_tokens=2)
     assert "POLICY-2" in clauses(check_state(narrow, between_steps=False))
