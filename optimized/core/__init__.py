@@ -15,6 +15,8 @@ a scheduler through, and what only the scheduler uses:
   block_pool.py (free queue and reference counts, on free_queue.py) and walk_memo.py;
 * token_arena.py: every live sequence's tokens in one int64 array;
 * errors.py: the typed errors and the one strict-int check.
+* policies.py: ``make_scheduler``, the scheduler for a ``SchedulerConfig.policy`` (spec/policies.md), and the
+  policies it builds: mixed_scheduler.py, priority_scheduler.py, lpm_scheduler.py (subclasses of ``Scheduler``).
 
 The integer rules it shares with the invariant checks live in ``invariants.block_math``,
 which imports nothing from ``optimized``.
