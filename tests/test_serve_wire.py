@@ -161,24 +161,36 @@ def test_a_client_timing_as_vllms_agrees_with_the_histograms(server: Served) -> 
 
 @pytest.mark.clause("SERVE-17")
 def test_a_chat_stream_that_fails_before_its_first_output_sends_no_role_chunk(serve_cache: Path) -> None:
-    """SERVE-17: a chat stream admitted (its 200 is in) but still waiting (one sequence at a time, and another
-    stream holds it) when the engine process is killed sends its error event, then [DONE], and no role chunk."""
-    served = spawn(["--num-kvcache-blocks", "128", "--max-num-seqs", "1"], serve_cache / "fail-before-output.log")
+    """SERVE-17: a chat stream admitted (its 200 is in) but still waiting when the engine process is killed sends its
+    error event, then [DONE], and no role chunk. It waits by the scheduler's rule, not by timing: the cache holds
+    128 blocks of 16 tokens; from its 503rd token to its 1503rd the running stream holds 32 to 94 blocks, so the
+    96 free at most never take the chat's prompt (1700 bytes and its template, 107 blocks or more), which alone
+    fits. The kill comes 50 of the running stream's steps after the 200; with a prompt of 1000 bytes the chat is
+    prefilled in those steps and the test fails (its negative control, run by hand)."""
+    served = spawn(["--num-kvcache-blocks", "128"], serve_cache / "fail-before-output.log")
     admitted = threading.Event()
     lines: list[str] = []
 
     def chat() -> None:
-        body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+        body = {"model": "default", "messages": [{"role": "user", "content": "x" * 1700}], "max_tokens": 4,
+                "stream": True}
         with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, timeout=60) as response:
             admitted.set()
             lines.extend(line[6:] for line in response.iter_lines() if line.startswith("data: "))
 
     try:
-        running, first, held = stream_in_background(served.url, "default", 1000)
+        running, first, held = stream_in_background(served.url, "default", 1500)
         assert first.wait(60)
+        deadline = time.monotonic() + 120
+        while len(held) < 500 and time.monotonic() < deadline and running.is_alive():
+            time.sleep(0.01)
+        assert 500 <= len(held) < 1500, len(held)
         waiting = threading.Thread(target=chat, daemon=True)
         waiting.start()
         assert admitted.wait(30)
+        steps = len(held) + 50
+        while len(held) < steps and time.monotonic() < deadline and running.is_alive():
+            time.sleep(0.01)
         os.kill(engine_pid(served), signal.SIGKILL)
         waiting.join(30)
         running.join(30)
