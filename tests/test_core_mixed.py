@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
 from invariants import check_batch, seq_view
-from optimized.cli.conformance import batch_violations, policy_snapshot
+from optimized.cli.conformance import policy_snapshot, step_violations
 from optimized.core.config import SchedulerConfig
 from optimized.core.errors import EmptyDecodeError
 from optimized.core.mixed_scheduler import MixedScheduler
@@ -34,8 +34,8 @@ pytestmark = pytest.mark.clause("POLICY-13", "OPT-1")
 
 @pytest.mark.clause("POLICY-2", "POLICY-14")
 def test_the_conformance_command_checks_a_mixed_step_by_the_mixed_clauses() -> None:
-    """POLICY-14: the command's batch check (``batch_violations``) of a mixed state is the mixed batch clauses: a
-    real mixed step passes, one over its budget or with its flag denied is reported (it used to check nothing)."""
+    """POLICY-14: the command's check after schedule() (``step_violations``) reads a mixed step by the mixed
+    clauses: a real mixed step passes, one over its budget or with its flag denied is reported."""
     port = ReferencePort(mixed_config(num_blocks=30, block_size=2, max_num_seqs=5, max_num_batched_tokens=8))
     port.add(port.new_sequence([1, 2, 3], 5))
     out = port.schedule()
@@ -44,10 +44,10 @@ def test_the_conformance_command_checks_a_mixed_step_by_the_mixed_clauses() -> N
     out = port.schedule()
     state, views = policy_snapshot(port), [seq_view(s) for s in out.batch]
     assert state.policy == "mixed" and [v.is_prefill for v in views] == [False, True]
-    assert batch_violations(state, views, True) == []
+    assert step_violations(state, views, True) == []
     over = dataclasses.replace(state, max_num_batched_tokens=7)
-    assert {"INV-12", "POLICY-3"} <= {v.clause for v in batch_violations(over, views, True)}
-    assert [v.clause for v in batch_violations(state, views, False)] == ["POLICY-2"]
+    assert {"INV-12", "POLICY-3"} <= {v.clause for v in step_violations(over, views, True)}
+    assert [v.clause for v in step_violations(state, views, False)] == ["POLICY-2"]
 
 
 # --- the differential machine under mixed -------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from importlib import resources
 from typing import Any
 
 from invariants import SchedulerState, SeqView, Violation, check_batch, check_state, seq_view, snapshot
+from invariants.policy_checks import check_policy
 from optimized.core.config import POLICIES
 from optimized.verify.conformance import implementation, parse_workload, replay
 from optimized.verify.reference_port import ReferencePort
@@ -65,31 +66,11 @@ def policy_snapshot(scheduler: Any) -> SchedulerState:
     return state
 
 
-def batch_violations(state: SchedulerState, batch: list[SeqView], is_prefill: bool) -> list[Violation]:
-    """The batch clauses (INV-12..20, the lesson's) that the state's policy keeps.
-
-    ``lpm`` keeps all of them (it orders ``waiting``, then the lesson's loops decide); ``priority`` all but
-    INV-20's "finished prefills end ``running``": an admitted request goes to its (priority, arrival) place,
-    checked instead (POLICY-6); a ``mixed`` step is judged by ``check_batch`` as a mixed step (its decodes, then
-    its prefills: POLICY-2, POLICY-3).
-    """
-    found = check_batch(state, batch, is_prefill)
-    if state.policy == "priority":
-        found = [v for v in found if not (v.clause == "INV-20" and "are not the tail of running" in v.message)]
-        found += priority_order(state)
-    return found
-
-
-def priority_order(state: SchedulerState) -> list[Violation]:
-    """POLICY-6 right after schedule(): ``running``, and ``waiting`` past a front that holds blocks, in (priority,
-    arrival) order."""
-    found = []
-    waiting = state.waiting[1:] if state.waiting and state.waiting[0].block_table else state.waiting
-    for name, queue in (("running", state.running), ("waiting", waiting)):
-        keys = [(state.priorities[s.seq_id], s.seq_id) for s in queue]
-        if keys != sorted(keys):
-            found.append(Violation("POLICY-6", f"{name} {keys} is not in (priority, arrival) order"))
-    return found
+def step_violations(state: SchedulerState, batch: list[SeqView], is_prefill: bool) -> list[Violation]:
+    """Right after schedule(): the policy's own clauses (POLICY-2, 6, 10: they read no block) and every batch clause,
+    as ``check_batch`` reads them for the state's policy (a ``mixed`` step by the mixed clauses). Every state
+    clause is checked between steps."""
+    return check_policy(state) + check_batch(state, batch, is_prefill)
 
 
 def _replay_checked(sample: dict[str, Any], impl_name: str) -> tuple[bool, int, list[Violation]]:
@@ -97,7 +78,7 @@ def _replay_checked(sample: dict[str, Any], impl_name: str) -> tuple[bool, int, 
     violations: list[Violation] = []
 
     def after_schedule(scheduler: Any, seqs: list[Any], is_prefill: bool) -> None:
-        violations.extend(batch_violations(policy_snapshot(scheduler), [seq_view(s) for s in seqs], is_prefill))
+        violations.extend(step_violations(policy_snapshot(scheduler), [seq_view(s) for s in seqs], is_prefill))
 
     def after_postprocess(scheduler: Any, seqs: list[Any], is_prefill: bool) -> None:
         violations.extend(check_state(policy_snapshot(scheduler)))
