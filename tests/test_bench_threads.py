@@ -46,7 +46,9 @@ def test_the_busy_core_spinner_runs_during_the_run_and_is_gone_after(monkeypatch
     spinners: list[int] = []
 
     def run(config: busy_core.Config, args: argparse.Namespace) -> tuple[float, int]:
-        found = subprocess.run(["pgrep", "-f", busy_core.SPIN], capture_output=True, text=True).stdout.split()
+        # Only this process's children: another spinning process on the machine is not ours.
+        found = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", busy_core.SPIN], capture_output=True,
+                               text=True).stdout.split()
         spinners.extend(int(pid) for pid in found)
         return 1.0, 1
 
