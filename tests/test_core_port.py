@@ -12,11 +12,12 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import numpy as np
 import pytest
 
 import reference
 from invariants import SchedulerState, check_state, seq_view
-from optimized.core.config import SchedulerConfig
+from optimized.core.config import POLICIES, SchedulerConfig
 from optimized.core.errors import EmptyDecodeError
 from optimized.core.port import PortFactory, ScheduleOutput, SchedulerPort
 from optimized.core.scheduler import Scheduler
@@ -389,17 +390,18 @@ def test_a_second_postprocess_of_one_step_is_refused_and_changes_nothing(name: s
 
 @pytest.mark.clause("OPT-23")
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
-def test_a_step_withdrawn_or_scheduled_again_awaits_no_postprocess(name: str) -> None:
+def test_a_step_withdrawn_or_never_returned_awaits_no_postprocess(name: str) -> None:
     """OPT-23: after abort_step, or a schedule() that raised the empty decode, the earlier batch is no step's."""
     port: Any = implementation(name)(SchedulerConfig(block_size=2, num_blocks=2, max_num_batched_tokens=8))
     seq = port.new_sequence([1, 2], 6)
     port.add(seq)
-    out = port.schedule()
-    port.postprocess(out.batch, [1], True)  # length 3: the next decode takes the last free block
-    out = port.schedule()
-    assert not out.is_prefill and len(seq.block_table) == 2
-    with pytest.raises(EmptyDecodeError):  # scheduled again, unposted: no block left, it preempts itself
-        port.schedule()
+    lengths = []
+    with pytest.raises(EmptyDecodeError):  # at length 5 its third block is not there: it preempts itself
+        for _ in range(6):
+            out = port.schedule()
+            port.postprocess(out.batch, [1], out.is_prefill)
+            lengths.append(len(seq))
+    assert lengths == [3, 4, 5] and not port.running
     with pytest.raises(RuntimeError, match="no scheduled step awaits it"):
         port.postprocess(out.batch, [1], False)
     other = implementation(name)(SchedulerConfig(block_size=2, num_blocks=8))
@@ -409,3 +411,129 @@ def test_a_step_withdrawn_or_scheduled_again_awaits_no_postprocess(name: str) ->
     other.abort_step(out.batch)
     with pytest.raises(RuntimeError, match="no scheduled step awaits it"):
         other.postprocess(out.batch, [1], True)
+
+
+PRIORITIES = (0, 0, -1)  # by arrival, under ``priority``
+
+
+def policy_port(name: str, policy: str) -> Any:
+    """A port of ``name``'s implementation under ``policy``, holding three requests (two share a prefix, the last
+    is urgent under ``priority``), added in that order."""
+    config = SchedulerConfig(block_size=2, num_blocks=24, max_num_batched_tokens=8, eos=0, policy=policy,
+                             patience=1)
+    port: Any = implementation(name)(config)
+    prompts = (([5, 6, 7, 8, 1], 5), ([3, 4, 5], 2), ([5, 6, 7, 8, 2], 8))
+    for (tokens, max_tokens), priority in zip(prompts, PRIORITIES, strict=True):
+        port.add(port.new_sequence(tokens, max_tokens), priority=priority if policy == "priority" else 0)
+    return port
+
+
+@pytest.mark.clause("OPT-27", "ARCH-4")
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_a_second_schedule_before_the_postprocess_is_refused_and_changes_nothing(name: str, policy: str) -> None:
+    """OPT-27: schedule() again while the last batch awaits its postprocess (or abort_step) raised nothing and
+    decided on a state the lesson never reaches (a granted step granted again); now it is refused on both ports,
+    under every policy, in every kind of step, and the step it refused is then postprocessed as if alone."""
+    port = policy_port(name, policy)
+    kinds = set()
+    while not port.is_finished():
+        out = port.schedule()
+        kinds.add((out.is_prefill, len(out.batch) > 1))
+        before = port.snapshot()
+        with pytest.raises(RuntimeError, match="awaits its postprocess or abort_step"):
+            port.schedule()
+        assert port.snapshot() == before
+        port.postprocess(out.batch, [1] * len(out.batch), out.is_prefill)
+    assert kinds >= {(True, True), (False, True), (False, False)}  # prefills and decodes, of one and of several
+    port = policy_port(name, policy)
+    port.abort_step(port.schedule().batch)  # a withdrawn step awaits nothing: the next schedule() runs
+    assert port.schedule().batch
+
+
+@pytest.mark.clause("OPT-23")
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_a_postprocess_of_another_batch_is_refused_and_changes_nothing(name: str, policy: str) -> None:
+    """OPT-23: the awaiting step takes its own batch only (that list or a copy, in order): a reordered, shorter,
+    longer or empty list would hand tokens to sequences no step granted them to."""
+    port = policy_port(name, policy)
+    stranger = port.new_sequence([9, 9], 3)
+    reordered = 0
+    while not port.is_finished():
+        out = port.schedule()
+        batch = out.batch
+        before = port.snapshot()
+        others = [batch[1:], [*batch, stranger], []] + ([batch[::-1]] if len(batch) > 1 else [])
+        for seqs in others:
+            with pytest.raises(ValueError, match="seqs must be the batch the last schedule"):
+                port.postprocess(seqs, [1] * len(seqs), out.is_prefill)
+            assert port.snapshot() == before
+        if len(batch) > 1:  # the very list schedule() returned, reordered in place, is no longer the batch
+            batch.reverse()
+            with pytest.raises(ValueError, match="seqs must be the batch the last schedule"):
+                port.postprocess(batch, [1] * len(batch), out.is_prefill)
+            assert port.snapshot() == before
+            batch.reverse()
+            reordered += 1
+        port.postprocess(list(batch), [1] * len(batch), out.is_prefill)  # a copy, in order, is the batch
+    assert reordered
+
+
+@pytest.mark.clause("OPT-23")
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_tokens_that_are_not_int64_are_refused_and_the_step_still_awaits(name: str, policy: str) -> None:
+    """OPT-23: tokens that are no int64 integers are refused before anything changes, in every kind of step and
+    wherever the bad one is (the core once took the tokens before it, then raised, marked the step taken first,
+    and a retry gave a sequence two tokens; the reference took any value and failed steps later, hashing it);
+    the step still awaits its postprocess, which then goes as if alone."""
+    port = policy_port(name, policy)
+    huge = INT64_MAX + 1
+    while not port.is_finished():
+        out = port.schedule()
+        n = len(out.batch)
+        before = port.snapshot()
+        bad = ([huge] * n, [1] * (n - 1) + [huge], [1] * (n - 1) + [INT64_MIN - 1], [1.0] * n,
+               np.full(n, huge, dtype=np.uint64), np.ones(n))
+        for seqs in (out.batch, list(out.batch)):
+            for tokens in bad:
+                with pytest.raises(ValueError, match="token_ids must be int64 integers"):
+                    port.postprocess(seqs, tokens, out.is_prefill)
+                assert port.snapshot() == before
+        with pytest.raises(RuntimeError, match="awaits its postprocess"):
+            port.schedule()
+        port.postprocess(out.batch, np.array([INT64_MAX] * (n - 1) + [1]) if n > 1 else [1], out.is_prefill)
+
+
+@pytest.mark.clause("ARCH-4")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policy_state_is_the_same_on_both_ports_under_every_policy(policy: str, monkeypatch: pytest.MonkeyPatch) \
+        -> None:
+    """ARCH-4: ``policy_state`` reads the policy's own fields without a snapshot (a snapshot here raises), both
+    ports report the same after every step (by arrival: the implementations number their sequences apart), and
+    that is what the policy keeps: each live request's priority, each waiting one's passes and the patience."""
+    pair = [policy_port(name, policy) for name in IMPLEMENTATIONS]
+    arrivals = [{s.seq_id: a for a, s in enumerate(sorted(port.waiting, key=lambda s: s.seq_id))} for port in pair]
+    fields: set[str] = set()
+    while not pair[0].is_finished():
+        states = []
+        for port, arrival in zip(pair, arrivals, strict=True):
+            out = port.schedule()
+            port.postprocess(out.batch, [1] * len(out.batch), out.is_prefill)
+            with monkeypatch.context() as patch:
+                patch.setattr(port, "snapshot", lambda: pytest.fail("policy_state took a snapshot"))
+                state = port.policy_state()
+            live = {arrival[s.seq_id] for s in (*port.waiting, *port.running)}
+            waiting = {arrival[s.seq_id] for s in port.waiting}
+            by_arrival = {k: {arrival[i]: v for i, v in val.items()} if isinstance(val, dict) else val
+                          for k, val in state.items()}
+            assert by_arrival["policy"] == policy
+            if policy == "priority":
+                assert by_arrival["priorities"] == {a: PRIORITIES[a] for a in live}
+            if policy == "lpm":
+                assert by_arrival["patience"] == 1 and set(by_arrival["passes"]) == waiting
+            fields |= set(state)
+            states.append(by_arrival)
+        assert states[0] == states[1]
+    assert fields == {"policy"} | {"priority": {"priorities"}, "lpm": {"passes", "patience"}}.get(policy, set())

@@ -145,7 +145,7 @@ class DecodeGroup:
             self._watch(core.stops, -1)
 
     def dissolve(self) -> None:
-        """Every member leaves (used when the caller departs from schedule/postprocess pairs)."""
+        """Every member leaves (a postprocess off the fast path: a copy of the batch, or tokens too few)."""
         for seq in self.members:
             self.settle(seq)
         self.members.clear()

@@ -12,11 +12,10 @@ not due are counted, and none when one or none of them waits.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Collection
+from typing import Any
 
 from invariants.block_math import blocks_for
-from invariants.state import SchedulerState
 from optimized.core.config import SchedulerConfig
 from optimized.core.kv_cache_manager import KVCacheManager
 from optimized.core.port import ScheduleOutput
@@ -98,12 +97,11 @@ class LpmScheduler(Scheduler):
         super()._finish(seq)
         del self._passes[seq.seq_id]
 
-    def snapshot(self) -> SchedulerState:
-        """The base snapshot, with ``passes`` (seq_id -> times passed over) of the waiting requests and the bound."""
-        state = super().snapshot()
+    def policy_state(self) -> dict[str, Any]:
+        """``passes`` (seq_id -> times passed over) of the waiting requests, and the bound."""
         passes = self._passes
-        return dataclasses.replace(state, policy="lpm", patience=self.patience,
-                                   passes={s.seq_id: passes[s.seq_id] for s in self._waiting})
+        return {"policy": "lpm", "patience": self.patience,
+                "passes": {s.seq_id: passes[s.seq_id] for s in self._waiting}}
 
 
 def _arrival(seq: Sequence) -> int:

@@ -21,22 +21,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from invariants.state import SchedulerState
 from optimized.core.errors import EmptyDecodeError
 from optimized.core.port import ScheduleOutput
 from optimized.core.scheduler import RUNNING, Scheduler
-from optimized.core.sequence import Sequence
+from optimized.core.sequence import I64, Sequence
 
 __all__ = ["MixedScheduler"]
 
 
 class MixedScheduler(Scheduler):
     def schedule(self) -> ScheduleOutput[Sequence]:
-        """The step's batch, decodes first then prefills, and whether it holds a prefill (POLICY-2)."""
-        self._step_scheduled = False
+        """The step's batch, decodes first then prefills, and whether it holds a prefill (POLICY-2); refused while
+        the last batch awaits its postprocess, as the core's (OPT-27)."""
+        self._refuse_while_a_step_awaits()
         group = self._group
-        if group.inflight:  # schedule twice without postprocess: back to per-sequence fields
-            group.dissolve()
         preempted, short_of_blocks = self._decode_members()
         decodes = group.members[:]
         if short_of_blocks or not self._waiting:  # POLICY-3: a step that preempted admits no prefill
@@ -49,13 +47,10 @@ class MixedScheduler(Scheduler):
             raise EmptyDecodeError("schedule(): nothing fits and nothing is running (the reference's assert)")
         group.inflight = bool(decodes)
         if prefills:
-            batch = decodes + prefills
-            self._last_batch = batch
-            self._step_scheduled = True
-            return ScheduleOutput(batch, True, (), hit_blocks * self.block_size, query_tokens)
-        self._last_batch = decodes
-        self._step_scheduled = True
-        return ScheduleOutput(decodes, False, preempted, 0)
+            out = ScheduleOutput(decodes + prefills, True, (), hit_blocks * self.block_size, query_tokens)
+        else:
+            out = ScheduleOutput(decodes, False, preempted, 0)
+        return self._awaiting(out, out.batch[:])
 
     def _release_before_preempting(self) -> bool:
         """POLICY-3: a prefill cut short (the front of ``waiting``, holding blocks) is the newest admitted: its
@@ -94,22 +89,17 @@ class MixedScheduler(Scheduler):
             running.append(seq)
         return scheduled, hit_blocks, query_tokens
 
-    def postprocess(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> list[Sequence]:
+    def _postprocess_step(self, seqs: list[Sequence], token_ids: Any, tokens: I64, is_prefill: bool) -> list[Sequence]:
         """The reference's postprocess of a mixed batch: the decodes through the group, then the prefills in
         batch order; who finished, in batch order. Anything else (a decode-only step, a copy of the batch, a
-        step without decodes) is the core scheduler's postprocess."""
+        step without decodes, fewer tokens than decodes) is the core scheduler's."""
         group = self._group
         m = len(group.members)
-        if not (self._step_scheduled and seqs is self._last_batch and group.inflight and m < len(seqs)
-                and m <= len(token_ids)):
-            return super().postprocess(seqs, token_ids, is_prefill)
-        self._step_scheduled = False
-        finished = self._postprocess_group(token_ids, m)
+        if not (seqs is self._last_batch and group.inflight and m < len(seqs) and m <= len(tokens)):
+            return super()._postprocess_step(seqs, token_ids, tokens, is_prefill)
+        finished = self._postprocess_group(tokens[:m])
         finished += self._postprocess_each(seqs[m:], token_ids[m:], is_prefill)
-        self._last_batch = None
         return finished
 
-    def snapshot(self) -> SchedulerState:
-        state = super().snapshot()
-        state.policy = "mixed"
-        return state
+    def policy_state(self) -> dict[str, Any]:
+        return {"policy": "mixed"}  # no state of its own beyond the lesson's

@@ -6,8 +6,10 @@ checks, the hypothesis machines) learns everything about a step from the port:
 who was preempted, prefix-cache hits) or raises the one ``EmptyDecodeError``;
 ``postprocess`` returns who finished, in batch order; ``blocks`` reads one
 KV-cache block at a time; ``snapshot`` copies the whole state for the
-invariants. So no consumer branches on the implementation, compares statuses,
-or reads a scheduler's internals. The optimized scheduler satisfies it
+invariants, and ``policy_state`` only the policy's own fields of it (a
+priority per request, lpm's counts of passes), without a copy of the blocks.
+So no consumer branches on the implementation, compares statuses, or reads a
+scheduler's internals. The optimized scheduler satisfies it
 directly; the reference goes through a thin adapter
 (``optimized.verify.reference_port``), so the lesson's code keeps its own
 signatures. A scheduling policy plugs in here, as one more implementation.
@@ -71,12 +73,13 @@ S = TypeVar("S", bound=SeqLike)
 class ScheduleOutput(Generic[S]):
     """What one ``schedule()`` did (OPT-22): the batch to run, and what the caller would otherwise scan for.
 
-    A report, read by the caller; no scheduler reads it back, so changing one changes no decision.
+    A report, read by the caller; no scheduler reads it back, so changing one changes no decision: the
+    scheduler keeps its own record of the batch, and ``postprocess`` refuses a batch changed since (OPT-23).
 
-    ``batch`` is handed back to ``postprocess`` as it is. ``preempted`` are the sequences this step sent
-    back to waiting, in the order it preempted them; ``prefix_hit_tokens`` counts the tokens the sequences
-    admitted this step took from the prefix cache, ``prefix_query_tokens`` the tokens they looked up there
-    (all theirs: a preempted sequence's generated ones too). Unpacking gives the lesson's ``(batch, is_prefill)``
+    ``batch`` is handed back to ``postprocess`` as it is (or a copy, in order). ``preempted`` are the sequences
+    this step sent back to waiting, in the order it preempted them; ``prefix_hit_tokens`` counts the tokens the
+    sequences admitted this step took from the prefix cache, ``prefix_query_tokens`` the tokens they looked up
+    there (all theirs: a preempted sequence's generated ones too). Unpacking gives the lesson's ``(batch, is_prefill)``
     pair.
     """
 
@@ -119,8 +122,11 @@ class SchedulerPort(Protocol[S]):
     refuses with a ValueError, changing nothing, a sequence added before, ``max_tokens`` below 1, a stop id
     that is not an int or a priority that is not an int;
     ``schedule`` raises ``EmptyDecodeError`` where the lesson's ``assert scheduled_seqs`` fires (EDGE-2), leaving
-    the state the lesson leaves; ``postprocess`` returns the sequences it finished, in batch order; ``abort``
-    and ``abort_step`` are spec/abort.md's; ``waiting`` and ``running`` are read-only, front first.
+    the state the lesson leaves, and refuses with a RuntimeError, changing nothing, while the last batch awaits
+    its postprocess or ``abort_step`` (OPT-27); ``postprocess`` takes that batch (the list or a copy, in order)
+    once and returns the sequences it finished, in batch order, refusing anything else (OPT-23); ``abort``
+    and ``abort_step`` are spec/abort.md's; ``waiting`` and ``running`` are read-only, front first;
+    ``policy_state`` is the ``SchedulerState`` fields of the policy (``snapshot``'s, without the blocks).
     """
 
     @property
@@ -140,6 +146,7 @@ class SchedulerPort(Protocol[S]):
     def abort(self, seq: S) -> None: ...
     def abort_step(self, batch: list[S]) -> None: ...
     def snapshot(self) -> SchedulerState: ...
+    def policy_state(self) -> dict[str, Any]: ...
 
 
 # Builds a scheduler of one implementation from a config: what ``conformance.implementation(name)`` gives.

@@ -12,10 +12,9 @@ leave the group (they join again, in order, at the next decode); one that lands 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from collections.abc import Collection
+from typing import Any
 
-from invariants.state import SchedulerState
 from optimized.core.config import SchedulerConfig
 from optimized.core.errors import strict_int
 from optimized.core.port import ScheduleOutput
@@ -78,9 +77,7 @@ class PriorityScheduler(Scheduler):
         super()._finish(seq)
         del self._keys[seq.seq_id]
 
-    def snapshot(self) -> SchedulerState:
-        """The base snapshot, with each live sequence's priority (``priorities``: seq_id -> priority)."""
-        state = super().snapshot()
-        return dataclasses.replace(state, policy="priority",
-                                   priorities={seq_id: p for seq_id, (p, _) in self._keys.items()})
+    def policy_state(self) -> dict[str, Any]:
+        """Each live sequence's priority (``priorities``: seq_id -> priority)."""
+        return {"policy": "priority", "priorities": {seq_id: p for seq_id, (p, _) in self._keys.items()}}
 

@@ -29,7 +29,14 @@ from invariants.block_math import prefill_grant
 from invariants.state import BlockView, SchedulerState, seq_view
 from optimized.core.config import SchedulerConfig
 from optimized.core.decode_group import DecodeGroup
-from optimized.core.errors import EmptyDecodeError, stop_set, strict_int
+from optimized.core.errors import (
+    INT64_MAX,
+    TOKENS_UNREADABLE,
+    EmptyDecodeError,
+    require_step_batch,
+    stop_set,
+    strict_int,
+)
 from optimized.core.kv_cache_manager import KVCacheManager
 from optimized.core.port import ScheduleOutput
 from optimized.core.sequence import I64, Sequence, SequenceParams, SequenceStatus
@@ -54,8 +61,9 @@ class Scheduler:
         self._arena = TokenArena(on_move=self._group.refresh_positions)
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
-        self._last_batch: list[Sequence] | None = None
-        self._step_scheduled = False  # schedule() returned a batch that no postprocess or abort_step has taken
+        self._step_scheduled = False  # schedule() returned _last_batch; no postprocess or abort_step has taken it
+        self._last_batch: list[Sequence] | None = None  # the list it returned (the group's fast path takes that one)
+        self._step_batch: list[Sequence] = []  # its sequences as returned, whatever the caller does to the list
         self._packers: dict[int, struct.Struct] = {}  # by batch size, for _as_int64
 
     # --- the scheduler port (ARCH-4): the lesson's API and more ---------------------------------
@@ -116,35 +124,53 @@ class Scheduler:
         self._waiting.append(seq)
 
     def schedule(self) -> ScheduleOutput[Sequence]:
-        self._step_scheduled = False
-        if self._group.inflight:  # schedule twice without postprocess: back to per-sequence fields
-            self._group.dissolve()
+        """The lesson's schedule(); RuntimeError, nothing changed, while the last batch awaits its postprocess or
+        abort_step (OPT-27)."""
+        self._refuse_while_a_step_awaits()
         out = self._prefill() if self._waiting else None
-        if out is None:
-            out = self._decode()
+        if out is None:  # a decode: its batch is a copy of the members, which stay as they are until postprocess
+            return self._awaiting(self._decode(), self._group.members)
+        return self._awaiting(out, out.batch[:])
+
+    def _awaiting(self, out: ScheduleOutput[Sequence], record: list[Sequence]) -> ScheduleOutput[Sequence]:
+        """``out``, its batch now the step that awaits its postprocess; ``record`` holds the batch's sequences in
+        order, in a list the caller cannot reach."""
+        self._last_batch, self._step_batch = out.batch, record
         self._step_scheduled = True
         return out
+
+    def _refuse_while_a_step_awaits(self) -> None:
+        if self._step_scheduled:
+            raise RuntimeError("schedule: the last batch awaits its postprocess or abort_step (each schedule() "
+                               "is postprocessed once)")
 
     def postprocess(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> list[Sequence]:
         """The lesson's postprocess; the sequences it finished, in batch order (OPT-22).
 
-        RuntimeError, nothing changed, for a non-empty batch when no step awaits one: each schedule() is
-        postprocessed once (OPT-23).
+        RuntimeError, nothing changed, for a non-empty batch when no step awaits one; ValueError, nothing
+        changed, for a batch that is not the awaiting step's or tokens that are not int64 integers: each
+        schedule() is postprocessed once (OPT-23), and its step awaits until a postprocess returns.
         """
         if not self._step_scheduled:
             if not seqs:
                 return []
             raise RuntimeError("postprocess: no scheduled step awaits it (each schedule() is postprocessed once)")
+        require_step_batch(seqs, self._step_batch)
+        tokens = self._as_int64(token_ids, min(len(seqs), len(token_ids)))  # the lesson zips: the shorter ends it
+        finished = self._postprocess_step(seqs, token_ids, tokens, is_prefill)
         self._step_scheduled = False
-        group = self._group
-        if seqs is self._last_batch and group.inflight and len(seqs) == len(group.members) <= len(token_ids):
-            finished = self._postprocess_group(token_ids, len(seqs))
-        else:
-            if group.inflight or any(s.core.group is not None for s in seqs):
-                group.dissolve()
-            finished = self._postprocess_each(seqs, token_ids, is_prefill)
-        self._last_batch = None
+        self._last_batch, self._step_batch = None, []
         return finished
+
+    def _postprocess_step(self, seqs: list[Sequence], token_ids: Any, tokens: I64, is_prefill: bool) -> list[Sequence]:
+        """The step's batch, checked, and its tokens (``token_ids`` as given, ``tokens`` those the batch takes, read
+        as int64): through the group, or one sequence at a time."""
+        group = self._group
+        if seqs is self._last_batch and group.inflight and len(seqs) == len(group.members) == len(tokens):
+            return self._postprocess_group(tokens)
+        if group.inflight or any(s.core.group is not None for s in seqs):
+            group.dissolve()
+        return self._postprocess_each(seqs, token_ids, is_prefill)
 
     # --- beyond the lesson: abort (spec/abort.md, OPT-19..21) ---------------------------------------
     def abort(self, seq: Sequence) -> None:
@@ -173,7 +199,7 @@ class Scheduler:
         self._step_scheduled = False
         for seq in batch:
             seq.core.nsched = 0
-        self._last_batch = None
+        self._last_batch, self._step_batch = None, []
         for seq in batch:
             self._abort(seq)
 
@@ -244,9 +270,7 @@ class Scheduler:
         if not members:
             raise EmptyDecodeError("schedule(): nothing fits and nothing is running (the reference's assert)")
         self._group.inflight = True
-        batch = members[:]
-        self._last_batch = batch
-        return ScheduleOutput(batch, False, preempted, 0)
+        return ScheduleOutput(members[:], False, preempted, 0)
 
     def _decode_members(self) -> tuple[tuple[Sequence, ...], bool]:
         """The lesson's decode loop over ``running[:max_num_seqs]``, the group's members: who it preempted, and
@@ -319,10 +343,9 @@ class Scheduler:
         self._waiting.appendleft(seq)
 
     # --- lesson §5: postprocess ----------------------------------------------------------------
-    def _postprocess_group(self, token_ids: Any, count: int) -> list[Sequence]:
+    def _postprocess_group(self, tokens: I64) -> list[Sequence]:
         group = self._group
         # One scatter appends a token to every member; the clock advances them all.
-        tokens = self._as_int64(token_ids, count)
         clock = group.now
         shift = clock - group.base_clock  # positions are those of clock base_clock: shift the arena instead
         data = self._arena.data
@@ -343,18 +366,28 @@ class Scheduler:
         return finishing
 
     def _as_int64(self, token_ids: Any, count: int) -> I64:
-        """The first ``count`` model tokens as int64.
+        """The first ``count`` model tokens as int64; ValueError, before anything changes, unless they are int64
+        integers (OPT-23).
 
         A list goes through ``struct`` (one C loop, about a third of numpy's per-element cost on a list
-        of Python ints); anything else through numpy.
+        of Python ints); anything else through numpy, which must find integers there.
         """
         if type(token_ids) is list:
             packer = self._packers.get(count)
             if packer is None:
                 packer = self._packers[count] = struct.Struct(f"<{count}q")
-            packed = packer.pack(*token_ids) if len(token_ids) == count else packer.pack(*token_ids[:count])
+            try:
+                packed = packer.pack(*token_ids) if len(token_ids) == count else packer.pack(*token_ids[:count])
+            except struct.error:
+                raise ValueError(TOKENS_UNREADABLE) from None
             return np.frombuffer(packed, dtype=np.int64)
-        return np.asarray(token_ids[:count], dtype=np.int64)
+        try:
+            tokens = np.asarray(token_ids[:count])
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(TOKENS_UNREADABLE) from None
+        if tokens.dtype.kind == "i" or tokens.size == 0 or (tokens.dtype.kind == "u" and tokens.max() <= INT64_MAX):
+            return tokens.astype(np.int64, copy=False)
+        raise ValueError(TOKENS_UNREADABLE)
 
     def _eos_hits(self, tokens: I64, finishing: list[Sequence] | None) -> list[Sequence] | None:
         hits = np.flatnonzero(tokens == self.eos)
@@ -435,7 +468,13 @@ class Scheduler:
             waiting=[seq_view(s) for s in self._waiting],
             running=[seq_view(s) for s in self._running],
             extra={"decode_clock": self._group.now, "decode_group": len(self._group.members)},
+            **self.policy_state(),
         )
+
+    def policy_state(self) -> dict[str, Any]:
+        """The ``SchedulerState`` fields of this scheduler's policy (the port's; a policy adds its own): the
+        lesson's keeps nothing beyond the queues and the blocks."""
+        return {"policy": "lesson"}
 
 
 def _merged(finishing: list[Sequence] | None, stopped: list[Sequence]) -> list[Sequence] | None:

@@ -23,7 +23,7 @@ import reference
 from invariants import SchedulerState, snapshot
 from invariants.state import policy_fields
 from optimized.core.config import SchedulerConfig
-from optimized.core.errors import stop_set, strict_int
+from optimized.core.errors import require_int64_tokens, require_step_batch, stop_set, strict_int
 from optimized.core.port import EmptyDecodeError, ScheduleOutput
 from reference import extensions
 from reference.lpm_scheduler import LpmScheduler
@@ -103,6 +103,7 @@ class ReferencePort:
         self._stops: dict[int, frozenset[int]] = {}  # seq_id -> its stop set, for the sequences that have one
         self._added: set[int] = set()  # the seq_ids ever added: a second add is refused, as the optimized one does
         self._step_scheduled = False  # as the optimized scheduler's: a step awaits its one postprocess (OPT-23)
+        self._step_batch: list[reference.Sequence] = []  # the awaiting step's batch, as schedule() returned it
 
     @property
     def waiting(self) -> deque[reference.Sequence]:
@@ -140,7 +141,11 @@ class ReferencePort:
             self._stops[seq.seq_id] = stops
 
     def schedule(self) -> ScheduleOutput[reference.Sequence]:
-        self._step_scheduled = False
+        """The lesson's schedule(), reported; refused as the optimized scheduler refuses it, while the last batch
+        awaits its postprocess or abort_step (OPT-27)."""
+        if self._step_scheduled:
+            raise RuntimeError("schedule: the last batch awaits its postprocess or abort_step (each schedule() "
+                               "is postprocessed once)")
         lesson = self.lesson_scheduler
         running_before = list(lesson.running)
         waiting_before = {id(s) for s in lesson.waiting if not s.block_table}  # those a prefill would admit
@@ -152,7 +157,7 @@ class ReferencePort:
                 raise
             raise EmptyDecodeError("schedule(): nothing fits and nothing is running (the lesson's assert "
                                    "scheduled_seqs)") from None
-        self._step_scheduled = True
+        self._step_scheduled, self._step_batch = True, batch[:]
         # The decode loop preempts from the tail of running (itself last), so this is the order it preempted.
         # Under every policy only a step without prefill preempts (a mixed step that preempted admits none).
         preempted = () if is_prefill else tuple(s for s in reversed(running_before) if s.status is WAITING)
@@ -164,18 +169,21 @@ class ReferencePort:
     def postprocess(self, seqs: list[reference.Sequence], token_ids: list[int],
                     is_prefill: bool) -> list[reference.Sequence]:
         """The lesson's postprocess (with the stop rule when a member has a stop set); who finished, in batch
-        order. Refused as the optimized scheduler refuses it: a non-empty batch when no step awaits one."""
+        order. Refused as the optimized scheduler refuses it, before the lesson sees it: a non-empty batch when no
+        step awaits one, a batch that is not the awaiting step's, tokens that are not int64 integers (OPT-23)."""
         if not self._step_scheduled:
             if not seqs:
                 return []
             raise RuntimeError("postprocess: no scheduled step awaits it (each schedule() is postprocessed once)")
-        self._step_scheduled = False
+        require_step_batch(seqs, self._step_batch)
+        require_int64_tokens(token_ids, min(len(seqs), len(token_ids)))
         stops = self._stops
         if stops and any(s.seq_id in stops for s in seqs):
             extensions.postprocess_with_stops(self.lesson_scheduler, seqs, token_ids, is_prefill,
                                               [stops.get(s.seq_id, frozenset()) for s in seqs])
         else:
             self.lesson_scheduler.postprocess(seqs, token_ids, is_prefill)
+        self._step_scheduled, self._step_batch = False, []
         finished = [s for s in seqs if s.status is FINISHED]
         for seq in finished:
             stops.pop(seq.seq_id, None)
@@ -187,7 +195,7 @@ class ReferencePort:
 
     def abort_step(self, batch: list[reference.Sequence]) -> None:
         extensions.abort_step(self.lesson_scheduler, batch)
-        self._step_scheduled = False
+        self._step_scheduled, self._step_batch = False, []
         for seq in batch:
             self._stops.pop(seq.seq_id, None)
 

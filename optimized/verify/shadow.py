@@ -21,7 +21,7 @@ when nothing is left live, after a failed step and at close of a trusted
 engine, it compares the whole states and runs every invariant on both
 (CHECK-3). The policy's own clauses (spec/policies.md) are among the invariants:
 the engine's priorities are those its requests were added with; the lpm
-counts, which the engine keeps to itself, are read from its snapshot at each
+counts, which the engine keeps to itself, are read from its ``policy_state`` at each
 full comparison and must equal the reference's by arrival. An abort, or a
 failed step's batch (spec/abort.md), is applied to the reference through the
 port; the queues must then be equal by arrival, and the
@@ -448,9 +448,9 @@ class Shadow:
 
     def _compare_passes(self, engine_scheduler: SchedulerPort[Any], engine_state: SchedulerState,
                         ref_state: SchedulerState, when: str) -> None:
-        """Under ``lpm``: the engine's own counts of passes (its snapshot's) are the reference's, by arrival."""
+        """Under ``lpm``: the engine's own counts of passes (its ``policy_state``'s) are the reference's, by arrival."""
         engine_arrival = {seq_id: r.arrival for seq_id, r in self._live.items()}
-        engine_state.passes = engine_scheduler.snapshot().passes
+        engine_state.passes = engine_scheduler.policy_state().get("passes", {})
         mine = {engine_arrival.get(k, -1): v for k, v in engine_state.passes.items()}
         ref = {self.arrival_of.get(k, -1): v for k, v in ref_state.passes.items()}
         if mine != ref:

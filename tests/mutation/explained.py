@@ -70,10 +70,12 @@ EXPLAINED: tuple[Explained, ...] = (
     Explained("optimized/core/decode_group.py", "core.segments.clear()", "core.segments.clear()", "pass",
               "equivalent: a deferred fill walks back from the newest segment, so stale older ones are never "
               "reached; clearing bounds memory only"),
-    Explained("optimized/core/scheduler.py", "self._last_batch = None", "self._last_batch = None", "pass",
-              "equivalent: postprocess's fast path also needs group.inflight, which only the decode that "
-              "set _last_batch turns on, and postprocess or dissolve turn off",
-              previous="finished = self._postprocess_each(seqs, token_ids, is_prefill)"),
+    *(Explained("optimized/core/scheduler.py", "self._last_batch, self._step_batch = None, []",
+                "self._last_batch, self._step_batch = None, []", "pass",
+                "equivalent: _last_batch and _step_batch are read only while a step awaits (postprocess refuses "
+                "first when none does), and every schedule() that leaves a step awaiting sets both anew "
+                "(OPT-23, OPT-27); clearing them only lets the batch go", previous=previous)
+      for previous in ("self._step_scheduled = False", "seq.core.nsched = 0")),
     Explained("optimized/core/free_queue.py", "self.stale -= 1", "self.stale -= 1", "self.stale += 1",
               "equivalent: stale > 0 only sends take() down its checking path, which returns the same ids"),
     Explained("optimized/core/free_queue.py", "if k > 1024 and 2 * k > len(buf):", "k > 1024 and 2 * k > len(buf)",
