@@ -484,33 +484,45 @@ def test_a_postprocess_of_another_batch_is_refused_and_changes_nothing(name: str
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
 def test_tokens_that_are_not_int64_are_refused_and_the_step_still_awaits(name: str, policy: str) -> None:
-    """OPT-23: tokens that are no int64 integers are refused before anything changes, in every kind of step and
-    wherever the bad one is (the core once took the tokens before it, then raised, marked the step taken first,
-    and a retry gave a sequence two tokens; the reference took any value and failed steps later, hashing it);
-    the step still awaits its postprocess, which then goes as if alone."""
+    """OPT-23: fewer tokens than sequences, or one that is no int64 integer, are refused before anything changes,
+    in every kind of step and wherever the bad one is, naming it (the core once took the tokens before it,
+    raised, and a retry gave a sequence two tokens; the reference took any value and failed steps later, hashing
+    it; a short list made the two ports decide apart). The step still awaits its postprocess, which then takes
+    int64's bounds, from a list or an array, and keeps each token as given."""
     port = policy_port(name, policy)
     huge = INT64_MAX + 1
+    kinds = set()
     while not port.is_finished():
+        running = {s.seq_id for s in port.running}
         out = port.schedule()
         n = len(out.batch)
+        kinds.add(("decodes" if out.batch[0].seq_id in running else "") + ("+prefills" if out.is_prefill else ""))
         before = port.snapshot()
-        bad = ([huge] * n, [1] * (n - 1) + [huge], [1] * (n - 1) + [INT64_MIN - 1], [1.0] * n,
-               np.full(n, huge, dtype=np.uint64), np.ones(n))
+        bad = {"[1]*(n-1)": [1] * (n - 1), "[huge]": [1] * (n - 1) + [huge], "[min-1]": [1] * (n - 1) + [INT64_MIN - 1],
+               "[1.0]": [1] * (n - 1) + [1.0], "uint64": np.array([1] * (n - 1) + [huge], dtype=np.uint64),
+               "floats": np.ones(n), "2-d": np.ones((n, 1), dtype=np.int64)}
+        named = {"[huge]": repr(huge), "[min-1]": repr(INT64_MIN - 1), "[1.0]": "1.0", "uint64": repr(huge)}
         for seqs in (out.batch, list(out.batch)):
-            for tokens in bad:
-                with pytest.raises(ValueError, match="token_ids must be int64 integers"):
+            for what, tokens in bad.items():
+                with pytest.raises(ValueError, match="postprocess: token_ids must") as refused:
                     port.postprocess(seqs, tokens, out.is_prefill)
-                assert port.snapshot() == before
+                assert named.get(what, "") in str(refused.value), what
+                assert port.snapshot() == before, what
         with pytest.raises(RuntimeError, match="awaits its postprocess"):
             port.schedule()
-        port.postprocess(out.batch, np.array([INT64_MAX] * (n - 1) + [1]) if n > 1 else [1], out.is_prefill)
+        bounds = [(INT64_MIN, INT64_MAX)[j % 2] for j in range(n)]
+        lengths = [len(s) for s in out.batch]
+        port.postprocess(out.batch, bounds if n % 2 else np.array(bounds, dtype=np.int64), out.is_prefill)
+        kept = [(s.token_ids[-1], t) for s, t, was in zip(out.batch, bounds, lengths, strict=True) if len(s) > was]
+        assert kept and all(a == b for a, b in kept)
+    assert {"+prefills", "decodes"} <= kinds and ("decodes+prefills" in kinds) == (policy == "mixed")
 
 
 @pytest.mark.clause("ARCH-4")
 @pytest.mark.parametrize("policy", POLICIES)
 def test_policy_state_is_the_same_on_both_ports_under_every_policy(policy: str, monkeypatch: pytest.MonkeyPatch) \
         -> None:
-    """ARCH-4: ``policy_state`` reads the policy's own fields without a snapshot (a snapshot here raises), both
+    """ARCH-4: ``policy_state`` reads the policy's own fields without the port's snapshot (here it raises), both
     ports report the same after every step (by arrival: the implementations number their sequences apart), and
     that is what the policy keeps: each live request's priority, each waiting one's passes and the patience."""
     pair = [policy_port(name, policy) for name in IMPLEMENTATIONS]

@@ -145,7 +145,7 @@ class DecodeGroup:
             self._watch(core.stops, -1)
 
     def dissolve(self) -> None:
-        """Every member leaves (a postprocess off the fast path: a copy of the batch, or tokens too few)."""
+        """Every member leaves (a decode step postprocessed off the fast path, given a copy of its batch)."""
         for seq in self.members:
             self.settle(seq)
         self.members.clear()

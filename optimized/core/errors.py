@@ -6,9 +6,13 @@ an id is an ``int`` that is not a ``bool`` (Python's ``True`` is an int, never a
 
 from __future__ import annotations
 
-import operator
+import functools
+import struct
 from collections.abc import Collection
 from typing import Any, TypeGuard
+
+import numpy as np
+import numpy.typing as npt
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -52,22 +56,43 @@ def require_step_batch(seqs: list[Any], batch: list[Any]) -> None:
     """ValueError unless ``seqs`` holds the awaiting step's batch, as schedule() returned it (the same sequences,
     in its order: that list or a copy), OPT-23. Another list would hand tokens to sequences no step granted them to.
 
-    ``batch`` is the scheduler's own copy. Sequences compare by identity (neither implementation's defines
-    ``==``), so two lists compare in one C loop.
+    ``batch`` is the scheduler's own record, a list the caller cannot reach. Sequences compare by identity
+    (neither implementation's defines ``==``), so two lists compare in one C loop.
     """
     if len(seqs) != len(batch) or seqs != batch:  # a tuple is never equal to a list: refused too
         raise ValueError("postprocess: seqs must be the batch the last schedule() returned (that list or a copy "
                          "of it, in its order)")
 
 
-def require_int64_tokens(token_ids: Any, count: int) -> None:
-    """ValueError unless the first ``count`` tokens are int64 integers (what the core stores them as), OPT-23."""
+def int64_tokens(token_ids: Any, count: int) -> npt.NDArray[np.int64]:
+    """The first ``count`` tokens as int64, read before a postprocess changes anything; ValueError naming
+    ``token_ids`` when there are fewer, or one is not an integer (an object with ``__index__``, as ``struct``
+    reads it) within int64 (OPT-23). Both ports read their tokens here, so they take and refuse the same.
+
+    ``struct`` reads a list of Python ints in one C loop, about a third of numpy's per-element cost; an array's
+    items (numpy or torch scalars) are read the same way. Tokens are the model's output, not a count: a bool
+    reads as 0 or 1.
+    """
+    if len(token_ids) < count:
+        raise ValueError(f"postprocess: token_ids must hold a token for each of the batch's {count} sequences, "
+                         f"got {len(token_ids)}")
+    if len(token_ids) != count:
+        token_ids = token_ids[:count]
     try:
-        readable = all(INT64_MIN <= operator.index(t) <= INT64_MAX for t in token_ids[:count])
-    except TypeError:
-        readable = False
-    if not readable:
-        raise ValueError(TOKENS_UNREADABLE)
+        return np.frombuffer(_packer(count).pack(*token_ids), dtype=np.int64)
+    except (struct.error, TypeError):  # out of range or no integer; TypeError: an __index__ that refuses
+        bad = next(t for t in token_ids if not _storable(t))
+        raise ValueError(f"postprocess: token_ids must be int64 integers, got {bad!r}") from None
 
 
-TOKENS_UNREADABLE = "postprocess: token_ids must be int64 integers"
+def _storable(token: object) -> bool:
+    try:
+        _packer(1).pack(token)
+    except (struct.error, TypeError):
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=64)
+def _packer(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}q")

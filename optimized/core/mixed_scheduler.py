@@ -48,9 +48,9 @@ class MixedScheduler(Scheduler):
         group.inflight = bool(decodes)
         if prefills:
             out = ScheduleOutput(decodes + prefills, True, (), hit_blocks * self.block_size, query_tokens)
-        else:
-            out = ScheduleOutput(decodes, False, preempted, 0)
-        return self._awaiting(out, out.batch[:])
+            return self._awaiting(out, out.batch[:])
+        # A decode step: its batch is a copy of the members, which stay as they are until the postprocess.
+        return self._awaiting(ScheduleOutput(decodes, False, preempted, 0), group.members)
 
     def _release_before_preempting(self) -> bool:
         """POLICY-3: a prefill cut short (the front of ``waiting``, holding blocks) is the newest admitted: its
@@ -89,17 +89,16 @@ class MixedScheduler(Scheduler):
             running.append(seq)
         return scheduled, hit_blocks, query_tokens
 
-    def _postprocess_step(self, seqs: list[Sequence], token_ids: Any, tokens: I64, is_prefill: bool) -> list[Sequence]:
-        """The reference's postprocess of a mixed batch: the decodes through the group, then the prefills in
-        batch order; who finished, in batch order. Anything else (a decode-only step, a copy of the batch, a
-        step without decodes, fewer tokens than decodes) is the core scheduler's."""
+    def _postprocess_step(self, seqs: list[Sequence], tokens: I64, is_prefill: bool) -> list[Sequence]:
+        """The reference's postprocess of a mixed step, given the very list: the decodes (the batch's first ``m``,
+        the members) through the group, then the prefills in batch order; who finished, in batch order. Anything
+        else (a decode-only step, a copy of the batch, a step without decodes) is the core scheduler's."""
         group = self._group
         m = len(group.members)
-        if not (seqs is self._last_batch and group.inflight and m < len(seqs) and m <= len(tokens)):
-            return super()._postprocess_step(seqs, token_ids, tokens, is_prefill)
-        finished = self._postprocess_group(tokens[:m])
-        finished += self._postprocess_each(seqs[m:], token_ids[m:], is_prefill)
-        return finished
+        if seqs is self._last_batch and group.inflight and m < len(seqs):
+            return self._postprocess_group(tokens[:m]) + self._postprocess_each(seqs[m:], tokens[m:].tolist(),
+                                                                                 is_prefill)
+        return super()._postprocess_step(seqs, tokens, is_prefill)  # a decode step's list takes the group's path
 
     def policy_state(self) -> dict[str, Any]:
         return {"policy": "mixed"}  # no state of its own beyond the lesson's

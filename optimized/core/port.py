@@ -73,8 +73,9 @@ S = TypeVar("S", bound=SeqLike)
 class ScheduleOutput(Generic[S]):
     """What one ``schedule()`` did (OPT-22): the batch to run, and what the caller would otherwise scan for.
 
-    A report, read by the caller; no scheduler reads it back, so changing one changes no decision: the
+    A report, read by the caller; no scheduler reads its fields back, so changing one changes no decision: the
     scheduler keeps its own record of the batch, and ``postprocess`` refuses a batch changed since (OPT-23).
+    (The core notes which list it handed out: that list takes the decode group's fast path, a copy the slow one.)
 
     ``batch`` is handed back to ``postprocess`` as it is (or a copy, in order). ``preempted`` are the sequences
     this step sent back to waiting, in the order it preempted them; ``prefix_hit_tokens`` counts the tokens the

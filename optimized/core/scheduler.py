@@ -18,7 +18,6 @@ scheduler port (port.py, ARCH-4) as it is: its consumers need no adapter.
 from __future__ import annotations
 
 import functools
-import struct
 from collections import deque
 from collections.abc import Collection
 from typing import Any
@@ -29,14 +28,7 @@ from invariants.block_math import prefill_grant
 from invariants.state import BlockView, SchedulerState, seq_view
 from optimized.core.config import SchedulerConfig
 from optimized.core.decode_group import DecodeGroup
-from optimized.core.errors import (
-    INT64_MAX,
-    TOKENS_UNREADABLE,
-    EmptyDecodeError,
-    require_step_batch,
-    stop_set,
-    strict_int,
-)
+from optimized.core.errors import EmptyDecodeError, int64_tokens, require_step_batch, stop_set, strict_int
 from optimized.core.kv_cache_manager import KVCacheManager
 from optimized.core.port import ScheduleOutput
 from optimized.core.sequence import I64, Sequence, SequenceParams, SequenceStatus
@@ -64,7 +56,6 @@ class Scheduler:
         self._step_scheduled = False  # schedule() returned _last_batch; no postprocess or abort_step has taken it
         self._last_batch: list[Sequence] | None = None  # the list it returned (the group's fast path takes that one)
         self._step_batch: list[Sequence] = []  # its sequences as returned, whatever the caller does to the list
-        self._packers: dict[int, struct.Struct] = {}  # by batch size, for _as_int64
 
     # --- the scheduler port (ARCH-4): the lesson's API and more ---------------------------------
     @property
@@ -156,21 +147,20 @@ class Scheduler:
                 return []
             raise RuntimeError("postprocess: no scheduled step awaits it (each schedule() is postprocessed once)")
         require_step_batch(seqs, self._step_batch)
-        tokens = self._as_int64(token_ids, min(len(seqs), len(token_ids)))  # the lesson zips: the shorter ends it
-        finished = self._postprocess_step(seqs, token_ids, tokens, is_prefill)
+        finished = self._postprocess_step(seqs, int64_tokens(token_ids, len(seqs)), is_prefill)
         self._step_scheduled = False
         self._last_batch, self._step_batch = None, []
         return finished
 
-    def _postprocess_step(self, seqs: list[Sequence], token_ids: Any, tokens: I64, is_prefill: bool) -> list[Sequence]:
-        """The step's batch, checked, and its tokens (``token_ids`` as given, ``tokens`` those the batch takes, read
-        as int64): through the group, or one sequence at a time."""
+    def _postprocess_step(self, seqs: list[Sequence], tokens: I64, is_prefill: bool) -> list[Sequence]:
+        """The step's batch, checked, and a token for each, read: through the group (the very list of a decode
+        step), or one sequence at a time (a copy of it, or a prefill step, whose batch holds no member)."""
         group = self._group
-        if seqs is self._last_batch and group.inflight and len(seqs) == len(group.members) == len(tokens):
-            return self._postprocess_group(tokens)
-        if group.inflight or any(s.core.group is not None for s in seqs):
+        if group.inflight:  # a decode step: the batch is the members, in order (checked)
+            if seqs is self._last_batch:
+                return self._postprocess_group(tokens)
             group.dissolve()
-        return self._postprocess_each(seqs, token_ids, is_prefill)
+        return self._postprocess_each(seqs, tokens.tolist(), is_prefill)
 
     # --- beyond the lesson: abort (spec/abort.md, OPT-19..21) ---------------------------------------
     def abort(self, seq: Sequence) -> None:
@@ -365,30 +355,6 @@ class Scheduler:
         self._finish_members(finishing)
         return finishing
 
-    def _as_int64(self, token_ids: Any, count: int) -> I64:
-        """The first ``count`` model tokens as int64; ValueError, before anything changes, unless they are int64
-        integers (OPT-23).
-
-        A list goes through ``struct`` (one C loop, about a third of numpy's per-element cost on a list
-        of Python ints); anything else through numpy, which must find integers there.
-        """
-        if type(token_ids) is list:
-            packer = self._packers.get(count)
-            if packer is None:
-                packer = self._packers[count] = struct.Struct(f"<{count}q")
-            try:
-                packed = packer.pack(*token_ids) if len(token_ids) == count else packer.pack(*token_ids[:count])
-            except struct.error:
-                raise ValueError(TOKENS_UNREADABLE) from None
-            return np.frombuffer(packed, dtype=np.int64)
-        try:
-            tokens = np.asarray(token_ids[:count])
-        except (TypeError, ValueError, OverflowError):
-            raise ValueError(TOKENS_UNREADABLE) from None
-        if tokens.dtype.kind == "i" or tokens.size == 0 or (tokens.dtype.kind == "u" and tokens.max() <= INT64_MAX):
-            return tokens.astype(np.int64, copy=False)
-        raise ValueError(TOKENS_UNREADABLE)
-
     def _eos_hits(self, tokens: I64, finishing: list[Sequence] | None) -> list[Sequence] | None:
         hits = np.flatnonzero(tokens == self.eos)
         if not hits.size:
@@ -429,10 +395,10 @@ class Scheduler:
         core.own = self._arena.release(core)
         core.arena = None
 
-    def _postprocess_each(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> list[Sequence]:
+    def _postprocess_each(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
         bm, eos, data = self.block_manager, self.eos, self._arena.data
         finished: list[Sequence] = []
-        for seq, token_id in zip(seqs, token_ids):  # noqa: B905 (the reference zips: the shorter ends it)
+        for seq, token_id in zip(seqs, token_ids, strict=True):
             bm.hash_blocks(seq)
             core = seq.core
             core.ncached += core.nsched

@@ -23,7 +23,7 @@ import reference
 from invariants import SchedulerState, snapshot
 from invariants.state import policy_fields
 from optimized.core.config import SchedulerConfig
-from optimized.core.errors import require_int64_tokens, require_step_batch, stop_set, strict_int
+from optimized.core.errors import int64_tokens, require_step_batch, stop_set, strict_int
 from optimized.core.port import EmptyDecodeError, ScheduleOutput
 from reference import extensions
 from reference.lpm_scheduler import LpmScheduler
@@ -170,13 +170,14 @@ class ReferencePort:
                     is_prefill: bool) -> list[reference.Sequence]:
         """The lesson's postprocess (with the stop rule when a member has a stop set); who finished, in batch
         order. Refused as the optimized scheduler refuses it, before the lesson sees it: a non-empty batch when no
-        step awaits one, a batch that is not the awaiting step's, tokens that are not int64 integers (OPT-23)."""
+        step awaits one, a batch that is not the awaiting step's, fewer tokens than sequences or one that is not an
+        int64 integer (OPT-23); the lesson gets the tokens as the core reads them, Python ints."""
         if not self._step_scheduled:
             if not seqs:
                 return []
             raise RuntimeError("postprocess: no scheduled step awaits it (each schedule() is postprocessed once)")
         require_step_batch(seqs, self._step_batch)
-        require_int64_tokens(token_ids, min(len(seqs), len(token_ids)))
+        token_ids = int64_tokens(token_ids, len(seqs)).tolist()  # read as the core reads them
         stops = self._stops
         if stops and any(s.seq_id in stops for s in seqs):
             extensions.postprocess_with_stops(self.lesson_scheduler, seqs, token_ids, is_prefill,

@@ -70,6 +70,13 @@ EXPLAINED: tuple[Explained, ...] = (
     Explained("optimized/core/decode_group.py", "core.segments.clear()", "core.segments.clear()", "pass",
               "equivalent: a deferred fill walks back from the newest segment, so stale older ones are never "
               "reached; clearing bounds memory only"),
+    *(Explained("optimized/core/scheduler.py", line, line.partition("  #")[0], "pass",
+                "equivalent: the first value is never read: postprocess reads these only while a step awaits, "
+                "and _awaiting, which alone marks a step awaiting, assigns both first")
+      for line in ("self._last_batch: list[Sequence] | None = None  # the list it returned (the group's fast path "
+                   "takes that one)",
+                   "self._step_batch: list[Sequence] = []  # its sequences as returned, whatever the caller does to "
+                   "the list")),
     *(Explained("optimized/core/scheduler.py", "self._last_batch, self._step_batch = None, []",
                 "self._last_batch, self._step_batch = None, []", "pass",
                 "equivalent: _last_batch and _step_batch are read only while a step awaits (postprocess refuses "
@@ -99,13 +106,6 @@ EXPLAINED: tuple[Explained, ...] = (
               "num_cached_blocks == memo.cached", "(num_cached_blocks != memo.cached)",
               "equivalent: the scheduler allocates every hit of the walk (num_cached_blocks is can_allocate's "
               "answer), where the edit only turns off hold's fast path, whose other path does the same"),
-    Explained("optimized/core/scheduler.py", "if group.inflight or any(s.core.group is not None for s in seqs):",
-              "s.core.group is not None", "(s.core.group is None)",
-              "equivalent: dissolving the decode group only writes its members' state back to their own fields, "
-              "which is right at any time; a batch of members reaches this branch only while the group is in "
-              "flight (the first operand): a decode batch postprocessed again, after its step, is refused "
-              "(OPT-23), and a prefill batch holds no member. This needs postprocess to get the batch its "
-              "schedule() returned (or a copy), as every driver of the port does"),
     Explained("optimized/core/scheduler.py", "if len(watched) <= 4:", "len(watched) <= 4", "(len(watched) < 4)",
               "equivalent: both branches compute the same mask (a few comparisons or np.isin) for any int64 stop "
               "ids, and add refuses every other id (OPT-10; np.isin could not hold 2**63); the bound picks the "
