@@ -464,7 +464,8 @@ def test_a_postprocess_of_another_batch_is_refused_and_changes_nothing(name: str
         out = port.schedule()
         batch = out.batch
         before = port.snapshot()
-        others = [batch[1:], [*batch, stranger], []] + ([batch[::-1]] if len(batch) > 1 else [])
+        # The running queue itself is refused even where it holds the batch, in order: it changes under the loop.
+        others = [batch[1:], [*batch, stranger], [], port.running] + ([batch[::-1]] if len(batch) > 1 else [])
         for seqs in others:
             with pytest.raises(ValueError, match="seqs must be the batch the last schedule"):
                 port.postprocess(seqs, [1] * len(seqs), out.is_prefill)
@@ -492,29 +493,39 @@ def test_tokens_that_are_not_int64_are_refused_and_the_step_still_awaits(name: s
     port = policy_port(name, policy)
     huge = INT64_MAX + 1
     kinds = set()
+    steps = 0
     while not port.is_finished():
         running = {s.seq_id for s in port.running}
         out = port.schedule()
         n = len(out.batch)
         kinds.add(("decodes" if out.batch[0].seq_id in running else "") + ("+prefills" if out.is_prefill else ""))
         before = port.snapshot()
-        bad = {"[1]*(n-1)": [1] * (n - 1), "[huge]": [1] * (n - 1) + [huge], "[min-1]": [1] * (n - 1) + [INT64_MIN - 1],
-               "[1.0]": [1] * (n - 1) + [1.0], "uint64": np.array([1] * (n - 1) + [huge], dtype=np.uint64),
-               "floats": np.ones(n), "2-d": np.ones((n, 1), dtype=np.int64)}
-        named = {"[huge]": repr(huge), "[min-1]": repr(INT64_MIN - 1), "[1.0]": "1.0", "uint64": repr(huge)}
+        bad = {"[1]*(n-1)": [1] * (n - 1), "[huge]": [1] * (n - 1) + [huge], "(huge,)": (huge, *[1] * (n - 1)),
+               "[min-1]": [1] * (n - 1) + [INT64_MIN - 1], "[1.0]": [1] * (n - 1) + [1.0],
+               "uint64": np.array([1] * (n - 1) + [huge], dtype=np.uint64),
+               "object": np.array([huge, *[1] * (n - 1)], dtype=object), "floats": np.ones(n),
+               "2-d": np.ones((n, 1), dtype=np.int64), "dict": dict.fromkeys(range(n), 1), "set": set(range(n))}
+        named = {"[1]*(n-1)": f"sequences, got {n - 1}", "[huge]": repr(huge), "(huge,)": repr(huge),
+                 "[min-1]": repr(INT64_MIN - 1), "[1.0]": "1.0", "uint64": repr(huge), "object": repr(huge),
+                 "floats": "an array of float64", "2-d": f"shape ({n}, 1)", "dict": "object of shape ()",
+                 "set": "object of shape ()"}
         for seqs in (out.batch, list(out.batch)):
             for what, tokens in bad.items():
                 with pytest.raises(ValueError, match="postprocess: token_ids must") as refused:
                     port.postprocess(seqs, tokens, out.is_prefill)
-                assert named.get(what, "") in str(refused.value), what
+                assert named[what] in str(refused.value), what
                 assert port.snapshot() == before, what
         with pytest.raises(RuntimeError, match="awaits its postprocess"):
             port.schedule()
+        # int64's bounds as a list, an int64 array and (the upper one) a uint64 array, in turn.
         bounds = [(INT64_MIN, INT64_MAX)[j % 2] for j in range(n)]
+        given: Any = (bounds, np.array(bounds), np.full(n, INT64_MAX, np.uint64))[steps % 3]
         lengths = [len(s) for s in out.batch]
-        port.postprocess(out.batch, bounds if n % 2 else np.array(bounds, dtype=np.int64), out.is_prefill)
-        kept = [(s.token_ids[-1], t) for s, t, was in zip(out.batch, bounds, lengths, strict=True) if len(s) > was]
+        port.postprocess(out.batch, given, out.is_prefill)
+        kept = [(s.token_ids[-1], t) for s, t, was in zip(out.batch, list(given), lengths, strict=True)
+                if len(s) > was]
         assert kept and all(a == b for a, b in kept)
+        steps += 1
     assert {"+prefills", "decodes"} <= kinds and ("decodes+prefills" in kinds) == (policy == "mixed")
 
 

@@ -66,29 +66,46 @@ def require_step_batch(seqs: list[Any], batch: list[Any]) -> None:
 
 def int64_tokens(token_ids: Any, count: int) -> npt.NDArray[np.int64]:
     """The first ``count`` tokens as int64, read before a postprocess changes anything; ValueError naming
-    ``token_ids`` when there are fewer, or one is not an integer (an object with ``__index__``, as ``struct``
-    reads it) within int64 (OPT-23). Both ports read their tokens here, so they take and refuse the same.
+    ``token_ids`` unless it is a list, a tuple or a one-dimensional array (numpy, or anything numpy reads as
+    one, a CPU tensor) holding at least ``count`` integers within int64 (OPT-23). Both ports read their tokens
+    here, so they take and refuse the same.
 
-    ``struct`` reads a list of Python ints in one C loop, about a third of numpy's per-element cost; an array's
-    items (numpy or torch scalars) are read the same way. Tokens are the model's output, not a count: a bool
-    reads as 0 or 1.
+    ``struct`` reads a list of Python ints in one C loop, about a third of numpy's per-element cost; a signed
+    integer array is cast whole. An item is an integer when it has ``__index__``, as ``struct`` reads it: tokens are
+    the model's output, not a count, so a bool in a list reads as 0 or 1 (an array of bools is refused).
     """
+    if type(token_ids) is not list and type(token_ids) is not tuple:
+        token_ids = _one_dimensional(token_ids)
     if len(token_ids) < count:
         raise ValueError(f"postprocess: token_ids must hold a token for each of the batch's {count} sequences, "
                          f"got {len(token_ids)}")
-    if len(token_ids) != count:
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype.kind == "i":  # signed: within int64
+        return token_ids[:count].astype(np.int64)
+    if len(token_ids) != count:  # unsigned and object arrays are read one by one, as a list is
         token_ids = token_ids[:count]
     try:
         return np.frombuffer(_packer(count).pack(*token_ids), dtype=np.int64)
-    except (struct.error, TypeError):  # out of range or no integer; TypeError: an __index__ that refuses
-        bad = next(t for t in token_ids if not _storable(t))
+    except (struct.error, TypeError, ValueError, OverflowError):  # out of int64, or no integer
+        bad = next((t for t in token_ids if not _storable(t)), None)
         raise ValueError(f"postprocess: token_ids must be int64 integers, got {bad!r}") from None
+
+
+def _one_dimensional(token_ids: Any) -> npt.NDArray[Any]:
+    try:
+        array = np.asarray(token_ids)
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        raise ValueError(f"postprocess: token_ids must be a list or an array, got {type(token_ids).__name__}") \
+            from None
+    if array.ndim != 1 or array.dtype.kind not in "iuO":
+        raise ValueError(f"postprocess: token_ids must be int64 integers in one dimension, got an array of "
+                         f"{array.dtype} of shape {array.shape}")
+    return array
 
 
 def _storable(token: object) -> bool:
     try:
         _packer(1).pack(token)
-    except (struct.error, TypeError):
+    except (struct.error, TypeError, ValueError, OverflowError):
         return False
     return True
 

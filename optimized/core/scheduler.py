@@ -139,13 +139,17 @@ class Scheduler:
         """The lesson's postprocess; the sequences it finished, in batch order (OPT-22).
 
         RuntimeError, nothing changed, for a non-empty batch when no step awaits one; ValueError, nothing
-        changed, for a batch that is not the awaiting step's or tokens that are not int64 integers: each
-        schedule() is postprocessed once (OPT-23), and its step awaits until a postprocess returns.
+        changed, for a batch that is not the awaiting step's (the running queue itself never is: it changes
+        under the loop), fewer tokens than sequences or one that is not an int64 integer: each schedule() is
+        postprocessed once (OPT-23), and its step awaits until a postprocess returns.
         """
         if not self._step_scheduled:
             if not seqs:
                 return []
             raise RuntimeError("postprocess: no scheduled step awaits it (each schedule() is postprocessed once)")
+        if seqs is self._running:
+            raise ValueError("postprocess: seqs must be the batch the last schedule() returned, not the running "
+                             "queue")
         require_step_batch(seqs, self._step_batch)
         finished = self._postprocess_step(seqs, int64_tokens(token_ids, len(seqs)), is_prefill)
         self._step_scheduled = False

@@ -166,7 +166,7 @@ class ReferencePort:
         hits = sum(s.num_cached_tokens for s in admitted)  # allocate set it to the cached blocks' tokens
         return ScheduleOutput(batch, is_prefill, preempted, hits, sum(s.num_tokens for s in admitted))
 
-    def postprocess(self, seqs: list[reference.Sequence], token_ids: list[int],
+    def postprocess(self, seqs: list[reference.Sequence], token_ids: Any,
                     is_prefill: bool) -> list[reference.Sequence]:
         """The lesson's postprocess (with the stop rule when a member has a stop set); who finished, in batch
         order. Refused as the optimized scheduler refuses it, before the lesson sees it: a non-empty batch when no

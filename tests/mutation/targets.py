@@ -72,8 +72,8 @@ POLICY_TARGETS = (
 # The tests that judge a policy mutant, fastest first.
 POLICY_TESTS = (
     "tests/test_core_policies.py",
-    "tests/test_core_port.py",
     "tests/test_mutation_policy_gaps.py",
+    "tests/test_core_port.py",
     "tests/test_policy_references.py",
     "tests/test_conformance_policies.py",
     "tests/test_core_priority.py",
