@@ -52,16 +52,31 @@ def stop_set(stop_token_ids: Collection[int]) -> frozenset[int]:
     return stops
 
 
-def require_step_batch(seqs: list[Any], batch: list[Any]) -> None:
-    """ValueError unless ``seqs`` holds the awaiting step's batch, as schedule() returned it (the same sequences,
-    in its order: that list or a copy), OPT-23. Another list would hand tokens to sequences no step granted them to.
+def refuse_a_second_schedule(awaiting: list[Any]) -> None:
+    """RuntimeError while ``awaiting``, the last batch (empty when none), awaits its postprocess or abort_step:
+    each schedule() is postprocessed once (OPT-27)."""
+    if awaiting:
+        raise RuntimeError("schedule: the last batch awaits its postprocess or abort_step (each schedule() "
+                           "is postprocessed once)")
 
-    ``batch`` is the scheduler's own record, a list the caller cannot reach. Sequences compare by identity
+
+def is_step_batch(seqs: list[Any], awaiting: list[Any]) -> bool:
+    """True when ``seqs`` holds ``awaiting``, the batch of the step that awaits its postprocess, as schedule()
+    returned it (the same sequences, in its order: that list or a copy); False for an empty batch when no step
+    awaits (the lesson's postprocess of nothing); else nothing changes: RuntimeError when no step awaits,
+    ValueError for another list, which would hand tokens to sequences no step granted them to (OPT-23).
+
+    ``awaiting`` is the scheduler's own record, a list the caller cannot reach. Sequences compare by identity
     (neither implementation's defines ``==``), so two lists compare in one C loop.
     """
-    if len(seqs) != len(batch) or seqs != batch:  # a tuple is never equal to a list: refused too
+    if not awaiting:
+        if not seqs:
+            return False
+        raise RuntimeError("postprocess: no scheduled step awaits it (each schedule() is postprocessed once)")
+    if len(seqs) != len(awaiting) or seqs != awaiting:  # a tuple is never equal to a list: refused too
         raise ValueError("postprocess: seqs must be the batch the last schedule() returned (that list or a copy "
                          "of it, in its order)")
+    return True
 
 
 def int64_tokens(token_ids: Any, count: int) -> npt.NDArray[np.int64]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from optimized.core.errors import EmptyDecodeError
+from optimized.core.errors import EmptyDecodeError, refuse_a_second_schedule
 from optimized.core.port import ScheduleOutput
 from optimized.core.scheduler import RUNNING, Scheduler
 from optimized.core.sequence import I64, Sequence
@@ -33,7 +33,7 @@ class MixedScheduler(Scheduler):
     def schedule(self) -> ScheduleOutput[Sequence]:
         """The step's batch, decodes first then prefills, and whether it holds a prefill (POLICY-2); refused while
         the last batch awaits its postprocess, as the core's (OPT-27)."""
-        self._refuse_while_a_step_awaits()
+        refuse_a_second_schedule(self._step_batch)
         group = self._group
         preempted, short_of_blocks = self._decode_members()
         decodes = group.members[:]

@@ -28,7 +28,14 @@ from invariants.block_math import prefill_grant
 from invariants.state import BlockView, SchedulerState, seq_view
 from optimized.core.config import SchedulerConfig
 from optimized.core.decode_group import DecodeGroup
-from optimized.core.errors import EmptyDecodeError, int64_tokens, require_step_batch, stop_set, strict_int
+from optimized.core.errors import (
+    EmptyDecodeError,
+    int64_tokens,
+    is_step_batch,
+    refuse_a_second_schedule,
+    stop_set,
+    strict_int,
+)
 from optimized.core.kv_cache_manager import KVCacheManager
 from optimized.core.port import ScheduleOutput
 from optimized.core.sequence import I64, Sequence, SequenceParams, SequenceStatus
@@ -53,9 +60,10 @@ class Scheduler:
         self._arena = TokenArena(on_move=self._group.refresh_positions)
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
-        self._step_scheduled = False  # schedule() returned _last_batch; no postprocess or abort_step has taken it
-        self._last_batch: list[Sequence] | None = None  # the list it returned (the group's fast path takes that one)
-        self._step_batch: list[Sequence] = []  # its sequences as returned, whatever the caller does to the list
+        # The batch of the step that awaits its postprocess or abort_step, as schedule() returned it, whatever the
+        # caller does to the list (empty: no step awaits), and the list it returned (the group's fast path takes it).
+        self._step_batch: list[Sequence] = []
+        self._last_batch: list[Sequence] | None = None
 
     # --- the scheduler port (ARCH-4): the lesson's API and more ---------------------------------
     @property
@@ -117,7 +125,7 @@ class Scheduler:
     def schedule(self) -> ScheduleOutput[Sequence]:
         """The lesson's schedule(); RuntimeError, nothing changed, while the last batch awaits its postprocess or
         abort_step (OPT-27)."""
-        self._refuse_while_a_step_awaits()
+        refuse_a_second_schedule(self._step_batch)
         out = self._prefill() if self._waiting else None
         if out is None:  # a decode: its batch is a copy of the members, which stay as they are until postprocess
             return self._awaiting(self._decode(), self._group.members)
@@ -127,13 +135,7 @@ class Scheduler:
         """``out``, its batch now the step that awaits its postprocess; ``record`` holds the batch's sequences in
         order, in a list the caller cannot reach."""
         self._last_batch, self._step_batch = out.batch, record
-        self._step_scheduled = True
         return out
-
-    def _refuse_while_a_step_awaits(self) -> None:
-        if self._step_scheduled:
-            raise RuntimeError("schedule: the last batch awaits its postprocess or abort_step (each schedule() "
-                               "is postprocessed once)")
 
     def postprocess(self, seqs: list[Sequence], token_ids: Any, is_prefill: bool) -> list[Sequence]:
         """The lesson's postprocess; the sequences it finished, in batch order (OPT-22).
@@ -143,17 +145,13 @@ class Scheduler:
         under the loop), fewer tokens than sequences or one that is not an int64 integer: each schedule() is
         postprocessed once (OPT-23), and its step awaits until a postprocess returns.
         """
-        if not self._step_scheduled:
-            if not seqs:
-                return []
-            raise RuntimeError("postprocess: no scheduled step awaits it (each schedule() is postprocessed once)")
+        if not is_step_batch(seqs, self._step_batch):
+            return []
         if seqs is self._running:
             raise ValueError("postprocess: seqs must be the batch the last schedule() returned, not the running "
                              "queue")
-        require_step_batch(seqs, self._step_batch)
         finished = self._postprocess_step(seqs, int64_tokens(token_ids, len(seqs)), is_prefill)
-        self._step_scheduled = False
-        self._last_batch, self._step_batch = None, []
+        self._step_batch, self._last_batch = [], None
         return finished
 
     def _postprocess_step(self, seqs: list[Sequence], tokens: I64, is_prefill: bool) -> list[Sequence]:
@@ -190,10 +188,9 @@ class Scheduler:
         if len(set(ids)) != len(ids) or set(ids) != {id(s) for s in scheduled}:
             raise ValueError("abort_step: batch must be exactly the sequences the last schedule() returned")
         self._group.inflight = False  # the members' grant of one token is withdrawn
-        self._step_scheduled = False
         for seq in batch:
             seq.core.nsched = 0
-        self._last_batch, self._step_batch = None, []
+        self._step_batch, self._last_batch = [], None
         for seq in batch:
             self._abort(seq)
 

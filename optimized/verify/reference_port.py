@@ -23,7 +23,7 @@ import reference
 from invariants import SchedulerState, snapshot
 from invariants.state import policy_fields
 from optimized.core.config import SchedulerConfig
-from optimized.core.errors import int64_tokens, require_step_batch, stop_set, strict_int
+from optimized.core.errors import int64_tokens, is_step_batch, refuse_a_second_schedule, stop_set, strict_int
 from optimized.core.port import EmptyDecodeError, ScheduleOutput
 from reference import extensions
 from reference.lpm_scheduler import LpmScheduler
@@ -102,8 +102,9 @@ class ReferencePort:
         self.blocks = ReferenceBlocks(self.lesson_scheduler.block_manager)
         self._stops: dict[int, frozenset[int]] = {}  # seq_id -> its stop set, for the sequences that have one
         self._added: set[int] = set()  # the seq_ids ever added: a second add is refused, as the optimized one does
-        self._step_scheduled = False  # as the optimized scheduler's: a step awaits its one postprocess (OPT-23)
-        self._step_batch: list[reference.Sequence] = []  # the awaiting step's batch, as schedule() returned it
+        # As the optimized scheduler's: the batch of the step that awaits its one postprocess (OPT-23), as
+        # schedule() returned it; empty when none does.
+        self._step_batch: list[reference.Sequence] = []
 
     @property
     def waiting(self) -> deque[reference.Sequence]:
@@ -143,9 +144,7 @@ class ReferencePort:
     def schedule(self) -> ScheduleOutput[reference.Sequence]:
         """The lesson's schedule(), reported; refused as the optimized scheduler refuses it, while the last batch
         awaits its postprocess or abort_step (OPT-27)."""
-        if self._step_scheduled:
-            raise RuntimeError("schedule: the last batch awaits its postprocess or abort_step (each schedule() "
-                               "is postprocessed once)")
+        refuse_a_second_schedule(self._step_batch)
         lesson = self.lesson_scheduler
         running_before = list(lesson.running)
         waiting_before = {id(s) for s in lesson.waiting if not s.block_table}  # those a prefill would admit
@@ -157,7 +156,7 @@ class ReferencePort:
                 raise
             raise EmptyDecodeError("schedule(): nothing fits and nothing is running (the lesson's assert "
                                    "scheduled_seqs)") from None
-        self._step_scheduled, self._step_batch = True, batch[:]
+        self._step_batch = batch[:]
         # The decode loop preempts from the tail of running (itself last), so this is the order it preempted.
         # Under every policy only a step without prefill preempts (a mixed step that preempted admits none).
         preempted = () if is_prefill else tuple(s for s in reversed(running_before) if s.status is WAITING)
@@ -172,11 +171,8 @@ class ReferencePort:
         order. Refused as the optimized scheduler refuses it, before the lesson sees it: a non-empty batch when no
         step awaits one, a batch that is not the awaiting step's, fewer tokens than sequences or one that is not an
         int64 integer (OPT-23); the lesson gets the tokens as the core reads them, Python ints."""
-        if not self._step_scheduled:
-            if not seqs:
-                return []
-            raise RuntimeError("postprocess: no scheduled step awaits it (each schedule() is postprocessed once)")
-        require_step_batch(seqs, self._step_batch)
+        if not is_step_batch(seqs, self._step_batch):
+            return []
         token_ids = int64_tokens(token_ids, len(seqs)).tolist()  # read as the core reads them
         stops = self._stops
         if stops and any(s.seq_id in stops for s in seqs):
@@ -184,7 +180,7 @@ class ReferencePort:
                                               [stops.get(s.seq_id, frozenset()) for s in seqs])
         else:
             self.lesson_scheduler.postprocess(seqs, token_ids, is_prefill)
-        self._step_scheduled, self._step_batch = False, []
+        self._step_batch = []
         finished = [s for s in seqs if s.status is FINISHED]
         for seq in finished:
             stops.pop(seq.seq_id, None)
@@ -196,7 +192,7 @@ class ReferencePort:
 
     def abort_step(self, batch: list[reference.Sequence]) -> None:
         extensions.abort_step(self.lesson_scheduler, batch)
-        self._step_scheduled, self._step_batch = False, []
+        self._step_batch = []
         for seq in batch:
             self._stops.pop(seq.seq_id, None)
 

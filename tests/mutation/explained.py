@@ -70,19 +70,10 @@ EXPLAINED: tuple[Explained, ...] = (
     Explained("optimized/core/decode_group.py", "core.segments.clear()", "core.segments.clear()", "pass",
               "equivalent: a deferred fill walks back from the newest segment, so stale older ones are never "
               "reached; clearing bounds memory only"),
-    *(Explained("optimized/core/scheduler.py", line, line.partition("  #")[0], "pass",
-                "equivalent: the first value is never read: postprocess reads these only while a step awaits, "
-                "and _awaiting, which alone marks a step awaiting, assigns both first")
-      for line in ("self._last_batch: list[Sequence] | None = None  # the list it returned (the group's fast path "
-                   "takes that one)",
-                   "self._step_batch: list[Sequence] = []  # its sequences as returned, whatever the caller does to "
-                   "the list")),
-    *(Explained("optimized/core/scheduler.py", "self._last_batch, self._step_batch = None, []",
-                "self._last_batch, self._step_batch = None, []", "pass",
-                "equivalent: _last_batch and _step_batch are read only while a step awaits (postprocess refuses "
-                "first when none does), and every schedule() that leaves a step awaiting sets both anew "
-                "(OPT-23, OPT-27); clearing them only lets the batch go", previous=previous)
-      for previous in ("self._step_scheduled = False", "seq.core.nsched = 0")),
+    Explained("optimized/core/scheduler.py", "self._last_batch: list[Sequence] | None = None",
+              "self._last_batch: list[Sequence] | None = None", "pass",
+              "equivalent: the first value is never read: postprocess reads _last_batch only while a step awaits "
+              "(_step_batch is not empty), and _awaiting, which alone sets _step_batch, assigns it first"),
     Explained("optimized/core/free_queue.py", "self.stale -= 1", "self.stale -= 1", "self.stale += 1",
               "equivalent: stale > 0 only sends take() down its checking path, which returns the same ids"),
     Explained("optimized/core/free_queue.py", "if k > 1024 and 2 * k > len(buf):", "k > 1024 and 2 * k > len(buf)",
